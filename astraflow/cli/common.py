@@ -1,0 +1,45 @@
+"""Shared CLI plumbing: loading the config from the global options, printing errors nicely."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import typer
+from rich.console import Console
+
+from astraflow.errors import AstraflowError
+
+console = Console()
+err_console = Console(stderr=True)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def load(ctx: typer.Context, *extra_overrides: str) -> Any:
+    """The resolved config: file from --config, env ASTRAFLOW__*, then --set overrides."""
+    from astraflow.config import load_config
+
+    obj = ctx.find_root().obj or {}
+    overrides = list(obj.get("overrides", [])) + [o for o in extra_overrides if o]
+    return load_config(obj.get("config_path"), overrides)
+
+
+def handle_errors(fn: F) -> F:
+    """Turns AstraflowError into a one-paragraph message and exit code 1 (no traceback)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except AstraflowError as exc:
+            err_console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}")
+            raise typer.Exit(1) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def path_opt(p: str | None) -> Path | None:
+    return Path(p) if p else None

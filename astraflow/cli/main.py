@@ -1,0 +1,37 @@
+"""Entry point of the `astraflow` command."""
+
+from __future__ import annotations
+
+import typer
+
+from astraflow.cli import kafka_cmd, topics_cmd
+from astraflow.cli.common import console, handle_errors, load
+
+app = typer.Typer(
+    help="AstraFlow: reinforcement learning for LLM agents as a dataflow on Apache Kafka.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(kafka_cmd.app, name="kafka")
+app.add_typer(topics_cmd.app, name="topics")
+
+
+@app.callback()
+def main(
+    ctx: typer.Context,
+    config: str | None = typer.Option(None, "--config", "-c", help="YAML or TOML config file."),
+    set_: list[str] = typer.Option([], "--set", help="Override a config value: section.field=value (repeatable)."),
+) -> None:
+    """Global options apply to every command."""
+    ctx.obj = {"config_path": config, "overrides": set_}
+
+
+@app.command("config")
+@handle_errors
+def show_config(ctx: typer.Context) -> None:
+    """Print the resolved configuration (file, then ASTRAFLOW__* environment, then --set)."""
+    console.print_json(load(ctx).model_dump_json())
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,68 @@
+"""`astraflow topics create | list | describe`: an experiment's topics."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.table import Table
+
+from astraflow.cli.common import console, handle_errors, load
+
+app = typer.Typer(help="Create and inspect an experiment's Kafka topics.", no_args_is_help=True)
+
+EXPERIMENT = typer.Option(..., "--experiment", "-e", help="Experiment name (topics are af.<experiment>.*).")
+POLICY = typer.Option([], "--policy", "-p", help="Policy name; repeat for several policies.")
+
+
+@app.command()
+@handle_errors
+def create(ctx: typer.Context, experiment: str = EXPERIMENT, policy: list[str] = POLICY) -> None:
+    """Create every topic the experiment needs (existing ones are left alone)."""
+    from astraflow.kafka.topics import TopicAdmin, topic_specs
+
+    cfg = load(ctx)
+    specs = topic_specs(experiment, policy, cfg.topics)
+    result = TopicAdmin(cfg.kafka).create(specs, cfg.topics.replication_factor)
+    table = Table("topic", "partitions", "state", "config")
+    for s in specs:
+        table.add_row(s.name, str(s.partitions), result[s.name], ", ".join(f"{k}={v}" for k, v in s.config.items()))
+    console.print(table)
+
+
+@app.command("list")
+@handle_errors
+def list_(
+    ctx: typer.Context,
+    experiment: str | None = typer.Option(None, "--experiment", "-e", help="Only this experiment's topics."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """List topics (all AstraFlow topics, or one experiment's) with partition counts."""
+    from astraflow.kafka.topics import TopicAdmin, Topics
+
+    cfg = load(ctx)
+    prefix = f"af.{Topics(experiment).experiment}." if experiment else "af."
+    topics = TopicAdmin(cfg.kafka).list(prefix)
+    if as_json:
+        console.print_json(json.dumps(topics))
+        return
+    table = Table("topic", "partitions")
+    for name, parts in topics.items():
+        table.add_row(name, str(parts))
+    console.print(table)
+
+
+@app.command()
+@handle_errors
+def describe(ctx: typer.Context, experiment: str = EXPERIMENT, policy: list[str] = POLICY) -> None:
+    """Show the non-default configs of the experiment's topics."""
+    from astraflow.kafka.topics import TopicAdmin, topic_specs
+
+    cfg = load(ctx)
+    admin = TopicAdmin(cfg.kafka)
+    existing = admin.list(f"af.{experiment}.")
+    names = [s.name for s in topic_specs(experiment, policy, cfg.topics) if s.name in existing]
+    table = Table("topic", "partitions", "config")
+    for name, conf in admin.describe(names).items():
+        table.add_row(name, str(existing[name]), ", ".join(f"{k}={v}" for k, v in sorted(conf.items())))
+    console.print(table)

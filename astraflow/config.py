@@ -1,0 +1,192 @@
+"""Typed, frozen configuration for every AstraFlow process.
+
+Resolution order (later wins): defaults -> a YAML or TOML file -> environment variables
+`ASTRAFLOW__SECTION__FIELD` (double underscores separate levels) -> command-line overrides
+`section.field=value`. `write_resolved` stores the result as JSON in the run directory, with
+secrets masked, so every run records exactly what it ran with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+from astraflow.errors import ConfigError
+
+ENV_PREFIX = "ASTRAFLOW__"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def default_home() -> Path:
+    """Where AstraFlow keeps local state (Kafka data, caches): `$ASTRAFLOW_HOME` or ~/.cache/astraflow."""
+    return Path(os.environ.get("ASTRAFLOW_HOME", Path.home() / ".cache" / "astraflow"))
+
+
+class KafkaSettings(_Frozen):
+    """How to reach a Kafka cluster: the local one by default, or any external cluster."""
+
+    bootstrap_servers: str = "127.0.0.1:19092"
+    """Comma-separated host:port list."""
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    """librdkafka `security.protocol`; managed clusters usually need SASL_SSL."""
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = None
+    """SASL mechanism when the protocol is SASL_*."""
+    sasl_username: str | None = None
+    """SASL user name."""
+    sasl_password: SecretStr | None = None
+    """SASL password (masked in the resolved config)."""
+    ssl_ca_location: str | None = None
+    """CA bundle to verify the brokers, for SSL / SASL_SSL."""
+    ssl_certificate_location: str | None = None
+    """Client certificate for mutual TLS."""
+    ssl_key_location: str | None = None
+    """Client key for mutual TLS."""
+    schema_registry_url: str | None = None
+    """Confluent Schema Registry; when unset, records use Avro single-object encoding."""
+    client_extra: dict[str, str] = Field(default_factory=dict)
+    """Extra librdkafka properties passed verbatim to every client."""
+
+    @model_validator(mode="after")
+    def _check_sasl(self) -> KafkaSettings:
+        if self.security_protocol.startswith("SASL") and not self.sasl_mechanism:
+            raise ValueError(f"security_protocol={self.security_protocol} needs kafka.sasl_mechanism (e.g. PLAIN)")
+        if self.sasl_mechanism and not self.security_protocol.startswith("SASL"):
+            raise ValueError("kafka.sasl_mechanism is set but security_protocol is not SASL_PLAINTEXT/SASL_SSL")
+        return self
+
+    def client_config(self) -> dict[str, str]:
+        """librdkafka properties common to producers, consumers and admin clients."""
+        conf: dict[str, str] = {"bootstrap.servers": self.bootstrap_servers, "security.protocol": self.security_protocol}
+        if self.sasl_mechanism:
+            conf["sasl.mechanism"] = self.sasl_mechanism
+            conf["sasl.username"] = self.sasl_username or ""
+            conf["sasl.password"] = self.sasl_password.get_secret_value() if self.sasl_password else ""
+        for key, value in (
+            ("ssl.ca.location", self.ssl_ca_location),
+            ("ssl.certificate.location", self.ssl_certificate_location),
+            ("ssl.key.location", self.ssl_key_location),
+        ):
+            if value:
+                conf[key] = value
+        conf.update(self.client_extra)
+        return conf
+
+
+class LocalKafkaSettings(_Frozen):
+    """The single-node Apache Kafka that `astraflow kafka up` runs on this machine."""
+
+    data_dir: Path = Field(default_factory=lambda: default_home() / "kafka")
+    """Jars, KRaft storage, logs and pid file live here."""
+    port: int = 19092
+    """Broker listener on 127.0.0.1 (uncommon default, so it does not clash with another Kafka)."""
+    controller_port: int = 19093
+    """KRaft controller listener on 127.0.0.1."""
+    heap_mb: int = 512
+    """JVM heap; small machines are fine with 512."""
+    start_timeout_s: float = 90.0
+    """How long `up` waits for the broker to answer metadata requests."""
+
+
+class TopicSettings(_Frozen):
+    """Partitions and retention of an experiment's topics."""
+
+    partitions: int = 4
+    """Partitions of the work topics (tasks, rollouts, scored, train): the parallelism ceiling."""
+    replication_factor: int = 1
+    """1 for the local broker; 3 on a production cluster."""
+    rollouts_retention_ms: int = 30 * 24 * 3600 * 1000
+    """Rollout logs are kept long, for replay."""
+    work_retention_ms: int = 7 * 24 * 3600 * 1000
+    """Retention of the other delete-policy topics."""
+    weights_retention_bytes: int = 2 * 1024**3
+    """Weights topics are bounded by size per partition."""
+    max_message_bytes: int = 16 * 1024 * 1024
+    """`max.message.bytes` of the weights topics (chunks); keep managed-cluster limits in mind."""
+
+
+class AstraflowConfig(_Frozen):
+    """Root configuration shared by every role."""
+
+    experiment: str = "default"
+    """Experiment name: topics are af.<experiment>.<stream>."""
+    run_dir: Path = Path("runs")
+    """Where each process writes its resolved config, logs and checkpoints."""
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    local_kafka: LocalKafkaSettings = Field(default_factory=LocalKafkaSettings)
+    topics: TopicSettings = Field(default_factory=TopicSettings)
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found")
+    text = path.read_text()
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text) or {}
+        elif path.suffix == ".toml":
+            data = tomllib.loads(text)
+        else:
+            raise ConfigError(f"config file {path} must end in .yaml, .yml or .toml")
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid {path.suffix[1:].upper()}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return data
+
+
+def _set_path(tree: dict[str, Any], dotted: list[str], value: Any) -> None:
+    node = tree
+    for part in dotted[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot set {'.'.join(dotted)}: {part} is not a section")
+    node[dotted[-1]] = value
+
+
+def _parse_scalar(text: str) -> Any:
+    """Override values are YAML scalars: `3`, `true`, `[a, b]`, `{k: v}` or plain strings."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    model: type[BaseModel] = AstraflowConfig,
+) -> Any:
+    """Builds a frozen config from a file, the environment and `key.path=value` overrides."""
+    tree: dict[str, Any] = _read_file(Path(path)) if path else {}
+    env = os.environ if env is None else env
+    for key, value in sorted(env.items()):
+        if key.startswith(ENV_PREFIX):
+            _set_path(tree, key[len(ENV_PREFIX) :].lower().split("__"), _parse_scalar(value))
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.field=value (e.g. kafka.bootstrap_servers=h:9092)")
+        key, value = item.split("=", 1)
+        _set_path(tree, key.strip().split("."), _parse_scalar(value))
+    try:
+        return model.model_validate(tree)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"invalid configuration: {problems}") from exc
+
+
+def write_resolved(config: BaseModel, run_dir: Path, name: str = "config.json") -> Path:
+    """Writes the resolved config as JSON (secrets masked) into `run_dir`, returning the path."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = run_dir / name
+    out.write_text(json.dumps(json.loads(config.model_dump_json()), indent=2, sort_keys=True) + "\n")
+    return out

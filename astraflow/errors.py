@@ -1,0 +1,112 @@
+"""Exception hierarchy for AstraFlow.
+
+Every error AstraFlow raises on purpose derives from `AstraflowError`, so callers can catch the
+family with one clause and library errors are wrapped (`raise SerdeError(...) from exc`) instead
+of leaking. Each message says what went wrong and what the user can do about it.
+"""
+
+from __future__ import annotations
+
+
+class AstraflowError(Exception):
+    """Root of every error AstraFlow raises deliberately."""
+
+
+class ConfigError(AstraflowError):
+    """Raised when a config file, environment variable or override is invalid or unreadable."""
+
+
+# --- local Kafka -------------------------------------------------------------------------------
+
+
+class LocalKafkaError(AstraflowError):
+    """Raised when the local Apache Kafka cannot be resolved, formatted, started or stopped."""
+
+
+class ToolMissingError(LocalKafkaError):
+    """Raised when Java or Maven, needed to run the local Kafka, is not on PATH."""
+
+
+class PortInUseError(LocalKafkaError):
+    """Raised when the broker or controller port is already taken by another process."""
+
+
+class ClusterIdMismatchError(LocalKafkaError):
+    """Raised when the data directory was formatted for a different cluster id."""
+
+
+# --- serde ------------------------------------------------------------------------------------
+
+
+class SerdeError(AstraflowError):
+    """Raised when a record cannot be encoded or decoded."""
+
+
+class CorruptRecordError(SerdeError):
+    """Raised when bytes are not a valid framed Avro record (bad magic, truncated, garbage)."""
+
+
+class UnknownSchemaError(SerdeError):
+    """Raised when a record's schema fingerprint or registry id matches no known schema."""
+
+
+class SchemaValidationError(SerdeError):
+    """Raised when a record does not conform to its schema (missing field, wrong type)."""
+
+
+class RecordTooLargeError(SerdeError):
+    """Raised when an encoded record exceeds the configured maximum message size."""
+
+
+# --- Kafka layer -------------------------------------------------------------------------------
+
+
+class KafkaLayerError(AstraflowError):
+    """Raised when a Kafka operation (topic admin, produce, commit) fails."""
+
+
+class ProduceError(KafkaLayerError):
+    """Raised when the broker does not acknowledge a produced record."""
+
+
+class TopicError(KafkaLayerError):
+    """Raised when topics cannot be created or described."""
+
+
+# --- models and RL math ------------------------------------------------------------------------
+
+
+class ModelError(AstraflowError):
+    """Raised when a local model or tokenizer cannot be built, loaded, fine-tuned or evaluated."""
+
+
+class CalculatorError(AstraflowError):
+    """Raised when the calculator tool refuses an expression (disallowed syntax, too long, too
+    large) or cannot evaluate it (division by zero)."""
+
+
+class RLError(AstraflowError):
+    """Raised when RL math gets inputs it cannot use: mismatched shapes, an unknown aggregation
+    mode, or invalid clip / cap settings."""
+
+
+# --- weights (sparse delta codec) -------------------------------------------------------------
+
+
+class WeightsError(AstraflowError):
+    """Raised when weights cannot be encoded, decoded or applied (see the subclasses)."""
+
+
+class DeltaFormatError(WeightsError):
+    """Raised when bytes are not a valid weight delta or snapshot: bad magic, unknown format
+    version or dtype, truncated stream, blocks out of order, or an unsupported tensor."""
+
+
+class DeltaChecksumError(WeightsError):
+    """Raised when a block, a tensor or a whole version does not match its recorded checksum
+    after decoding: the delta was corrupted in transit; fetch a snapshot instead."""
+
+
+class DeltaBaseMismatchError(WeightsError):
+    """Raised when a delta is applied to weights other than the version it was encoded against
+    (checksum, dtype or shape differ); fetch a snapshot or the delta for the right base."""

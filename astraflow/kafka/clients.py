@@ -1,0 +1,263 @@
+"""Producer and consumer helpers with AstraFlow's defaults and dead-lettering built in.
+
+`RecordProducer`: idempotent, acks=all, zstd, small linger; `flush()` raises if any record was
+not acknowledged. `RecordConsumer`: offsets are committed only when the caller says a record
+was processed (`commit`), partitions can be paused for backpressure while polling continues,
+and every record that cannot be decoded goes to the DLQ with the reason, without stopping.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
+
+from astraflow.config import KafkaSettings
+from astraflow.errors import KafkaLayerError, ProduceError, RecordTooLargeError, SerdeError
+from astraflow.records import DeadLetter, Record
+from astraflow.serde import AvroSerde
+
+R = TypeVar("R", bound=Record)
+
+# Room for Kafka's record overhead on top of the encoded value.
+_OVERHEAD = 64 * 1024
+
+
+def producer_config(kafka: KafkaSettings, max_record_bytes: int, **overrides: Any) -> dict[str, Any]:
+    conf: dict[str, Any] = {
+        **kafka.client_config(),
+        "enable.idempotence": True,
+        "acks": "all",
+        "compression.type": "zstd",
+        "linger.ms": 5,
+        "message.max.bytes": max_record_bytes + _OVERHEAD,
+        "client.id": f"astraflow-{socket.gethostname()}",
+    }
+    conf.update(overrides)
+    return conf
+
+
+class RecordProducer:
+    """Produces typed records (or raw bytes) and tracks their acknowledgements."""
+
+    def __init__(self, kafka: KafkaSettings, serde: AvroSerde | None = None, **overrides: Any) -> None:
+        self.serde = serde or AvroSerde()
+        self._producer = Producer(producer_config(kafka, self.serde.max_record_bytes, **overrides))
+        self._failures: list[str] = []
+        self.delivered = 0
+
+    def send(
+        self,
+        topic: str,
+        record: Record,
+        key: str | bytes | None = None,
+        headers: dict[str, str] | None = None,
+        on_delivery: Callable[[KafkaError | None, Message], None] | None = None,
+    ) -> None:
+        """Encodes and queues one record (raises SerdeError before anything is sent)."""
+        self.send_raw(topic, self.serde.dumps(record), key, headers, on_delivery)
+
+    def send_raw(
+        self,
+        topic: str,
+        value: bytes | None,
+        key: str | bytes | None = None,
+        headers: dict[str, str] | None = None,
+        on_delivery: Callable[[KafkaError | None, Message], None] | None = None,
+    ) -> None:
+        def _cb(err: KafkaError | None, msg: Message) -> None:
+            if err is not None:
+                self._failures.append(f"{msg.topic()}: {err.str()}")
+            else:
+                self.delivered += 1
+            if on_delivery is not None:
+                on_delivery(err, msg)
+
+        while True:
+            try:
+                self._producer.produce(topic, value=value, key=key, headers=headers, on_delivery=_cb)
+                break
+            except BufferError:  # local queue full: serve delivery reports, then retry
+                self._producer.poll(0.1)
+        self._producer.poll(0)
+
+    def poll(self, timeout_s: float = 0.0) -> int:
+        return self._producer.poll(timeout_s)
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Waits for every queued record's acknowledgement; raises ProduceError on any failure."""
+        remaining = self._producer.flush(timeout_s)
+        if remaining:
+            raise ProduceError(f"{remaining} records not acknowledged within {timeout_s:.0f}s; is Kafka reachable?")
+        if self._failures:
+            failures, self._failures = self._failures, []
+            raise ProduceError(f"{len(failures)} records were rejected by Kafka, first: {failures[0]}")
+
+    @property
+    def raw(self) -> Producer:
+        """The underlying confluent-kafka producer (for transactions)."""
+        return self._producer
+
+
+@dataclass(slots=True)
+class Received(Generic[R]):
+    """A decoded record with where it came from."""
+
+    record: R
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    timestamp_ms: int
+    message: Message  # the raw message, kept for dead-lettering the original bytes
+
+
+class DeadLetterWriter:
+    """Writes records a component could not handle to the DLQ, original bytes untouched."""
+
+    def __init__(self, producer: RecordProducer, dlq_topic: str, component: str, dlq_max_bytes: int = 16 * 1024 * 1024):
+        self.producer = producer
+        self.topic = dlq_topic
+        self.component = component
+        self._serde = AvroSerde(producer.serde.catalog, max_record_bytes=dlq_max_bytes)
+        self.count = 0
+
+    def send(self, msg: Message, error: BaseException | str, strategy: str | None = None) -> None:
+        err_class = type(error).__name__ if isinstance(error, BaseException) else "Error"
+        dl = DeadLetter(
+            original=msg.value(),
+            original_key=msg.key(),
+            topic=msg.topic() or "",
+            partition=msg.partition() or 0,
+            offset=msg.offset() or 0,
+            error_class=err_class,
+            error=str(error),
+            component=self.component,
+            strategy=strategy,
+            headers={k: (v.decode(errors="replace") if isinstance(v, bytes) else str(v)) for k, v in (msg.headers() or [])},
+        )
+        try:
+            data = self._serde.dumps(dl)
+        except RecordTooLargeError:
+            # Keep the record's coordinates and reason; the original stays in its topic.
+            dl.original = None
+            dl.error += f" [original of {len(msg.value() or b''):,} bytes too large for the DLQ; read it at its offset]"
+            data = self._serde.dumps(dl)
+        self.producer.send_raw(self.topic, data, key=msg.key())
+        self.count += 1
+
+
+class RecordConsumer(Generic[R]):
+    """Consumes typed records; commit after processing; undecodable records go to the DLQ."""
+
+    def __init__(
+        self,
+        kafka: KafkaSettings,
+        group_id: str,
+        topics: Iterable[str],
+        *,
+        component: str,
+        dlq: DeadLetterWriter | None,
+        expect: type[R] | None = None,
+        serde: AvroSerde | None = None,
+        on_assign: Callable[[Consumer, list[TopicPartition]], None] | None = None,
+        **overrides: Any,
+    ) -> None:
+        self.serde = serde or AvroSerde()
+        self.expect = expect
+        self.component = component
+        self.dlq = dlq
+        conf = {
+            **kafka.client_config(),
+            "group.id": group_id,
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "isolation.level": "read_committed",
+            "partition.assignment.strategy": "cooperative-sticky",
+            "fetch.message.max.bytes": self.serde.max_record_bytes + _OVERHEAD,
+            "max.poll.interval.ms": 300000,
+        }
+        conf.update(overrides)
+        self._consumer = Consumer(conf)
+        kwargs = {"on_assign": on_assign} if on_assign else {}
+        self._consumer.subscribe(list(topics), **kwargs)
+        self.dead_lettered = 0
+        self._last_seen: dict[tuple[str, int], int] = {}  # highest offset handed out or dead-lettered
+
+    def poll_batch(self, max_records: int = 500, timeout_s: float = 1.0) -> list[Received[R]]:
+        """Polls up to `max_records`; records that fail to decode are dead-lettered and skipped.
+
+        A dead-lettered record counts as processed: its offset is committed with the next commit
+        of its partition (the DLQ write is flushed before that commit).
+        """
+        msgs = self._consumer.consume(max_records, timeout_s)
+        out: list[Received[R]] = []
+        for msg in msgs:
+            err = msg.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    continue
+                if err.fatal():
+                    raise KafkaLayerError(f"fatal Kafka consumer error on {msg.topic()}: {err.str()}")
+                continue  # transient errors: librdkafka retries by itself
+            try:
+                rec = self.serde.loads(msg.value(), self.expect)
+            except SerdeError as exc:
+                self._dead_letter(msg, exc)
+                continue
+            ts = msg.timestamp()[1]
+            out.append(Received(rec, msg.topic(), msg.partition(), msg.offset(), msg.key(), ts, msg))
+            self._last_seen[(msg.topic(), msg.partition())] = msg.offset()
+        return out
+
+    def _dead_letter(self, msg: Message, exc: BaseException, strategy: str | None = None) -> None:
+        if self.dlq is None:
+            raise exc
+        self.dlq.send(msg, exc, strategy)
+        self.dead_lettered += 1
+        self._last_seen[(msg.topic(), msg.partition())] = msg.offset()
+
+
+    def dead_letter(self, received: Received[Any], exc: BaseException, strategy: str | None = None) -> None:
+        """Dead-letters a decoded record whose processing failed (e.g. a strategy raised)."""
+        self._dead_letter(received.message, exc, strategy)
+
+    def commit(self, processed: Iterable[Received[Any]] | None = None, asynchronous: bool = False) -> None:
+        """Commits offsets through the given records (or everything polled so far), per partition.
+
+        Flushes the DLQ producer first, so a dead-lettered record is durable before it is skipped.
+        """
+        if self.dlq is not None and self.dlq.count:
+            self.dlq.producer.flush()
+        if processed is None:
+            high = dict(self._last_seen)
+        else:
+            high = {}
+            for r in processed:
+                k = (r.topic, r.partition)
+                high[k] = max(high.get(k, -1), r.offset)
+        if not high:
+            return
+        self._consumer.commit(
+            offsets=[TopicPartition(t, p, off + 1) for (t, p), off in high.items()], asynchronous=asynchronous
+        )
+
+    def pause_all(self) -> None:
+        """Stops fetching (backpressure) but keeps group membership: keep calling poll_batch."""
+        self._consumer.pause(self._consumer.assignment())
+
+    def resume_all(self) -> None:
+        self._consumer.resume(self._consumer.assignment())
+
+    def assignment(self) -> list[TopicPartition]:
+        return self._consumer.assignment()
+
+    def close(self) -> None:
+        self._consumer.close()
+
+    @property
+    def raw(self) -> Consumer:
+        return self._consumer

@@ -1,0 +1,181 @@
+"""Topic names and specs per experiment and policy (DESIGN.md, "Topics"), and their admin.
+
+Names are `af.<experiment>.<stream>` and `af.<experiment>.<policy>.<stream>`. Specs say how many
+partitions each topic gets and its configs (compaction, retention, message size).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
+
+from astraflow.config import KafkaSettings, TopicSettings
+from astraflow.errors import ConfigError, TopicError
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
+
+SHARED_STREAMS = ("tasks", "rollouts", "scored", "feedback", "control", "metrics", "dlq", "policies")
+POLICY_STREAMS = ("train", "weights")
+
+
+def check_name(kind: str, name: str) -> str:
+    """Experiment and policy names become parts of topic names: letters, digits, '_' and '-' only."""
+    if not _NAME.match(name):
+        raise ConfigError(f"{kind} name {name!r} may only use letters, digits, '_' and '-' (1-100 characters)")
+    return name
+
+
+@dataclass(frozen=True)
+class Topics:
+    """The topic names of one experiment."""
+
+    experiment: str
+
+    def __post_init__(self) -> None:
+        check_name("experiment", self.experiment)
+
+    def _t(self, stream: str) -> str:
+        return f"af.{self.experiment}.{stream}"
+
+    @property
+    def tasks(self) -> str:
+        return self._t("tasks")
+
+    @property
+    def rollouts(self) -> str:
+        return self._t("rollouts")
+
+    @property
+    def scored(self) -> str:
+        return self._t("scored")
+
+    @property
+    def feedback(self) -> str:
+        return self._t("feedback")
+
+    @property
+    def control(self) -> str:
+        return self._t("control")
+
+    @property
+    def metrics(self) -> str:
+        return self._t("metrics")
+
+    @property
+    def dlq(self) -> str:
+        return self._t("dlq")
+
+    @property
+    def policies(self) -> str:
+        return self._t("policies")
+
+    def train(self, policy: str) -> str:
+        return self._t(f"{check_name('policy', policy)}.train")
+
+    def weights(self, policy: str) -> str:
+        return self._t(f"{check_name('policy', policy)}.weights")
+
+    def stream(self, name: str) -> str:
+        """Resolves a stream name (`rollouts`, `solver.train`) or passes a full topic name through."""
+        if name.startswith("af."):
+            return name
+        return self._t(name)
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    """How one topic should be created."""
+
+    name: str
+    partitions: int
+    config: dict[str, str] = field(default_factory=dict)
+
+
+def topic_specs(experiment: str, policies: list[str], settings: TopicSettings) -> list[TopicSpec]:
+    """Every topic an experiment with these policies needs."""
+    t = Topics(experiment)
+    p = settings.partitions
+    work = {"cleanup.policy": "delete", "retention.ms": str(settings.work_retention_ms)}
+    compact = {"cleanup.policy": "compact", "min.cleanable.dirty.ratio": "0.1", "segment.ms": "600000"}
+    big = str(settings.max_message_bytes)
+    specs = [
+        TopicSpec(t.tasks, p, work),
+        TopicSpec(t.rollouts, p, {"cleanup.policy": "delete", "retention.ms": str(settings.rollouts_retention_ms)}),
+        TopicSpec(t.scored, p, work),
+        TopicSpec(t.feedback, p, compact),
+        TopicSpec(t.control, 1, compact),  # one partition: one total order of commands
+        TopicSpec(t.metrics, 1, work),
+        TopicSpec(t.dlq, 1, {**work, "max.message.bytes": big}),
+        TopicSpec(t.policies, 1, {**compact, "max.message.bytes": big}),
+    ]
+    for policy in policies:
+        specs.append(TopicSpec(t.train(policy), p, work))
+        # One partition keeps each manifest and its chunks in order.
+        specs.append(
+            TopicSpec(
+                t.weights(policy),
+                1,
+                {"cleanup.policy": "delete", "retention.bytes": str(settings.weights_retention_bytes), "max.message.bytes": big},
+            )
+        )
+    return specs
+
+
+class TopicAdmin:
+    """Creates, lists and describes topics on any cluster."""
+
+    def __init__(self, kafka: KafkaSettings) -> None:
+        self.admin = AdminClient(kafka.client_config())
+
+    def create(self, specs: list[TopicSpec], replication_factor: int = 1, timeout_s: float = 30.0) -> dict[str, str]:
+        """Creates the missing topics; returns name -> 'created' | 'exists'."""
+        existing = set(self.list(timeout_s=timeout_s))
+        todo = [s for s in specs if s.name not in existing]
+        result = {s.name: "exists" for s in specs if s.name in existing}
+        if not todo:
+            return result
+        futures = self.admin.create_topics(
+            [NewTopic(s.name, num_partitions=s.partitions, replication_factor=replication_factor, config=s.config) for s in todo],
+            operation_timeout=timeout_s,
+        )
+        for name, fut in futures.items():
+            try:
+                fut.result(timeout=timeout_s)
+                result[name] = "created"
+            except KafkaException as exc:
+                err = exc.args[0]
+                if getattr(err, "name", lambda: "")() == "TOPIC_ALREADY_EXISTS":
+                    result[name] = "exists"
+                else:
+                    raise TopicError(f"cannot create topic {name}: {err}") from exc
+        return result
+
+    def list(self, prefix: str = "", timeout_s: float = 10.0) -> dict[str, int]:
+        """Topic name -> partition count, for names starting with `prefix`."""
+        try:
+            md = self.admin.list_topics(timeout=timeout_s)
+        except KafkaException as exc:
+            raise TopicError(f"cannot list topics (is Kafka reachable?): {exc}") from exc
+        return {n: len(t.partitions) for n, t in sorted(md.topics.items()) if n.startswith(prefix)}
+
+    def describe(self, names: list[str], timeout_s: float = 10.0) -> dict[str, dict[str, str]]:
+        """Non-default configs of each topic."""
+        futures = self.admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, n) for n in names])
+        out: dict[str, dict[str, str]] = {}
+        for res, fut in futures.items():
+            try:
+                entries = fut.result(timeout=timeout_s)
+            except KafkaException as exc:
+                raise TopicError(f"cannot describe topic {res.name}: {exc}") from exc
+            out[res.name] = {k: v.value for k, v in entries.items() if not v.is_default and v.value is not None}
+        return out
+
+    def delete(self, names: list[str], timeout_s: float = 30.0) -> None:
+        for name, fut in self.admin.delete_topics(names, operation_timeout=timeout_s).items():
+            try:
+                fut.result(timeout=timeout_s)
+            except KafkaException as exc:
+                raise TopicError(f"cannot delete topic {name}: {exc}") from exc

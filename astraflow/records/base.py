@@ -1,0 +1,67 @@
+"""Shared helpers for typed records: the `Record` protocol and packed-array conversion."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, ClassVar, Protocol, Self
+
+import numpy as np
+
+# Wire dtypes of the packed arrays (DESIGN.md, "Wire format").
+INT32 = np.dtype("<i4")
+FLOAT32 = np.dtype("<f4")
+UINT8 = np.dtype("u1")
+
+
+def now_ms() -> int:
+    """Milliseconds since the epoch, the unit of every timestamp field."""
+    return int(time.time() * 1000)
+
+
+def pack(arr: Any, dtype: np.dtype) -> bytes:
+    """Packs a sequence or array into little-endian bytes of `dtype` (no copy if already so)."""
+    a = np.asarray(arr)
+    if a.dtype != dtype:
+        a = a.astype(dtype)
+    return a.tobytes()
+
+
+def unpack(buf: bytes, dtype: np.dtype) -> np.ndarray:
+    """Wraps packed bytes as a read-only numpy array without copying."""
+    return np.frombuffer(buf, dtype=dtype)
+
+
+class Record(Protocol):
+    """What every typed record offers: its schema name and dict conversion both ways."""
+
+    SCHEMA: ClassVar[str]
+
+    def to_avro(self) -> dict[str, Any]: ...
+
+    @classmethod
+    def from_avro(cls, d: dict[str, Any]) -> Self: ...
+
+
+class FlatRecord:
+    """Mixin for dataclass records whose fields are all Avro-native (str, numbers, maps, bytes).
+
+    `to_avro` copies the fields into a dict, `from_avro` passes them back to the constructor.
+    Records with nested types or packed arrays override both.
+    """
+
+    __slots__ = ()
+
+    def to_avro(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in field_names(type(self))}
+
+    @classmethod
+    def from_avro(cls, d: dict[str, Any]) -> Self:
+        return cls(**{name: d[name] for name in field_names(cls)})
+
+
+@functools.cache
+def field_names(cls: type) -> tuple[str, ...]:
+    """Names of a dataclass's instance fields (ClassVars such as SCHEMA excluded)."""
+    return tuple(f.name for f in dataclasses.fields(cls))

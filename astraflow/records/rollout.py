@@ -1,0 +1,318 @@
+"""Rollout records: Task (what to roll out) and Trajectory (what came back)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from astraflow.records.base import FLOAT32, INT32, UINT8, now_ms, pack, unpack
+
+
+@dataclass(slots=True)
+class StrategyRef:
+    """Lineage entry: the strategy (and its version) that an app slot applied to a record."""
+
+    app: str
+    slot: str
+    name: str
+    version: int
+
+    def to_avro(self) -> dict[str, Any]:
+        return {"app": self.app, "slot": self.slot, "name": self.name, "version": self.version}
+
+    @classmethod
+    def from_avro(cls, d: dict[str, Any]) -> StrategyRef:
+        return cls(d["app"], d["slot"], d["name"], d["version"])
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Decoding parameters for every model call of a task."""
+
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus sampling mass
+    max_tokens: int = 256  # per model call
+    stop: list[str] = field(default_factory=list)  # stop strings, checked on decoded text
+    max_turns: int = 1  # model turns allowed in multi-turn workflows
+
+    def to_avro(self) -> dict[str, Any]:
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "max_tokens": self.max_tokens,
+            "stop": list(self.stop),
+            "max_turns": self.max_turns,
+        }
+
+    @classmethod
+    def from_avro(cls, d: dict[str, Any]) -> SamplingParams:
+        return cls(d["temperature"], d["top_p"], d["max_tokens"], list(d["stop"]), d["max_turns"])
+
+
+@dataclass(slots=True)
+class Task:
+    """A prompt to sample `n_samples` times as one group (see schemas/task)."""
+
+    SCHEMA: ClassVar[str] = "astraflow.Task"
+
+    task_id: str
+    group_id: str
+    prompt_id: str
+    dataset: str
+    workflow: str
+    prompt: str
+    policies: list[str]
+    n_samples: int
+    reference: str | None = None  # JSON the reward needs
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    metadata: dict[str, str] = field(default_factory=dict)
+    lineage: list[StrategyRef] = field(default_factory=list)
+    created_at: int = field(default_factory=now_ms)
+
+    def to_avro(self) -> dict[str, Any]:
+        return {
+            "task_id": self.task_id,
+            "group_id": self.group_id,
+            "prompt_id": self.prompt_id,
+            "dataset": self.dataset,
+            "workflow": self.workflow,
+            "prompt": self.prompt,
+            "reference": self.reference,
+            "policies": list(self.policies),
+            "n_samples": self.n_samples,
+            "sampling": self.sampling.to_avro(),
+            "metadata": dict(self.metadata),
+            "lineage": [s.to_avro() for s in self.lineage],
+            "created_at": self.created_at,
+        }
+
+    @classmethod
+    def from_avro(cls, d: dict[str, Any]) -> Task:
+        return cls(
+            task_id=d["task_id"],
+            group_id=d["group_id"],
+            prompt_id=d["prompt_id"],
+            dataset=d["dataset"],
+            workflow=d["workflow"],
+            prompt=d["prompt"],
+            policies=list(d["policies"]),
+            n_samples=d["n_samples"],
+            reference=d["reference"],
+            sampling=SamplingParams.from_avro(d["sampling"]),
+            metadata=dict(d["metadata"]),
+            lineage=[StrategyRef.from_avro(s) for s in d["lineage"]],
+            created_at=d["created_at"],
+        )
+
+
+@dataclass(slots=True)
+class Segment:
+    """A run of tokens with one policy and role; arrays are numpy, packed on the wire."""
+
+    policy: str
+    role: str  # prompt | assistant | tool | user | system
+    token_ids: np.ndarray  # int32
+    logprobs: np.ndarray  # float32 behaviour logprobs (0 where not sampled)
+    loss_mask: np.ndarray  # uint8, 1 = trained on
+    versions: np.ndarray  # int32 policy version per token (-1 where not sampled)
+    text: str = ""
+
+    @classmethod
+    def context(cls, policy: str, role: str, token_ids: Any, text: str = "") -> Segment:
+        """A segment of tokens the policy did not sample (prompt, tool output): masked out."""
+        ids = np.asarray(token_ids, dtype=INT32)
+        n = len(ids)
+        return cls(policy, role, ids, np.zeros(n, FLOAT32), np.zeros(n, UINT8), np.full(n, -1, INT32), text)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def to_avro(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "role": self.role,
+            "token_ids": pack(self.token_ids, INT32),
+            "logprobs": pack(self.logprobs, FLOAT32),
+            "loss_mask": pack(self.loss_mask, UINT8),
+            "versions": pack(self.versions, INT32),
+            "text": self.text,
+        }
+
+    @classmethod
+    def from_avro(cls, d: dict[str, Any]) -> Segment:
+        return cls(
+            d["policy"],
+            d["role"],
+            unpack(d["token_ids"], INT32),
+            unpack(d["logprobs"], FLOAT32),
+            unpack(d["loss_mask"], UINT8),
+            unpack(d["versions"], INT32),
+            d["text"],
+        )
+
+
+@dataclass(slots=True)
+class ToolCall:
+    """One tool invocation inside a rollout; failures are recorded, never fatal."""
+
+    turn: int
+    name: str
+    arguments: str
+    result: str
+    latency_s: float
+    error: str | None = None
+
+    def to_avro(self) -> dict[str, Any]:
+        return {
+            "turn": self.turn,
+            "name": self.name,
+            "arguments": self.arguments,
+            "result": self.result,
+            "latency_s": self.latency_s,
+            "error": self.error,
+        }
+
+    @classmethod
+    def from_avro(cls, d: dict[str, Any]) -> ToolCall:
+        return cls(d["turn"], d["name"], d["arguments"], d["result"], d["latency_s"], d["error"])
+
+
+class TrajectoryStatus(enum.StrEnum):
+    """How a rollout ended."""
+
+    OK = "OK"
+    TRUNCATED = "TRUNCATED"
+    ERROR = "ERROR"
+
+
+@dataclass(slots=True)
+class Timings:
+    """Wall-clock milestones (ms since epoch) and time spent (s) of a rollout."""
+
+    queued_at: int
+    started_at: int
+    finished_at: int
+    generate_s: float = 0.0
+    tool_s: float = 0.0
+
+    def to_avro(self) -> dict[str, Any]:
+        return {
+            "queued_at": self.queued_at,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "generate_s": self.generate_s,
+            "tool_s": self.tool_s,
+        }
+
+    @classmethod
+    def from_avro(cls, d: dict[str, Any]) -> Timings:
+        return cls(d["queued_at"], d["started_at"], d["finished_at"], d["generate_s"], d["tool_s"])
+
+
+@dataclass(slots=True)
+class NodeInfo:
+    """Which RaaS node produced a trajectory, on what hardware, where, with which backend."""
+
+    node_id: str
+    hardware: str
+    region: str
+    backend: str
+
+    def to_avro(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "hardware": self.hardware, "region": self.region, "backend": self.backend}
+
+    @classmethod
+    def from_avro(cls, d: dict[str, Any]) -> NodeInfo:
+        return cls(d["node_id"], d["hardware"], d["region"], d["backend"])
+
+
+@dataclass(slots=True)
+class Trajectory:
+    """One sample of one task: segments, tool calls, reward and provenance (see schemas/trajectory)."""
+
+    SCHEMA: ClassVar[str] = "astraflow.Trajectory"
+
+    trajectory_id: str
+    task_id: str
+    group_id: str
+    prompt_id: str
+    dataset: str
+    workflow: str
+    sample_index: int
+    group_size: int
+    segments: list[Segment]
+    timings: Timings
+    node: NodeInfo
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    final_answer: str | None = None
+    reference: str | None = None
+    status: TrajectoryStatus = TrajectoryStatus.OK
+    error: str | None = None
+    reward: float | None = None
+    reward_components: dict[str, float] = field(default_factory=dict)
+    lineage: list[StrategyRef] = field(default_factory=list)
+    metadata: dict[str, str] = field(default_factory=dict)
+    created_at: int = field(default_factory=now_ms)
+
+    @staticmethod
+    def make_id(task_id: str, sample_index: int) -> str:
+        """Deterministic id, so a redelivered task yields the same trajectory ids."""
+        return f"{task_id}/{sample_index}"
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s) for s in self.segments)
+
+    def to_avro(self) -> dict[str, Any]:
+        return {
+            "trajectory_id": self.trajectory_id,
+            "task_id": self.task_id,
+            "group_id": self.group_id,
+            "prompt_id": self.prompt_id,
+            "dataset": self.dataset,
+            "workflow": self.workflow,
+            "sample_index": self.sample_index,
+            "group_size": self.group_size,
+            "segments": [s.to_avro() for s in self.segments],
+            "tool_calls": [t.to_avro() for t in self.tool_calls],
+            "final_answer": self.final_answer,
+            "reference": self.reference,
+            "status": str(self.status),
+            "error": self.error,
+            "reward": self.reward,
+            "reward_components": dict(self.reward_components),
+            "timings": self.timings.to_avro(),
+            "node": self.node.to_avro(),
+            "lineage": [s.to_avro() for s in self.lineage],
+            "metadata": dict(self.metadata),
+            "created_at": self.created_at,
+        }
+
+    @classmethod
+    def from_avro(cls, d: dict[str, Any]) -> Trajectory:
+        return cls(
+            trajectory_id=d["trajectory_id"],
+            task_id=d["task_id"],
+            group_id=d["group_id"],
+            prompt_id=d["prompt_id"],
+            dataset=d["dataset"],
+            workflow=d["workflow"],
+            sample_index=d["sample_index"],
+            group_size=d["group_size"],
+            segments=[Segment.from_avro(s) for s in d["segments"]],
+            tool_calls=[ToolCall.from_avro(t) for t in d["tool_calls"]],
+            final_answer=d["final_answer"],
+            reference=d["reference"],
+            status=TrajectoryStatus(d["status"]),
+            error=d["error"],
+            reward=d["reward"],
+            reward_components=dict(d["reward_components"]),
+            timings=Timings.from_avro(d["timings"]),
+            node=NodeInfo.from_avro(d["node"]),
+            lineage=[StrategyRef.from_avro(s) for s in d["lineage"]],
+            metadata=dict(d["metadata"]),
+            created_at=d["created_at"],
+        )

@@ -1,0 +1,76 @@
+"""Builders of realistic records for tests, benchmarks and examples (not used by the pipeline)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from astraflow.records import NodeInfo, Segment, Task, Timings, ToolCall, Trajectory, now_ms
+
+
+def make_trajectory(
+    n_tokens: int = 4096,
+    *,
+    task_id: str = "task-0",
+    sample_index: int = 0,
+    group_size: int = 4,
+    policy: str = "policy",
+    prompt_tokens: int = 64,
+    seed: int = 0,
+    reward: float | None = None,
+    version: int = 0,
+) -> Trajectory:
+    """A two-turn tool-use trajectory of `n_tokens` tokens: prompt, call, tool result, answer."""
+    rng = np.random.default_rng(seed)
+    gen = max(n_tokens - prompt_tokens - 16, 2)
+    first, second = gen // 2, gen - gen // 2
+
+    def generated(n: int) -> Segment:
+        return Segment(
+            policy,
+            "assistant",
+            rng.integers(0, 32000, n, dtype=np.int32),
+            -rng.random(n, dtype=np.float32),
+            np.ones(n, np.uint8),
+            np.full(n, version, np.int32),
+            text="x" * 16,
+        )
+
+    segments = [
+        Segment.context(policy, "prompt", rng.integers(0, 32000, prompt_tokens, dtype=np.int32), "Q: 2+2?"),
+        generated(first),
+        Segment.context(policy, "tool", rng.integers(0, 32000, 16, dtype=np.int32), "<result>4</result>"),
+        generated(second),
+    ]
+    t = now_ms()
+    return Trajectory(
+        trajectory_id=Trajectory.make_id(task_id, sample_index),
+        task_id=task_id,
+        group_id=f"g-{task_id}",
+        prompt_id="p-0",
+        dataset="synthetic",
+        workflow="tool_use",
+        sample_index=sample_index,
+        group_size=group_size,
+        segments=segments,
+        timings=Timings(t - 1000, t - 900, t, 0.8, 0.1),
+        node=NodeInfo("node-0", "cpu:2", "local", "torch"),
+        tool_calls=[ToolCall(0, "calculator", '{"expr": "2+2"}', "4", 0.01)],
+        final_answer="4",
+        reference='{"answer": "4"}',
+        reward=reward,
+        reward_components={} if reward is None else {"exact_match": reward},
+    )
+
+
+def make_task(i: int = 0, n_samples: int = 4, policy: str = "policy") -> Task:
+    return Task(
+        task_id=f"task-{i}",
+        group_id=f"g-{i}",
+        prompt_id=f"p-{i}",
+        dataset="synthetic",
+        workflow="rlvr",
+        prompt=f"Q: What is {i}+{i}?\nA:",
+        reference=f'{{"answer": "{2 * i}"}}',
+        policies=[policy],
+        n_samples=n_samples,
+    )

@@ -1,0 +1,107 @@
+"""Shared fixtures: markers by folder, the real Kafka broker, unique topics and groups per test.
+
+Integration and e2e tests use a real Apache Kafka: `ASTRAFLOW_TEST_BOOTSTRAP` if set, else the
+local broker (`astraflow kafka up`), started once per session if it is not already running and
+stopped at the end only if this session started it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from astraflow.config import KafkaSettings, LocalKafkaSettings, TopicSettings
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test gets the marker of its folder; `gpu` tests skip without CUDA."""
+    gpu_ok = None
+    for item in items:
+        parts = Path(str(item.fspath)).parts
+        for kind in ("unit", "integration", "e2e"):
+            if kind in parts and not item.get_closest_marker(kind):
+                item.add_marker(getattr(pytest.mark, kind))
+        if item.get_closest_marker("gpu"):
+            if gpu_ok is None:
+                try:
+                    import torch
+
+                    gpu_ok = torch.cuda.is_available()
+                except ImportError:
+                    gpu_ok = False
+            if not gpu_ok:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+@pytest.fixture(scope="session")
+def kafka() -> Iterator[KafkaSettings]:
+    """Settings of a running real Kafka broker."""
+    external = os.environ.get("ASTRAFLOW_TEST_BOOTSTRAP")
+    if external:
+        yield KafkaSettings(bootstrap_servers=external)
+        return
+    from astraflow.kafka.local import LocalKafka
+
+    local = LocalKafka(LocalKafkaSettings())
+    started = not local.status().answering
+    local.up(echo=lambda *_: None)
+    yield KafkaSettings(bootstrap_servers=local.bootstrap)
+    if started and not os.environ.get("ASTRAFLOW_KEEP_KAFKA"):
+        local.down(echo=lambda *_: None)
+
+
+@pytest.fixture
+def unique() -> Callable[[str], str]:
+    """Unique names (topics, groups, experiments) so tests never see each other's data."""
+    run = uuid.uuid4().hex[:8]
+    return lambda prefix: f"{prefix}-{run}-{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture
+def topic_factory(kafka: KafkaSettings, unique: Callable[[str], str]) -> Iterator[Callable[..., str]]:
+    """Creates topics with unique names; deletes them after the test."""
+    from astraflow.kafka.topics import TopicAdmin, TopicSpec
+
+    admin = TopicAdmin(kafka)
+    created: list[str] = []
+
+    def make(prefix: str = "t", partitions: int = 1, config: dict[str, str] | None = None) -> str:
+        name = unique(prefix)
+        admin.create([TopicSpec(name, partitions, config or {})])
+        created.append(name)
+        return name
+
+    yield make
+    if created:
+        admin.delete(created)
+
+
+@pytest.fixture
+def experiment(kafka: KafkaSettings, unique: Callable[[str], str]) -> Iterator[str]:
+    """A fresh experiment whose topics (policy `policy`) exist; deleted afterwards."""
+    from astraflow.kafka.topics import TopicAdmin, topic_specs
+
+    name = unique("exp")
+    admin = TopicAdmin(kafka)
+    specs = topic_specs(name, ["policy"], TopicSettings(partitions=2))
+    admin.create(specs)
+    yield name
+    admin.delete([s.name for s in specs])
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks() -> Iterator[None]:
+    """Fails a test that leaves threads running or environment variables changed."""
+    threads = set(threading.enumerate())
+    env = dict(os.environ)
+    yield
+    leaked_env = {k for k in set(os.environ) ^ set(env)} | {k for k in env if os.environ.get(k) != env[k]}
+    leaked_env.discard("PYTEST_CURRENT_TEST")
+    assert not leaked_env, f"test changed environment variables: {sorted(leaked_env)}"
+    alive = [t for t in threading.enumerate() if t not in threads and t.is_alive() and not t.daemon]
+    assert not alive, f"test left threads running: {alive}"
