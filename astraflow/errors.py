@@ -110,3 +110,26 @@ class DeltaChecksumError(WeightsError):
 class DeltaBaseMismatchError(WeightsError):
     """Raised when a delta is applied to weights other than the version it was encoded against
     (checksum, dtype or shape differ); fetch a snapshot or the delta for the right base."""
+
+
+# --- dataflow strategies and sandbox -----------------------------------------------------------
+
+
+class StrategyError(AstraflowError):
+    """Raised when a data strategy (reward, filter, advantage, curator) cannot be registered,
+    configured or applied: duplicate registration, wrong parameters, or inputs it cannot use."""
+
+
+class UnknownStrategyError(StrategyError):
+    """Raised when no strategy of that kind, name (and version) is registered; the message
+    lists the known names and any plug-in that failed to load."""
+
+
+class RewardError(StrategyError):
+    """Raised when a trajectory cannot be scored: its reference JSON is missing or malformed
+    for the reward in use (the record belongs in the DLQ, not a zero reward)."""
+
+
+class SandboxError(AstraflowError):
+    """Raised when the sandbox itself cannot run code (setup failed, isolation demanded but not
+    available); what the untrusted code does is reported in the result, never raised."""

@@ -1,0 +1,229 @@
+"""The sandbox contains what untrusted code tries: loops, fork bombs, memory hogs, network,
+writes outside its directory, reading the parent's secrets. Every case ends as a failed result
+within seconds. Limits are kept small so a containment failure cannot hurt a shared machine;
+the fork bomb also arms `alarm()` in every process as a second safety net.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from astraflow.errors import SandboxError
+from astraflow.sandbox import SandboxLimits, namespaces_available, run_python, run_python_async
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+SMALL = SandboxLimits(wall_s=5, cpu_s=2, memory_mb=192, nproc=8, file_size_mb=1, disk_mb=8)
+PROCESS = SandboxLimits(wall_s=5, cpu_s=2, memory_mb=192, nproc=8, file_size_mb=1, isolation="process")
+needs_namespaces = pytest.mark.skipif(not namespaces_available(), reason="needs root and a working unshare")
+MODES = [pytest.param(SMALL, id="auto"), pytest.param(PROCESS, id="process")]
+
+
+def _with(limits: SandboxLimits, **changes: object) -> SandboxLimits:
+    fields = {name: getattr(limits, name) for name in SandboxLimits.__slots__}
+    return SandboxLimits(**{**fields, **changes})  # type: ignore[arg-type]
+
+
+def _processes_with(marker: str) -> int:
+    """Processes on this machine whose command line contains `marker`."""
+    n = 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                n += marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+    return n
+
+
+@pytest.mark.parametrize("limits", MODES)
+def test_runs_code_with_files_and_args(limits: SandboxLimits) -> None:
+    code = "import sys, helper\nprint(helper.double(int(sys.argv[1])), sys.stdin.read() == '')"
+    r = run_python(
+        code, files={"helper.py": "def double(x):\n    return 2 * x\n"}, args=["21"], limits=limits
+    )
+    assert r.ok and r.exit_code == 0 and r.signal is None and not r.timed_out
+    assert r.stdout == "42 True\n"
+    assert r.killed_reason is None
+
+
+@pytest.mark.parametrize("limits", MODES)
+def test_exception_and_exit_code_are_reported(limits: SandboxLimits) -> None:
+    r = run_python("raise ValueError('boom')", limits=limits)
+    assert not r.ok and r.exit_code == 1 and "ValueError: boom" in r.stderr
+    assert run_python("import sys; sys.exit(3)", limits=limits).exit_code == 3
+
+
+@pytest.mark.parametrize("limits", MODES)
+def test_infinite_loop_hits_cpu_limit(limits: SandboxLimits) -> None:
+    r = run_python("while True:\n    pass", limits=_with(limits, cpu_s=1, wall_s=10))
+    assert not r.ok and r.killed_reason == "cpu" and r.duration_s < 9
+
+
+@pytest.mark.parametrize("limits", MODES)
+def test_sleeping_code_hits_wall_timeout(limits: SandboxLimits) -> None:
+    r = run_python("import time\ntime.sleep(60)", limits=_with(limits, wall_s=1))
+    assert not r.ok and r.timed_out and r.killed_reason == "timeout" and r.exit_code is None
+    assert r.duration_s < 5
+
+
+@pytest.mark.parametrize("limits", MODES)
+def test_memory_hog_fails(limits: SandboxLimits) -> None:
+    code = "chunks = []\nwhile True:\n    chunks.append(bytearray(16 * 1024 * 1024))"
+    r = run_python(code, limits=limits)
+    assert not r.ok and r.killed_reason == "memory" and r.duration_s < 5
+
+
+@pytest.mark.parametrize("limits", MODES)
+def test_file_size_limit(limits: SandboxLimits) -> None:
+    r = run_python("open('big', 'wb').write(b'x' * 4 * 1024 * 1024)", limits=limits)
+    assert not r.ok and r.killed_reason == "file_size"
+
+
+@pytest.mark.parametrize("limits", MODES)
+def test_socket_connect_is_refused(limits: SandboxLimits) -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        server.setblocking(False)
+        port = server.getsockname()[1]
+        code = (
+            "import socket\n"
+            f"s = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+            "print('CONNECTED')\n"
+        )
+        r = run_python(code, limits=limits)
+        assert not r.ok and "CONNECTED" not in r.stdout
+        assert "PermissionError" in r.stderr or "Network is unreachable" in r.stderr
+        with pytest.raises(BlockingIOError):
+            server.accept()
+
+
+@pytest.mark.parametrize("limits", MODES)
+def test_parent_environment_is_not_inherited(limits: SandboxLimits, monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = f"s3cr3t-{uuid.uuid4().hex}"
+    monkeypatch.setenv("ASTRAFLOW_FAKE_SECRET", secret)
+    r = run_python("import os\nprint(dict(os.environ))", limits=limits)
+    assert r.ok and secret not in r.stdout and "ASTRAFLOW_FAKE_SECRET" not in r.stdout
+
+
+@needs_namespaces
+def test_other_processes_environments_are_invisible(monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = f"s3cr3t-{uuid.uuid4().hex}"
+    monkeypatch.setenv("ASTRAFLOW_FAKE_SECRET", secret)
+    code = (
+        "import os\n"
+        "pids = [p for p in os.listdir('/proc') if p.isdigit()]\n"
+        "for p in pids:\n"
+        "    try:\n"
+        "        print(p, open(f'/proc/{p}/environ', 'rb').read())\n"
+        "    except OSError as e:\n"
+        "        print(p, 'unreadable', e.errno)\n"
+        "print('pids', len(pids))\n"
+    )
+    r = run_python(code, limits=SMALL)
+    assert r.ok and secret not in r.stdout
+    assert r.isolation == "namespaces"
+
+
+@needs_namespaces
+def test_writes_outside_the_work_directory_are_confined_or_fail() -> None:
+    name = f"astraflow-escape-{uuid.uuid4().hex}"
+    repo = Path(__file__).resolve().parents[2]
+    targets = [Path("/tmp") / name, repo / name, Path("/var/tmp") / name, Path.home() / name]
+    code = "import sys\nfor path in sys.argv[1:]:\n    try:\n        open(path, 'w').write('x')\n"
+    code += (
+        "        print('wrote', path)\n    except OSError as e:\n        print('refused', path, e.errno)\n"
+    )
+    try:
+        r = run_python(code, args=[str(t) for t in targets], limits=SMALL)
+        assert r.ok, r.stderr
+        assert f"wrote /tmp/{name}" in r.stdout  # its own private /tmp ...
+        for target in targets:
+            assert not target.exists()  # ... and nothing reached the host
+        assert f"refused {repo / name}" in r.stdout
+    finally:
+        for target in targets:
+            target.unlink(missing_ok=True)
+
+
+@needs_namespaces
+def test_fork_bomb_is_contained() -> None:
+    marker = f"bomb-{uuid.uuid4().hex}"
+    code = (
+        "import os, signal, time\n"
+        "signal.alarm(5)  # safety net: no process of this bomb outlives 5 s, contained or not\n"
+        "while True:\n"
+        "    try:\n"
+        "        if os.fork() == 0:\n"
+        "            signal.alarm(5)\n"
+        "            os.setsid()\n"
+        "    except OSError as e:\n"
+        "        print('refused', e.errno, flush=True)\n"
+        "        time.sleep(0.02)\n"
+    )
+    peak, stop = [0], threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _processes_with(marker))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        r = run_python(code, args=[marker], limits=_with(SMALL, wall_s=2))
+    finally:
+        stop.set()
+        watcher.join()
+    assert not r.ok and r.timed_out and r.duration_s < 5
+    assert "refused 11" in r.stdout  # EAGAIN: RLIMIT_NPROC stopped it
+    assert peak[0] <= SMALL.nproc + 2  # the user's processes, plus unshare and the init
+    assert _processes_with(marker) == 0  # the whole tree is gone, setsid() or not
+
+
+def test_async_runs_concurrently_and_cancellation_kills_the_run() -> None:
+    marker = f"cancel-{uuid.uuid4().hex}"
+
+    async def scenario() -> list[str]:
+        outs = await asyncio.gather(*(run_python_async(f"print({i} * 2)", limits=SMALL) for i in range(3)))
+        slow = asyncio.ensure_future(
+            run_python_async("import time\ntime.sleep(30)", args=[marker], limits=SMALL)
+        )
+        await asyncio.sleep(1.0)
+        slow.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await slow
+        return [o.stdout for o in outs]
+
+    assert asyncio.run(scenario()) == ["0\n", "2\n", "4\n"]
+    deadline = time.monotonic() + 3
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _processes_with(marker) == 0
+
+
+def test_output_is_bounded_head_and_tail() -> None:
+    code = "print('START' + 'x' * 300000)\nprint('END')"
+    r = run_python(code, limits=_with(SMALL, max_output_bytes=1000))
+    assert r.ok and r.stdout_truncated
+    assert r.stdout.startswith("START") and r.stdout.rstrip().endswith("END") and len(r.stdout) < 6000
+
+
+def test_bad_file_names_and_event_loop_misuse_raise() -> None:
+    with pytest.raises(SandboxError, match="relative path"):
+        run_python("pass", files={"../evil.py": "x"})
+
+    async def inside_loop() -> None:
+        run_python("pass")
+
+    with pytest.raises(SandboxError, match="run_python_async"):
+        asyncio.run(inside_loop())
