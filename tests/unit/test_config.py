@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from astraflow.config import AstraflowConfig, load_config, write_resolved
 from astraflow.errors import ConfigError
@@ -9,7 +10,7 @@ from astraflow.errors import ConfigError
 def test_defaults_are_frozen() -> None:
     cfg = load_config(env={})
     assert cfg.kafka.bootstrap_servers == "127.0.0.1:19092"
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         cfg.experiment = "x"  # type: ignore[misc]
 
 

@@ -1,5 +1,6 @@
 """Every schema parses, has a Python class, and stays backward compatible with its previous version."""
 
+import itertools
 import json
 
 import pytest
@@ -25,7 +26,7 @@ def test_packed_array_fields_document_their_encoding() -> None:
 def test_backward_compatible_with_previous_version(name: str) -> None:
     """A reader on version N must read data written with N-1 (the avro package's checker)."""
     versions = SchemaCatalog.load().versions(name)
-    for old, new in zip(versions, versions[1:], strict=False):
+    for old, new in itertools.pairwise(versions):
         result = ReaderWriterCompatibilityChecker().get_compatibility(
             parse(json.dumps(new.raw)), parse(json.dumps(old.raw))
         )

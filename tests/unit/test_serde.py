@@ -8,7 +8,12 @@ import avro.schema
 import numpy as np
 import pytest
 
-from astraflow.errors import CorruptRecordError, RecordTooLargeError, SchemaValidationError, UnknownSchemaError
+from astraflow.errors import (
+    CorruptRecordError,
+    RecordTooLargeError,
+    SchemaValidationError,
+    UnknownSchemaError,
+)
 from astraflow.records import (
     Control,
     DeadLetter,

@@ -1,0 +1,20 @@
+# The two quick-start commands (README) and a few conveniences.
+.PHONY: demo test lint bench kafka-up kafka-down
+
+demo:        ## set everything up, start the local Kafka, run the CPU demo
+	bash scripts/demo.sh
+
+test:        ## set up, start the local Kafka, run lint and the whole test suite
+	bash scripts/test.sh
+
+lint:
+	$$(bash scripts/env.sh)/bin/ruff check astraflow stream_apps trainers tests bench
+
+bench:
+	for b in bench/*.py; do case $$b in */_*) ;; *) $$(bash scripts/env.sh)/bin/python $$b --quick ;; esac; done
+
+kafka-up:
+	$$(bash scripts/env.sh)/bin/astraflow kafka up
+
+kafka-down:
+	$$(bash scripts/env.sh)/bin/astraflow kafka down

@@ -1,0 +1,1 @@
+"""Faust stream processors that wire the pure strategies of `astraflow.dataflow` to topics."""
