@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from astraflow.cli import kafka_cmd, smoke_cmd, topics_cmd
+from astraflow.cli import kafka_cmd, raas_cmd, smoke_cmd, topics_cmd
 from astraflow.cli.common import console, handle_errors, load
 
 app = typer.Typer(
@@ -15,6 +15,7 @@ app = typer.Typer(
 app.add_typer(kafka_cmd.app, name="kafka")
 app.add_typer(topics_cmd.app, name="topics")
 app.command("smoke")(smoke_cmd.smoke)
+app.add_typer(raas_cmd.app, name="raas")
 
 
 @app.callback()

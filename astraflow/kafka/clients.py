@@ -164,6 +164,7 @@ class RecordConsumer(Generic[R]):
         expect: type[R] | None = None,
         serde: AvroSerde | None = None,
         on_assign: Callable[[Consumer, list[TopicPartition]], None] | None = None,
+        on_revoke: Callable[[Consumer, list[TopicPartition]], None] | None = None,
         **overrides: Any,
     ) -> None:
         self.serde = serde or AvroSerde()
@@ -182,7 +183,7 @@ class RecordConsumer(Generic[R]):
         }
         conf.update(overrides)
         self._consumer = Consumer(conf)
-        kwargs = {"on_assign": on_assign} if on_assign else {}
+        kwargs = {k: v for k, v in (("on_assign", on_assign), ("on_revoke", on_revoke)) if v is not None}
         self._consumer.subscribe(list(topics), **kwargs)
         self.dead_lettered = 0
         self._last_seen: dict[tuple[str, int], int] = {}  # highest offset handed out or dead-lettered

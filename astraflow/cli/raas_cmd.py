@@ -1,0 +1,42 @@
+"""`astraflow raas serve`: run a Rollout-as-a-Service node."""
+
+from __future__ import annotations
+
+import typer
+
+from astraflow.cli.common import console, handle_errors, load
+
+app = typer.Typer(help="Rollout-as-a-Service nodes.", no_args_is_help=True)
+
+
+@app.command()
+@handle_errors
+def serve(
+    ctx: typer.Context,
+    experiment: str = typer.Option(..., "--experiment", "-e", help="Experiment whose tasks to serve."),
+    policy: list[str] = typer.Option(..., "--policy", "-p", help="NAME=MODEL_DIR (or NAME=URL for openai); repeatable."),
+    backend: str = typer.Option("torch", help="torch | vllm | openai."),
+    max_inflight: int = typer.Option(8, help="Rollouts running at once; partitions pause while full."),
+    max_batch: int = typer.Option(16, help="Requests decoded together (torch backend)."),
+    region: str = typer.Option("local", help="Region label for metrics and trajectories."),
+    node_id: str | None = typer.Option(None, help="Default: host-pid-random."),
+    follow_weights: bool = typer.Option(True, help="Apply new policy versions from the weights topics."),
+    search_corpus: str | None = typer.Option(None, help="JSONL or folder of .txt for the search tool."),
+    threads: int | None = typer.Option(None, help="torch CPU threads."),
+    seed: int | None = typer.Option(None, help="Sampling seed (torch backend)."),
+) -> None:
+    """Join the experiment's task consumer group and serve rollouts until SIGTERM / Ctrl-C."""
+    from astraflow.errors import ConfigError
+
+    pairs = {}
+    for item in policy:
+        name, sep, target = item.partition("=")
+        if not sep or not name or not target:
+            raise ConfigError(f"--policy {item!r} must look like NAME=MODEL_DIR")
+        pairs[name] = target
+    cfg = load(ctx)
+    from astraflow.raas.serve import serve_node
+
+    console.print(f"RaaS node serving {experiment}: policies {', '.join(pairs)} on {backend}, max_inflight={max_inflight}")
+    serve_node(cfg, experiment, pairs, backend=backend, max_inflight=max_inflight, max_batch=max_batch, region=region,
+               node_id=node_id, follow_weights=follow_weights, search_corpus=search_corpus, threads=threads, seed=seed)

@@ -1,0 +1,241 @@
+"""The RaaS node: pull tasks from the shared consumer group, run workflows, publish trajectories.
+
+Guarantees (DESIGN.md, "RaaS node"):
+- at most `max_inflight` rollouts run; while full, the node pauses its partitions but keeps
+  polling, so a rollout that takes minutes never costs it its group membership;
+- a task's offset is committed only after every trajectory of that task was acknowledged by
+  Kafka, and only once every earlier task of its partition is done (at-least-once);
+- trajectory ids are `<task_id>/<sample_index>`, so a redelivered task yields the same ids;
+- a malformed task goes to the DLQ with its reason; a failing workflow yields an ERROR
+  trajectory (so its group still completes) and the node keeps serving;
+- on SIGTERM it stops taking work, drains what is in flight, commits and leaves the group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from confluent_kafka import TopicPartition
+
+from astraflow.config import AstraflowConfig
+from astraflow.errors import AstraflowError
+from astraflow.kafka.clients import DeadLetterWriter, RecordConsumer, RecordProducer, Received
+from astraflow.kafka.topics import Topics
+from astraflow.raas.backends.base import InferenceBackend
+from astraflow.raas.offsets import OffsetTracker
+from astraflow.raas.tools import ToolBox, ToolFn, default_tools
+from astraflow.raas.workflows import RolloutContext, resolve_workflow
+from astraflow.records import Metric, NodeInfo, Task, Trajectory, TrajectoryStatus
+
+log = logging.getLogger("astraflow.raas")
+
+
+class InvalidTaskError(AstraflowError):
+    """Raised (and the task dead-lettered) when a task cannot be served: unknown workflow or policy, bad n_samples."""
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """How one node serves an experiment."""
+
+    experiment: str
+    max_inflight: int = 8  # rollouts running at once
+    region: str = "local"  # reported in trajectories and metrics
+    node_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}")
+    metrics_interval_s: float = 5.0  # how often metrics are published
+    tool_timeout_s: float = 10.0  # per tool call
+    group_id: str | None = None  # default: af.<experiment>.raas
+
+
+class RaasNode:
+    """Serves tasks with the given backends (policy name -> backend)."""
+
+    def __init__(self, config: AstraflowConfig, settings: NodeSettings, backends: dict[str, InferenceBackend],
+                 tools: dict[str, ToolFn] | None = None) -> None:
+        self.cfg = config
+        self.s = settings
+        self.backends = backends
+        self.topics = Topics(settings.experiment)
+        self.tools = ToolBox(tools if tools is not None else default_tools(), settings.tool_timeout_s)
+        first = next(iter(backends.values()))
+        self.node = NodeInfo(settings.node_id, first.hardware(), settings.region, first.name)
+        self.producer = RecordProducer(config.kafka)
+        self.dlq = DeadLetterWriter(self.producer, self.topics.dlq, component="raas")
+        self.consumer: RecordConsumer[Task] = self._make_consumer()
+        self.offsets = OffsetTracker()
+        self.inflight = 0  # rollouts started and not yet finished
+        self.rollouts_done = 0
+        self.tokens_done = 0
+        self.tasks_done = 0
+        self._stop = asyncio.Event()
+        self._paused = False
+        self._running: set[asyncio.Task] = set()
+
+    def _make_consumer(self) -> RecordConsumer[Task]:
+        return RecordConsumer(
+            self.cfg.kafka, self.s.group_id or f"af.{self.s.experiment}.raas", [self.topics.tasks],
+            component="raas", dlq=self.dlq, expect=Task, on_assign=self._on_assign,
+            on_revoke=self._on_revoke,
+        )
+
+    # ---- rebalance -----------------------------------------------------------------------------
+
+    def _on_assign(self, consumer, partitions: list[TopicPartition]) -> None:
+        log.info("assigned %s", [p.partition for p in partitions])
+        if self._paused:
+            consumer.pause(partitions)
+
+    def _on_revoke(self, consumer, partitions: list[TopicPartition]) -> None:
+        self._commit()  # commit what is done before losing the partitions
+        for p in partitions:
+            self.offsets.forget(p.topic, p.partition)
+
+    # ---- main loop -----------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Asks the node to drain and exit (what SIGTERM does)."""
+        self._stop.set()
+
+    async def run(self) -> None:
+        last_metrics = time.monotonic()
+        t_start = time.monotonic()
+        mark = (0, 0, t_start)
+        try:
+            while not self._stop.is_set():
+                self._backpressure()
+                batch = await asyncio.to_thread(self.consumer.poll_batch, self._free_slots(), 0.2)
+                for rec in batch:
+                    self._start_task(rec)
+                self.producer.poll(0)
+                self._commit()
+                if time.monotonic() - last_metrics >= self.s.metrics_interval_s:
+                    mark = self._publish_metrics(mark)
+                    last_metrics = time.monotonic()
+            log.info("stopping: draining %d rollouts", self.inflight)
+            self.consumer.pause_all()
+            while self._running:
+                await asyncio.to_thread(self.consumer.poll_batch, 1, 0.1)  # keep membership while draining
+                self.producer.poll(0)
+                self._commit()
+                await asyncio.sleep(0.05)
+            self.producer.flush()
+            self._commit()
+            self._publish_metrics(mark)
+            self.producer.flush()
+        finally:
+            self.consumer.close()  # leaves the group: partitions move to the other nodes at once
+
+    def _free_slots(self) -> int:
+        return max(1, self.s.max_inflight - self.inflight)
+
+    def _backpressure(self) -> None:
+        full = self.inflight >= self.s.max_inflight
+        if full and not self._paused:
+            self.consumer.pause_all()
+            self._paused = True
+        elif not full and self._paused:
+            self.consumer.resume_all()
+            self._paused = False
+
+    def _start_task(self, rec: Received[Task]) -> None:
+        self.offsets.start(rec.topic, rec.partition, rec.offset)
+        try:
+            workflow = self._validate(rec.record)
+        except AstraflowError as exc:
+            self.consumer.dead_letter(rec, exc)
+            self.offsets.finish(rec.topic, rec.partition, rec.offset)
+            return
+        self.inflight += rec.record.n_samples
+        t = asyncio.create_task(self._serve(rec, workflow))
+        self._running.add(t)
+        t.add_done_callback(self._running.discard)
+
+    def _validate(self, task: Task):
+        if task.n_samples < 1 or task.n_samples > 1024:
+            raise InvalidTaskError(f"task {task.task_id}: n_samples={task.n_samples} must be between 1 and 1024")
+        if not task.policies:
+            raise InvalidTaskError(f"task {task.task_id} names no policy; set Task.policies")
+        missing = [p for p in task.policies if p not in self.backends]
+        if missing:
+            raise InvalidTaskError(
+                f"task {task.task_id} needs policies {missing} but this node serves {sorted(self.backends)}; "
+                "start a node with --policy NAME=MODEL_DIR for each"
+            )
+        try:
+            return resolve_workflow(task.workflow)
+        except AstraflowError as exc:
+            raise InvalidTaskError(f"task {task.task_id}: {exc}") from exc
+
+    async def _serve(self, rec: Received[Task], workflow) -> None:
+        task = rec.record
+        results = await asyncio.gather(*(self._rollout(task, i, workflow) for i in range(task.n_samples)))
+        acked = asyncio.get_running_loop().create_future()
+        remaining = [len(results)]
+        failed: list[str] = []
+
+        def on_delivery(err, _msg) -> None:
+            if err is not None:
+                failed.append(err.str())
+            remaining[0] -= 1
+            if remaining[0] == 0 and not acked.done():
+                acked.set_result(None)
+
+        for traj in results:
+            self.producer.send(self.topics.rollouts, traj, key=task.group_id, on_delivery=on_delivery)
+        while not acked.done():
+            self.producer.poll(0)
+            await asyncio.sleep(0.01)
+        if failed:
+            log.error("task %s: %d trajectories not acknowledged (%s); it will be redelivered", task.task_id, len(failed), failed[0])
+            return  # offset stays uncommitted: another delivery will redo it
+        self.offsets.finish(rec.topic, rec.partition, rec.offset)
+        self.tasks_done += 1
+
+    async def _rollout(self, task: Task, index: int, workflow) -> Trajectory:
+        ctx = RolloutContext(task, index, self.backends, self.tools, self.node)
+        try:
+            traj = await workflow(ctx)
+        except Exception as exc:  # a workflow bug must not kill the node: emit an ERROR trajectory
+            log.exception("workflow %s failed on %s/%d", task.workflow, task.task_id, index)
+            traj = ctx.finish(None, TrajectoryStatus.ERROR, f"{type(exc).__name__}: {exc}")
+        finally:
+            self.inflight -= 1
+        self.rollouts_done += 1
+        self.tokens_done += traj.num_tokens
+        return traj
+
+    def _commit(self) -> None:
+        positions = self.offsets.committable()
+        if not positions:
+            return
+        with contextlib.suppress(Exception):  # e.g. a partition just revoked; the next commit catches up
+            self.dlq.producer.flush()
+            self.consumer.raw.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in positions.items()],
+                                     asynchronous=False)
+            self.offsets.mark_committed(positions)
+
+    def _publish_metrics(self, mark: tuple[int, int, float]) -> tuple[int, int, float]:
+        now = time.monotonic()
+        r0, k0, t0 = mark
+        dt = max(now - t0, 1e-6)
+        labels = {"node_id": self.node.node_id, "hardware": self.node.hardware, "region": self.node.region,
+                  "backend": self.node.backend}
+        values = {
+            "rollouts_per_s": (self.rollouts_done - r0) / dt,
+            "tokens_per_s": (self.tokens_done - k0) / dt,
+            "inflight": float(self.inflight),
+            "rollouts_total": float(self.rollouts_done),
+        }
+        for name, v in values.items():
+            self.producer.send(self.topics.metrics, Metric(name, v, "raas", self.node.node_id, labels), key=self.node.node_id)
+        for policy, b in self.backends.items():
+            self.producer.send(self.topics.metrics, Metric("policy_version", float(b.version), "raas", self.node.node_id,
+                                                           {**labels, "policy": policy}), key=self.node.node_id)
+        return (self.rollouts_done, self.tokens_done, now)

@@ -1,0 +1,55 @@
+"""Process wiring of a RaaS node: build backends, follow weights, handle signals, run the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Any
+
+from astraflow.config import AstraflowConfig
+from astraflow.raas.backends import create_backend
+from astraflow.raas.node import NodeSettings, RaasNode
+from astraflow.raas.tools import default_tools
+
+log = logging.getLogger("astraflow.raas")
+
+
+def serve_node(cfg: AstraflowConfig, experiment: str, policies: dict[str, str], *, backend: str = "torch",
+               max_inflight: int = 8, max_batch: int = 16, region: str = "local", node_id: str | None = None,
+               follow_weights: bool = True, search_corpus: str | None = None, threads: int | None = None,
+               seed: int | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    opts: dict[str, Any] = {"max_batch": max_batch, "threads": threads, "seed": seed} if backend == "torch" else {}
+    backends = {name: create_backend(backend, name, target, **opts) for name, target in policies.items()}
+    kw = {"node_id": node_id} if node_id else {}
+    settings = NodeSettings(experiment, max_inflight=max_inflight, region=region, **kw)
+    node = RaasNode(cfg, settings, backends, default_tools(search_corpus))
+    followers = []
+    if follow_weights:
+        followers = start_followers(cfg, experiment, backends)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, node.stop)
+        await node.run()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for f in followers:
+            f.stop()
+        for b in backends.values():
+            b.close()
+    log.info("node %s stopped after %d rollouts", settings.node_id, node.rollouts_done)
+
+
+def start_followers(cfg: AstraflowConfig, experiment: str, backends: dict) -> list:
+    """Starts one weight follower per policy; returns objects with `stop()` (empty until available)."""
+    try:
+        from astraflow.raas.weights import start_weight_followers
+    except ImportError:
+        log.warning("weight following unavailable in this build; serving initial weights only")
+        return []
+    return start_weight_followers(cfg, experiment, backends)
