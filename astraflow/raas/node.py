@@ -26,7 +26,7 @@ from confluent_kafka import TopicPartition
 
 from astraflow.config import AstraflowConfig
 from astraflow.errors import AstraflowError
-from astraflow.kafka.clients import DeadLetterWriter, RecordConsumer, RecordProducer, Received
+from astraflow.kafka.clients import DeadLetterWriter, Received, RecordConsumer, RecordProducer
 from astraflow.kafka.topics import Topics
 from astraflow.raas.backends.base import InferenceBackend
 from astraflow.raas.offsets import OffsetTracker

@@ -64,7 +64,8 @@ class TorchBackend:
         self._queue: queue.Queue[_Pending | None] = queue.Queue()
         self._update: tuple[dict[str, Any], int] | None = None
         self._update_lock = threading.Lock()
-        self.tokens_generated = 0
+        self.tokens_generated = 0  # tokens of finished requests
+        self.decode_steps = 0  # decoding steps run (all waves)
         self._thread = threading.Thread(target=self._engine, name=f"torch-backend-{policy}", daemon=True)
         self._thread.start()
 
@@ -180,6 +181,7 @@ class TorchBackend:
                     done[i] = True
                 if done[i]:
                     self._finish(wave[i], new_ids[i], new_lp[i], new_ver[i], reason[i])
+            self.decode_steps += 1
             if all(done):
                 break
             self._apply_update()  # between decoding steps: later tokens use the new version
