@@ -1,0 +1,32 @@
+"""RL math for the trainer: token logprobs and entropies, policy losses (PPO, GRPO, decoupled/TIS)."""
+
+from astraflow.rl.logprobs import entropy_from_logits, masked_mean, sequence_logprobs, token_logprobs
+from astraflow.rl.losses import (
+    Aggregation,
+    PolicyLossConfig,
+    PolicyLossOutput,
+    aggregate,
+    broadcast_advantages,
+    grpo_loss,
+    kl_penalty,
+    policy_loss,
+    ppo_clip_token_loss,
+    truncated_is_weights,
+)
+
+__all__ = [
+    "Aggregation",
+    "PolicyLossConfig",
+    "PolicyLossOutput",
+    "aggregate",
+    "broadcast_advantages",
+    "entropy_from_logits",
+    "grpo_loss",
+    "kl_penalty",
+    "masked_mean",
+    "policy_loss",
+    "ppo_clip_token_loss",
+    "sequence_logprobs",
+    "token_logprobs",
+    "truncated_is_weights",
+]
