@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from astraflow.cli import kafka_cmd, raas_cmd, smoke_cmd, topics_cmd
+from astraflow.cli import kafka_cmd, raas_cmd, smoke_cmd, topics_cmd, train_cmd
 from astraflow.cli.common import console, handle_errors, load
 
 app = typer.Typer(
@@ -16,6 +16,7 @@ app.add_typer(kafka_cmd.app, name="kafka")
 app.add_typer(topics_cmd.app, name="topics")
 app.command("smoke")(smoke_cmd.smoke)
 app.add_typer(raas_cmd.app, name="raas")
+app.command("train")(train_cmd.train)
 
 
 @app.callback()

@@ -1,0 +1,555 @@
+"""Publishing policy versions on Kafka, and following them on the receiving side.
+
+Trainer side: `VersionEncoder` (pure) turns successive state dicts into payloads in the
+published dtype: a lossless sparse delta against the previous version, or a full snapshot for
+the first version, every `snapshot_every` versions and on request. `WeightPublisher` sends
+each version to ``<policy>.weights`` (one partition, key = policy): the PolicyVersion manifest,
+then its WeightChunks (in-band), or only the manifest with the URI and sha256 of a blob that it
+wrote to the `WeightStore` first (claim-check). Once those are acknowledged, the manifest goes
+to the compacted ``policies`` topic, which therefore always names the latest version.
+
+Receiver side: `WeightFollower` (pure: feed it records in topic order) reassembles chunks,
+checks each chunk's crc32, the payload's sha256 and the resulting state checksum, and applies
+versions to a `WeightChain`; when it cannot advance by deltas it sets `snapshot_hint` to the
+newest snapshot that helps. `KafkaWeightFollower` reads the weights topic with a plain assigned
+consumer, acts on hints (seek back to an in-band snapshot or fetch it from the store) and can
+ask the trainer for a fresh snapshot over the control topic. Details: docs/training.md.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+
+from astraflow.config import KafkaSettings
+from astraflow.errors import KafkaLayerError, SerdeError, WeightsError
+from astraflow.kafka.clients import RecordProducer
+from astraflow.kafka.topics import Topics
+from astraflow.records import Control, PolicyVersion, WeightChunk, WeightKind
+from astraflow.serde import AvroSerde
+from astraflow.weights.bits import Manifest
+from astraflow.weights.chain import ApplyResult, ApplyStatus, WeightChain
+from astraflow.weights.delta import SparseDelta, encode
+from astraflow.weights.snapshot import snapshot as snapshot_bytes
+from astraflow.weights.store import WeightStore, fetch_blob, sha256_hex
+
+DTYPES = ("bfloat16", "float16", "float32")
+SNAPSHOT_OFFSET = "latest_snapshot_offset"  # metadata: weights-topic offset of the latest snapshot's manifest
+OFFSET = "offset"  # metadata (policies topic only): weights-topic offset of this version's manifest
+CONTROL_APP = "trainer"  # Control records asking a trainer for a snapshot: app, slot "<policy>.snapshot"
+
+
+class PayloadError(WeightsError):
+    """Raised when in-band chunks are missing, out of order or fail their crc32, or a payload
+    fails its sha256 or does not produce the version its manifest announces."""
+
+
+@dataclass(frozen=True)
+class PublishSettings:
+    """How versions are encoded and where their payloads travel."""
+
+    dtype: str = "bfloat16"  # published dtype (the trainer keeps its own fp32 master weights)
+    snapshot_every: int = 20  # a snapshot after this many versions (deltas in between)
+    chunk_bytes: int = 1024 * 1024 - 64 * 1024  # in-band chunk size, below the topic's max.message.bytes
+    inband_max_bytes: int = 64 * 1024 * 1024  # larger payloads go to the store (when one is set)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise WeightsError(f"publish dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.snapshot_every < 1 or self.chunk_bytes < 1024:
+            raise WeightsError("snapshot_every must be >= 1 and chunk_bytes >= 1024")
+
+
+def published_state(state: Mapping[str, Any], dtype: str = "bfloat16") -> dict[str, Any]:
+    """CPU copies of `state` in `dtype`; tied aliases (the same storage under a second name, e.g.
+    ``lm_head.weight`` tied to the embeddings) are dropped, so load with ``strict=False``."""
+    import torch
+
+    target = getattr(torch, dtype)
+    out: dict[str, Any] = {}
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+    for name, t in state.items():
+        ident = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+        if t.numel() and ident in seen:
+            continue
+        seen.add(ident)
+        cast = t.detach().to(device="cpu", dtype=target if t.is_floating_point() else t.dtype, copy=True)
+        out[name] = cast.contiguous()
+    return out
+
+
+def split_chunks(policy: str, version: int, payload: bytes, chunk_bytes: int) -> list[WeightChunk]:
+    """Cut a payload into WeightChunks with a crc32 each (at least one chunk)."""
+    n = max(1, -(-len(payload) // chunk_bytes))
+    parts = [payload[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(n)]
+    return [WeightChunk(policy, version, i, n, p, zlib.crc32(p)) for i, p in enumerate(parts)]
+
+
+@dataclass
+class Publication:
+    """One encoded version, before it is sent."""
+
+    manifest: PolicyVersion  # uri, snapshot offsets and num_chunks are filled in by the publisher
+    payload: bytes  # the delta or snapshot stream
+    state: dict[str, Any]  # the published weights of this version (dtype of the settings)
+
+
+class VersionEncoder:
+    """Pure: state dicts in, `Publication`s out; remembers the previous published version."""
+
+    def __init__(self, policy: str, settings: PublishSettings = PublishSettings(), next_version: int = 0) -> None:
+        self.policy = policy
+        self.settings = settings
+        self.next_version = next_version  # number the next publication gets
+        self._prev: dict[str, Any] | None = None  # last published state (None: next is a snapshot)
+        self._prev_manifest: Manifest | None = None
+        self._since_snapshot = 0  # versions published since the last snapshot
+
+    @property
+    def state(self) -> dict[str, Any] | None:
+        """The last published weights, or None before the first (or after `reset`)."""
+        return self._prev
+
+    def reset(self) -> None:
+        """Forget the previous version (e.g. a send failed), so the next publication is a snapshot."""
+        self._prev = self._prev_manifest = None
+
+    def encode(
+        self, state: Mapping[str, Any], *, trainer_step: int = 0, trained_samples: int = 0, snapshot: bool = False
+    ) -> Publication:
+        """Encode `state` (any dtype, any device) as the next version."""
+        version = self.next_version
+        new = published_state(state, self.settings.dtype)
+        as_snapshot = snapshot or self._prev is None or self._since_snapshot + 1 >= self.settings.snapshot_every
+        if as_snapshot:
+            payload = snapshot_bytes(new, version)
+            manifest = Manifest.of(new)
+            base = None
+        else:
+            assert self._prev is not None and self._prev_manifest is not None
+            delta = encode(self._prev, new, base_version=version - 1, version=version, base_manifest=self._prev_manifest)
+            payload, manifest, base = delta.to_bytes(), delta.manifest or Manifest.of(new), version - 1
+        record = PolicyVersion(
+            policy=self.policy,
+            version=version,
+            kind=WeightKind.SNAPSHOT if as_snapshot else WeightKind.DELTA,
+            base_version=base,
+            dtype=self.settings.dtype,
+            num_chunks=0,
+            payload_bytes=len(payload),
+            sha256=sha256_hex(payload),
+            state_checksum=manifest.checksum().hex(),
+            trainer_step=trainer_step,
+            trained_samples=trained_samples,
+        )
+        self._prev, self._prev_manifest = new, manifest
+        self._since_snapshot = 0 if as_snapshot else self._since_snapshot + 1
+        self.next_version = version + 1
+        return Publication(record, payload, new)
+
+
+class WeightPublisher:
+    """Sends versions to ``<policy>.weights`` and the latest to ``policies``; see the module doc."""
+
+    def __init__(
+        self,
+        kafka: KafkaSettings,
+        experiment: str,
+        policy: str,
+        settings: PublishSettings = PublishSettings(),
+        *,
+        store: WeightStore | None = None,
+        producer: RecordProducer | None = None,
+    ) -> None:
+        self.kafka, self.topics, self.policy, self.settings, self.store = kafka, Topics(experiment), policy, settings, store
+        self.producer = producer or RecordProducer(kafka)
+        self.encoder = VersionEncoder(policy, settings)
+        self.latest: PolicyVersion | None = None  # last version published by this process
+        self._snapshot: tuple[int, str | None, int] | None = None  # (version, uri, weights-topic offset)
+        self._snapshot_requested = False
+
+    def start(self, timeout_s: float = 10.0) -> int | None:
+        """Continue the numbering after any version already on the topics; returns that version.
+
+        The first publication of this process is always a snapshot (no delta base in memory).
+        """
+        last = last_published_version(self.kafka, self.topics, self.policy, timeout_s)
+        self.encoder.next_version = 0 if last is None else last + 1
+        return last
+
+    def request_snapshot(self) -> None:
+        """Make the next publication a full snapshot."""
+        self._snapshot_requested = True
+
+    @property
+    def version(self) -> int | None:
+        """Version of the last publication of this process."""
+        return None if self.latest is None else self.latest.version
+
+    def publish(
+        self, state: Mapping[str, Any], *, trainer_step: int = 0, trained_samples: int = 0, snapshot: bool = False
+    ) -> PolicyVersion:
+        """Encode `state` as the next version and send it; returns its manifest once acknowledged."""
+        pub = self.encoder.encode(
+            state, trainer_step=trainer_step, trained_samples=trained_samples, snapshot=snapshot or self._snapshot_requested
+        )
+        try:
+            manifest = self._send(pub)
+        except BaseException:
+            self.encoder.reset()  # receivers may lack this version: never delta against it
+            raise
+        self._snapshot_requested = False
+        self.latest = manifest
+        return manifest
+
+    def _send(self, pub: Publication) -> PolicyVersion:
+        m = pub.manifest
+        is_snap = m.kind == WeightKind.SNAPSHOT
+        chunks: list[WeightChunk] = []
+        if self.store is not None and len(pub.payload) > self.settings.inband_max_bytes:
+            kind = "snapshot" if is_snap else "delta"
+            m.uri = self.store.put(f"{self.policy}/v{m.version:010d}.{kind}", pub.payload)  # blob before record
+        else:
+            chunks = split_chunks(self.policy, m.version, pub.payload, self.settings.chunk_bytes)
+        m.num_chunks = len(chunks)
+        if self._snapshot is not None and not is_snap:
+            m.latest_snapshot, m.latest_snapshot_uri = self._snapshot[0], self._snapshot[1]
+            m.metadata = {**m.metadata, SNAPSHOT_OFFSET: str(self._snapshot[2])}
+        elif is_snap:
+            m.latest_snapshot, m.latest_snapshot_uri = m.version, m.uri
+        offsets: list[int] = []
+        topic = self.topics.weights(self.policy)
+        self.producer.send(topic, m, key=self.policy, on_delivery=lambda err, msg: offsets.append(msg.offset()))
+        for chunk in chunks:
+            self.producer.send(topic, chunk, key=self.policy)
+        self.producer.flush()
+        if not offsets:
+            raise KafkaLayerError(f"no delivery report for version {m.version} on {topic}")
+        if is_snap:
+            self._snapshot = (m.version, m.uri, offsets[0])
+            m.metadata = {**m.metadata, SNAPSHOT_OFFSET: str(offsets[0])}
+        latest = replace(m, metadata={**m.metadata, OFFSET: str(offsets[0])})
+        self.producer.send(self.topics.policies, latest, key=self.policy)
+        self.producer.flush()
+        return latest
+
+    def close(self) -> None:
+        self.producer.flush()
+
+
+# ---- reading the topics ---------------------------------------------------------------------------
+
+
+def _consumer(kafka: KafkaSettings, serde: AvroSerde) -> Consumer:
+    return Consumer(
+        {
+            **kafka.client_config(),
+            "group.id": "astraflow-weights-reader",  # assign() only: never joins or commits
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "enable.partition.eof": True,
+            "fetch.message.max.bytes": serde.max_record_bytes + 64 * 1024,
+        }
+    )
+
+
+def _read_range(kafka: KafkaSettings, topic: str, start: int | None, serde: AvroSerde, timeout_s: float) -> list[Any]:
+    """Decoded records of partition 0 of `topic` from `start` (None: the last record) to its end."""
+    consumer = _consumer(kafka, serde)
+    try:
+        try:
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=timeout_s)
+        except KafkaException as exc:
+            raise KafkaLayerError(f"cannot read the offsets of {topic} (does it exist?): {exc}") from exc
+        if high <= low:
+            return []
+        first = high - 1 if start is None else max(start, low)
+        consumer.assign([TopicPartition(topic, 0, first)])
+        out: list[Any] = []
+        deadline = time.monotonic() + timeout_s
+        pos = first
+        while pos < high and time.monotonic() < deadline:
+            for msg in consumer.consume(500, 0.5):
+                if msg.error() is not None:
+                    if msg.error().code() == KafkaError._PARTITION_EOF:
+                        pos = high
+                    continue
+                pos = msg.offset() + 1
+                try:
+                    out.append(serde.loads(msg.value()))
+                except SerdeError:
+                    continue  # not ours to judge here; the follower skips what it cannot decode
+        return out
+    finally:
+        consumer.close()
+
+
+def latest_policy_version(
+    kafka: KafkaSettings, topics: Topics, policy: str, timeout_s: float = 10.0, serde: AvroSerde | None = None
+) -> PolicyVersion | None:
+    """The newest PolicyVersion of `policy` on the compacted ``policies`` topic (None if none)."""
+    records = _read_range(kafka, topics.policies, 0, serde or AvroSerde(), timeout_s)
+    found = [r for r in records if isinstance(r, PolicyVersion) and r.policy == policy]
+    return max(found, key=lambda r: r.version) if found else None
+
+
+def last_published_version(kafka: KafkaSettings, topics: Topics, policy: str, timeout_s: float = 10.0) -> int | None:
+    """Highest version number already used for `policy`: on ``policies`` or, after a crash
+    between the two sends, as the last record of the weights topic."""
+    serde = AvroSerde()
+    latest = latest_policy_version(kafka, topics, policy, timeout_s, serde)
+    tail = _read_range(kafka, topics.weights(policy), None, serde, timeout_s)
+    versions = [r.version for r in tail if isinstance(r, PolicyVersion | WeightChunk)]
+    versions += [latest.version] if latest else []
+    return max(versions) if versions else None
+
+
+def request_snapshot(producer: RecordProducer, topics: Topics, policy: str, requester: str, reason: str = "") -> None:
+    """Ask the trainer of `policy` to publish a full snapshot next (via the control topic)."""
+    producer.send(
+        topics.control,
+        Control(CONTROL_APP, f"{policy}.snapshot", "snapshot", int(time.time() * 1000), {"reason": reason}, requester),
+        key=f"{CONTROL_APP}/{policy}.snapshot",
+    )
+    producer.flush()
+
+
+# ---- receiver side ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SnapshotHint:
+    """The newest snapshot that would let a stuck follower advance."""
+
+    version: int  # snapshot version
+    uri: str | None  # where the store holds it, when claim-checked
+    offset: int | None  # offset of its manifest on the weights topic, when known
+
+
+@dataclass(frozen=True)
+class FollowEvent:
+    """What happened to one announced version."""
+
+    version: int  # the version the manifest announced
+    kind: WeightKind  # SNAPSHOT or DELTA
+    result: ApplyResult  # APPLIED / STALE / SNAPSHOT_NEEDED, and why
+    offset: int | None = None  # weights-topic offset of its manifest, when read from Kafka
+
+
+BlobFetcher = Callable[[str, "str | None"], bytes]
+
+
+class WeightFollower:
+    """Pure receiver: feed records of ``<policy>.weights`` in topic order; see the module doc.
+
+    It never holds wrong weights: a payload is applied only after every chunk crc32, the
+    payload sha256 and the announced state checksum agree, and the chain itself rolls back a
+    delta that fails its own checks. Only one payload is buffered at a time.
+    """
+
+    def __init__(self, policy: str, *, chain: WeightChain | None = None, fetch: BlobFetcher = fetch_blob) -> None:
+        self.policy = policy
+        self.chain = chain or WeightChain()
+        self.fetch = fetch  # (uri, sha256) -> bytes, for claim-checked payloads
+        self.snapshot_hint: SnapshotHint | None = None  # set while deltas cannot advance the chain
+        self.newest: PolicyVersion | None = None  # newest manifest seen (its snapshot fields drive hints)
+        self._pending: PolicyVersion | None = None  # manifest whose chunks are being collected
+        self._pending_offset: int | None = None
+        self._parts: list[bytes] = []
+
+    @property
+    def version(self) -> int | None:
+        return self.chain.version
+
+    @property
+    def state(self) -> Mapping[str, Any]:
+        """The current weights (read-only view; patched in place by later deltas)."""
+        return self.chain.state
+
+    def feed(self, record: Any, offset: int | None = None) -> list[FollowEvent]:
+        """Take one record (PolicyVersion or WeightChunk; others are ignored); return the events
+        of the versions it completed or gave up on."""
+        if isinstance(record, PolicyVersion):
+            return self._manifest(record, offset)
+        if isinstance(record, WeightChunk):
+            return self._chunk(record)
+        return []
+
+    def load_hinted(self, hint: SnapshotHint) -> list[FollowEvent]:
+        """Fetch and load a claim-checked snapshot named by a hint."""
+        if hint.uri is None:
+            raise WeightsError("this snapshot is in-band: seek the weights topic to the hint's offset instead")
+        record = PolicyVersion(self.policy, hint.version, WeightKind.SNAPSHOT, "", 0, 0, "", "", 0, 0, uri=hint.uri)
+        return [self._apply(record, None, lambda: self.fetch(hint.uri, None), check_sums=False)]
+
+    def _manifest(self, m: PolicyVersion, offset: int | None) -> list[FollowEvent]:
+        if m.policy != self.policy:
+            return []
+        events = []
+        if self._pending is not None:  # the previous version never completed: a gap
+            events.append(self._give_up(self._pending, self._pending_offset, "its chunks are incomplete"))
+        if self.newest is None or m.version >= self.newest.version:
+            self.newest = m
+        have = self.chain.version
+        if have is not None and m.version <= have:
+            events.append(FollowEvent(m.version, m.kind, ApplyResult(ApplyStatus.STALE, have, f"already at {have}"), offset))
+        elif m.kind == WeightKind.DELTA and m.base_version != have:
+            events.append(self._give_up(m, offset, f"delta {m.base_version} -> {m.version} does not apply to {have}"))
+        elif m.num_chunks == 0:
+            if m.uri is None:
+                events.append(self._give_up(m, offset, "manifest has neither chunks nor a uri"))
+            else:
+                events.append(self._apply(m, offset, lambda: self.fetch(m.uri, m.sha256)))
+        else:
+            self._pending, self._pending_offset, self._parts = m, offset, []
+        return events
+
+    def _chunk(self, c: WeightChunk) -> list[FollowEvent]:
+        m = self._pending
+        if m is None or c.policy != self.policy or c.version != m.version:
+            return []  # chunks of a version we skip or gave up on
+        if c.index != len(self._parts) or c.count != m.num_chunks or zlib.crc32(c.data) != c.crc32:
+            self._pending = None
+            return [self._give_up(m, self._pending_offset, f"chunk {c.index}/{c.count} is out of order or corrupt")]
+        self._parts.append(c.data)
+        if len(self._parts) < m.num_chunks:
+            return []
+        payload = b"".join(self._parts)
+        self._pending, self._parts = None, []
+        return [self._apply(m, self._pending_offset, lambda: payload)]
+
+    def _apply(self, m: PolicyVersion, offset: int | None, payload_of: Callable[[], bytes], check_sums: bool = True) -> FollowEvent:
+        try:
+            payload = payload_of()
+            if check_sums and sha256_hex(payload) != m.sha256:
+                raise PayloadError(f"payload of version {m.version} does not match its sha256")
+            stream = SparseDelta.from_bytes(payload)  # splits and checks the frames (either kind)
+            if stream.header.version != m.version or (check_sums and stream.trailer.checksum.hex() != m.state_checksum):
+                raise PayloadError(f"payload does not produce the announced version {m.version}")
+        except WeightsError as exc:
+            return self._give_up(m, offset, str(exc), exc)
+        if m.kind == WeightKind.SNAPSHOT:
+            result = self.chain.load_snapshot(stream.blocks)
+        else:
+            result = self.chain.apply_delta(m.version, stream)
+        if result.status == ApplyStatus.APPLIED:
+            self.snapshot_hint = None
+            return FollowEvent(m.version, m.kind, result, offset)
+        return self._give_up(m, offset, result.reason, result.error)
+
+    def _give_up(self, m: PolicyVersion, offset: int | None, reason: str, error: WeightsError | None = None) -> FollowEvent:
+        """Record that `m` cannot be applied and point at the newest snapshot that would help."""
+        have = -1 if self.chain.version is None else self.chain.version
+        n = self.newest
+        if n is not None and n.latest_snapshot is not None and n.latest_snapshot > have:
+            raw = n.metadata.get(SNAPSHOT_OFFSET)
+            self.snapshot_hint = SnapshotHint(n.latest_snapshot, n.latest_snapshot_uri, int(raw) if raw else None)
+        result = ApplyResult(ApplyStatus.SNAPSHOT_NEEDED, self.chain.version, reason, error)
+        return FollowEvent(m.version, m.kind, result, offset)
+
+
+class KafkaWeightFollower:
+    """Follows ``<policy>.weights`` with an assigned consumer (no group) and a `WeightFollower`.
+
+    `start()` positions the reader at the newest snapshot named on the ``policies`` topic (or
+    the beginning); `poll()` feeds what arrives, seeks back to or fetches the hinted snapshot,
+    and, when stuck with no snapshot to fall back to, asks the trainer for one (once per version).
+    """
+
+    def __init__(
+        self,
+        kafka: KafkaSettings,
+        experiment: str,
+        policy: str,
+        *,
+        follower: WeightFollower | None = None,
+        request_snapshots: bool = True,
+        requester: str = "weight-follower",
+        serde: AvroSerde | None = None,
+    ) -> None:
+        self.kafka, self.topics, self.policy = kafka, Topics(experiment), policy
+        self.follower = follower or WeightFollower(policy)
+        self.serde = serde or AvroSerde()
+        self.topic = self.topics.weights(policy)
+        self._consumer = _consumer(kafka, self.serde)
+        self._acted: SnapshotHint | None = None
+        self._requests = RecordProducer(kafka) if request_snapshots else None
+        self._requested_for = -1  # newest manifest version we already asked a snapshot for
+        self.requester = requester
+
+    def start(self, offset: int | None = None, timeout_s: float = 10.0) -> None:
+        """Start reading at `offset`, else at the latest snapshot's manifest, else the beginning."""
+        if offset is None:
+            latest = latest_policy_version(self.kafka, self.topics, self.policy, timeout_s, self.serde)
+            raw = latest.metadata.get(SNAPSHOT_OFFSET) if latest is not None else None
+            offset = int(raw) if raw else OFFSET_BEGINNING
+        self._consumer.assign([TopicPartition(self.topic, 0, offset)])
+
+    def poll(self, timeout_s: float = 1.0, max_records: int = 64) -> list[FollowEvent]:
+        """Read what is available (waiting up to `timeout_s`) and return the version events."""
+        events: list[FollowEvent] = []
+        for msg in self._consumer.consume(max_records, timeout_s):
+            err = msg.error()
+            if err is not None:
+                if err.fatal():
+                    raise KafkaLayerError(f"fatal Kafka error while following {self.topic}: {err.str()}")
+                continue
+            try:
+                record = self.serde.loads(msg.value())
+            except SerdeError:
+                continue  # undecodable: the version it belongs to fails its checks instead
+            events += self.follower.feed(record, msg.offset())
+            if self._on_hint(events, msg.offset()):
+                break  # we seeked: the rest of this batch is stale
+        self._maybe_request(events)
+        return events
+
+    def _on_hint(self, events: list[FollowEvent], at: int) -> bool:
+        hint = self.follower.snapshot_hint
+        if hint is None or hint == self._acted:
+            return False
+        self._acted = hint
+        if hint.uri is not None:
+            events += self.follower.load_hinted(hint)
+            return False
+        if hint.offset is not None and hint.offset < at:
+            self._consumer.seek(TopicPartition(self.topic, 0, hint.offset))
+            return True
+        return False
+
+    def _maybe_request(self, events: list[FollowEvent]) -> None:
+        stuck = [e for e in events if e.result.status == ApplyStatus.SNAPSHOT_NEEDED]
+        if not stuck or self._requests is None or self.follower.snapshot_hint is not None:
+            return
+        newest = max(e.version for e in stuck)
+        if newest > self._requested_for:
+            self._requested_for = newest
+            reason = stuck[-1].result.reason[:200]
+            request_snapshot(self._requests, self.topics, self.policy, self.requester, reason)
+
+    def close(self) -> None:
+        self._consumer.close()
+        if self._requests is not None:
+            self._requests.flush()
+
+
+__all__ = [
+    "FollowEvent",
+    "KafkaWeightFollower",
+    "PayloadError",
+    "Publication",
+    "PublishSettings",
+    "SnapshotHint",
+    "VersionEncoder",
+    "WeightFollower",
+    "WeightPublisher",
+    "latest_policy_version",
+    "published_state",
+    "request_snapshot",
+    "split_chunks",
+]

@@ -1,0 +1,155 @@
+"""Configuration of the trainer process: a frozen pydantic model under the `trainer` section.
+
+`TrainRunConfig` is the root config of `astraflow train`: every shared section of
+`AstraflowConfig` (kafka, topics, run_dir, ...) plus `trainer`. It loads like every other
+config (file, ASTRAFLOW__* environment, --set overrides) and is written as JSON into the run
+directory. Kept free of torch / Lightning imports so `astraflow train --help` stays instant.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from astraflow.config import AstraflowConfig
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class LossSettings(_Frozen):
+    """The policy loss (`astraflow.rl.policy_loss`)."""
+
+    mode: Literal["ppo", "decoupled"] = "decoupled"
+    """`ppo`: ratio against the behaviour logprobs; `decoupled`: decoupled PPO with truncated
+    importance sampling (ratio against the trainer's own logprobs, IS weight against behaviour)."""
+    eps_low: float = 0.2
+    """Ratio clipped below at 1 - eps_low."""
+    eps_high: float = 0.28
+    """Ratio clipped above at 1 + eps_high (clip-higher)."""
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    """Token-level (`token_mean`) or sequence-level aggregation; `seq_mean_token_sum_norm` is Dr. GRPO."""
+    max_tokens: int | None = None
+    """Dr. GRPO's normalising constant; None uses the padded batch length."""
+    tis_cap: float | None = 2.0
+    """Truncation of the importance weight in `decoupled` mode; None disables truncation."""
+    kl_coef: float = 0.0
+    """Weight of KL(policy || reference); > 0 loads a frozen reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator per token."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (entropy is always measured)."""
+
+
+class TrainerSettings(_Frozen):
+    """One policy's trainer."""
+
+    policy: str = "policy"
+    """Policy name: reads af.<experiment>.<policy>.train, publishes af.<experiment>.<policy>.weights."""
+    model_dir: Path | None = None
+    """Local directory of the causal LM to train (transformers format); required."""
+    ref_model_dir: Path | None = None
+    """Reference policy for the KL term; defaults to `model_dir` (the initial policy)."""
+    seed: int = 0
+    """Seed of torch's RNGs."""
+
+    # optimisation
+    lr: float = 1e-5
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    warmup_steps: int = 0
+    """Linear learning-rate warmup over this many optimizer steps."""
+    grad_clip: float | None = 1.0
+    """Gradient norm clipping; None disables it."""
+    loss: LossSettings = Field(default_factory=LossSettings)
+
+    # batches (one batch = one optimizer step)
+    batch_size: int = 32
+    """Most samples in one batch."""
+    token_budget: int | None = None
+    """Most padded tokens (samples x longest sample) in one batch; None: no token limit."""
+    max_wait_s: float = 2.0
+    """Train on a partial batch once nothing new arrived for this long (never wait for rollouts)."""
+    start_offsets: Literal["earliest", "latest"] = "earliest"
+    """Where to start reading the train topic when no checkpoint exists."""
+    stop_when_idle_s: float | None = None
+    """End training when the train topic stays empty this long; None: wait for data forever."""
+
+    # publication
+    publish_every_steps: int = 1
+    """K: publish a policy version every K optimizer steps."""
+    snapshot_every_versions: int = 20
+    """N: a full snapshot every N versions (deltas in between)."""
+    publish_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """dtype of the published weights (the trainer keeps fp32 master weights)."""
+    chunk_bytes: int = 1024 * 1024 - 64 * 1024
+    """Size of in-band WeightChunks; must stay below the weights topic's max.message.bytes."""
+    inband_max_bytes: int = 64 * 1024 * 1024
+    """Payloads larger than this go to `weight_store` (claim-check)."""
+    weight_store: str | None = None
+    """Directory or fsspec URI for large payloads; None: everything in-band."""
+
+    # run control
+    max_steps: int = -1
+    """Stop after this many optimizer steps in total (-1: no limit)."""
+    max_time_s: float | None = None
+    """Stop after this much wall time in this process."""
+    checkpoint_dir: Path | None = None
+    """Checkpoints (weights, optimizer, consumed offsets); default <run_dir>/<experiment>/<policy>/checkpoints."""
+    checkpoint_every_steps: int = 10
+    """Checkpoint every this many optimizer steps (and at the end)."""
+    keep_checkpoints: int = 2
+    """Newest checkpoints to keep."""
+    resume: bool = True
+    """Resume from the newest checkpoint in `checkpoint_dir` when there is one."""
+    trained_log: Path | None = None
+    """Optional JSONL audit log: per step, the partition/offset/sample id of every sample trained."""
+    logger: Literal["csv", "tensorboard", "none"] = "csv"
+    """Lightning logger writing under the run directory."""
+    metrics_every_steps: int = 1
+    """Send metrics to the metrics topic every this many steps."""
+    progress_bar: bool = True
+    """Lightning's progress bar."""
+
+    # hardware
+    accelerator: Literal["cpu", "gpu", "auto"] = "cpu"
+    """Lightning accelerator."""
+    devices: int | Literal["auto"] = 1
+    """Devices per node."""
+    strategy: Literal["auto", "ddp", "fsdp"] = "auto"
+    """Lightning strategy; ddp / fsdp for several GPUs."""
+    precision: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"] = "32-true"
+    """Lightning precision; the master weights stay fp32 except with bf16-true."""
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainerSettings:
+        if self.batch_size < 1:
+            raise ValueError("trainer.batch_size must be >= 1")
+        if self.token_budget is not None and self.token_budget < 1:
+            raise ValueError("trainer.token_budget must be >= 1 or unset")
+        if self.publish_every_steps < 1 or self.snapshot_every_versions < 1:
+            raise ValueError("trainer.publish_every_steps and trainer.snapshot_every_versions must be >= 1")
+        if self.checkpoint_every_steps < 1 or self.keep_checkpoints < 1:
+            raise ValueError("trainer.checkpoint_every_steps and trainer.keep_checkpoints must be >= 1")
+        if self.chunk_bytes < 1024:
+            raise ValueError("trainer.chunk_bytes must be at least 1024")
+        return self
+
+
+class TrainRunConfig(AstraflowConfig):
+    """Root config of `astraflow train`."""
+
+    trainer: TrainerSettings = Field(default_factory=TrainerSettings)
+
+    def checkpoint_dir(self) -> Path:
+        t = self.trainer
+        return t.checkpoint_dir or self.run_dir / self.experiment / t.policy / "checkpoints"
+
+    def log_dir(self) -> Path:
+        return self.run_dir / self.experiment / self.trainer.policy

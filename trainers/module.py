@@ -1,0 +1,162 @@
+"""The LightningModule that trains a causal LM with PPO-clip / GRPO on TrainSample batches.
+
+The loss math lives in `astraflow.rl` (pure, tested); this module only runs the model, wires
+the batch into `policy_loss` and reports metrics. Batches come from `trainers.data.collate`:
+per-token behaviour logprobs recorded at rollout (for PPO's ratio or decoupled PPO's truncated
+importance weights), one advantage per sequence (GRPO), and the sample's `min_version` for the
+staleness histogram (trainer version - min_version). The optional reference policy for the KL
+term is a frozen copy kept out of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from astraflow.errors import ModelError
+from astraflow.rl import PolicyLossConfig, entropy_from_logits, policy_loss, sequence_logprobs
+from trainers.config import LossSettings
+
+# Staleness buckets (versions behind the trainer): 0, 1, 2, 3, 4-7, 8+.
+STALENESS_BUCKETS = ((0, 0, "0"), (1, 1, "1"), (2, 2, "2"), (3, 3, "3"), (4, 7, "4-7"), (8, None, "8+"))
+
+
+def load_causal_lm(model_dir: str | Path) -> torch.nn.Module:
+    """A transformers causal LM from a local directory, fp32 (the master weights), train mode."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise ModelError(
+            f"no model in {path}: pass --model DIR with a transformers model "
+            "(e.g. one built by astraflow.models.init_tiny)"
+        )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot load the model in {path}: {exc}") from exc
+    model.train()
+    return model
+
+
+def staleness_histogram(trainer_version: int, min_versions: torch.Tensor) -> dict[str, int]:
+    """Counts of samples per staleness bucket (trainer version - sample min_version, >= 0)."""
+    counts = collections.Counter()
+    for v in min_versions.tolist():
+        lag = max(0, trainer_version - int(v))
+        for lo, hi, name in STALENESS_BUCKETS:
+            if lag >= lo and (hi is None or lag <= hi):
+                counts[name] += 1
+                break
+    return {name: counts.get(name, 0) for _, _, name in STALENESS_BUCKETS}
+
+
+class PolicyTrainer(L.LightningModule):
+    """PPO-clip / GRPO (token- or sequence-level), decoupled PPO with TIS, KL to a reference, entropy."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        loss: LossSettings = LossSettings(),
+        *,
+        lr: float = 1e-5,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        warmup_steps: int = 0,
+        ref_model_dir: str | Path | None = None,
+        model: torch.nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        self.model = model if model is not None else load_causal_lm(model_dir)
+        self.loss_settings = loss
+        self.loss_config = PolicyLossConfig(**loss.model_dump())
+        self.lr, self.weight_decay, self.betas, self.warmup_steps = lr, weight_decay, tuple(betas), warmup_steps
+        # A plain list keeps the frozen reference out of state_dict, the optimizer and checkpoints.
+        self._ref: list[torch.nn.Module] = []
+        if loss.kl_coef > 0:
+            ref = load_causal_lm(ref_model_dir or model_dir)
+            ref.eval().requires_grad_(False)
+            self._ref.append(ref)
+        self.policy_version = 0  # last published version (set by the publishing callback)
+        self.last_metrics: dict[str, float] = {}  # metrics of the last step, for the Kafka metrics callback
+        self.last_staleness: dict[str, int] = {}
+        self._last_step_at: float | None = None
+
+    def on_fit_start(self) -> None:
+        for ref in self._ref:
+            ref.to(self.device)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    def compute_loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+        """Policy loss and metrics of one batch (no logging, no side effects)."""
+        ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+        logits = self(ids, attn)
+        logprobs = sequence_logprobs(logits, ids)
+        # Entropy of the distribution each trained token was drawn from (logits of position t-1).
+        if self.loss_config.entropy_coef > 0:
+            ent = torch.nn.functional.pad(entropy_from_logits(logits[:, :-1]), (1, 0))
+        else:
+            with torch.no_grad():
+                ent = torch.nn.functional.pad(entropy_from_logits(logits[:, :-1].detach()), (1, 0))
+        ref_logprobs = None
+        if self._ref:
+            with torch.no_grad():
+                ref_logits = self._ref[0](input_ids=ids, attention_mask=attn, use_cache=False).logits
+                ref_logprobs = sequence_logprobs(ref_logits, ids)
+        out = policy_loss(
+            logprobs,
+            batch["behaviour_logprobs"],
+            batch["advantages"],
+            mask,
+            self.loss_config,
+            ref_logprobs=ref_logprobs,
+            entropy=ent,
+        )
+        metrics = dict(out.metrics)
+        metrics["reward"] = batch["rewards"].float().mean().item()
+        metrics["advantage_abs"] = batch["advantages"].abs().mean().item()
+        metrics["samples"] = float(ids.shape[0])
+        metrics["seq_len"] = float(attn.sum(dim=1).float().mean().item())
+        return out.loss, metrics
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        now = time.perf_counter()
+        loss, metrics = self.compute_loss(batch)
+        if self._last_step_at is not None:
+            metrics["tokens_per_s"] = metrics["tokens"] / max(now - self._last_step_at, 1e-9)
+        self._last_step_at = now
+        hist = staleness_histogram(self.policy_version, batch["min_versions"])
+        lags = [max(0, self.policy_version - int(v)) for v in batch["min_versions"].tolist()]
+        metrics["staleness_mean"] = sum(lags) / max(len(lags), 1)
+        metrics["staleness_max"] = float(max(lags, default=0))
+        metrics["policy_version"] = float(self.policy_version)
+        self.last_metrics, self.last_staleness = metrics, hist
+        self.log_dict({f"train/{k}": v for k, v in metrics.items()}, on_step=True, batch_size=len(lags))
+        self.log_dict({f"staleness/{k}": float(v) for k, v in hist.items()}, on_step=True, batch_size=len(lags))
+        meta = batch.get("meta")
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if meta is not None and hasattr(dm, "mark_trained"):
+            # Before the optimizer step and any checkpoint of this step: these offsets are now trained.
+            dm.mark_trained(meta)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.model.parameters(), lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
+        if self.warmup_steps <= 0:
+            return opt
+        warm = self.warmup_steps
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warm))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["astraflow"] = {"policy_version": self.policy_version}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.policy_version = int(checkpoint.get("astraflow", {}).get("policy_version", 0))

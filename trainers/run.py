@@ -1,0 +1,201 @@
+"""The trainer process: wires config, Kafka data, the module, publishing and checkpoints.
+
+`run_training(config)` is what `astraflow train` calls. It trains whenever a batch is
+available (never waiting for rollout nodes), resumes from the newest checkpoint in the
+checkpoint directory (weights, optimizer and consumed offsets together), publishes a policy
+version every K steps and stops on max_steps / max_time / idleness / Ctrl-C (graceful: a final
+checkpoint and version) or SIGTERM (checkpoint between batches).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from astraflow.config import write_resolved
+from astraflow.errors import ConfigError, ModelError
+from astraflow.kafka.clients import RecordProducer
+from astraflow.kafka.topics import TopicAdmin, Topics, topic_specs
+from astraflow.weights.publish import PublishSettings, WeightPublisher
+from astraflow.weights.store import WeightStore
+from trainers.callbacks import (
+    AtomicCheckpointIO,
+    KafkaMetrics,
+    PublishWeights,
+    SnapshotRequests,
+    StepCheckpoint,
+    TrainedLog,
+    newest_checkpoint,
+)
+from trainers.config import TrainRunConfig
+from trainers.data import BatchLimits, KafkaTrainData
+from trainers.module import PolicyTrainer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainSummary:
+    """What one `run_training` call did."""
+
+    steps: int  # optimizer steps in total (restored steps included)
+    trained_samples: int  # samples in total (restored included)
+    offsets: dict[int, int]  # next offset per partition after the last trained batch
+    version: int | None  # last published version
+    resumed_from: Path | None  # checkpoint the run started from
+    seconds: float  # wall time of this call
+    stopped_by: str  # "max_steps", "idle", "time", "interrupt" or "sigterm"
+
+
+def _pad_id(model_dir: Path) -> int:
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        if tok.pad_token_id is not None:
+            return int(tok.pad_token_id)
+    except (OSError, ValueError):
+        pass
+    cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    return int(getattr(cfg, "pad_token_id", None) or 0)
+
+
+def _strategy(name: str, model: torch.nn.Module) -> Any:
+    if name == "fsdp":
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        layers = {type(m) for m in model.modules() if type(m).__name__ in set(getattr(model, "_no_split_modules", None) or [])}
+        return FSDPStrategy(auto_wrap_policy=layers or None, state_dict_type="full")
+    if name == "ddp":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy(find_unused_parameters=False)
+    return "auto"
+
+
+def _logger(kind: str, log_dir: Path) -> Any:
+    if kind == "csv":
+        from lightning.pytorch.loggers import CSVLogger
+
+        return CSVLogger(log_dir, name="lightning")
+    if kind == "tensorboard":
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        return TensorBoardLogger(log_dir, name="lightning")
+    return False
+
+
+def run_training(config: TrainRunConfig) -> TrainSummary:
+    """Train one policy from its train topic until a stop condition; see the module docstring."""
+    t0 = time.monotonic()
+    tc = config.trainer
+    if tc.model_dir is None:
+        raise ConfigError("no model: pass --model DIR (or set trainer.model_dir)")
+    if not (Path(tc.model_dir) / "config.json").is_file():
+        raise ModelError(f"no transformers model in {tc.model_dir}: --model must name a local model directory")
+    topics = Topics(config.experiment)
+    TopicAdmin(config.kafka).create(topic_specs(config.experiment, [tc.policy], config.topics), config.topics.replication_factor)
+    log_dir = config.log_dir()
+    write_resolved(config, log_dir, "trainer-config.json")
+    ckpt_dir = config.checkpoint_dir()
+    resume = newest_checkpoint(ckpt_dir) if tc.resume else None
+    L.seed_everything(tc.seed, workers=False, verbose=False)
+    warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=r".*IterableDataset.*__len__.*")
+
+    module = PolicyTrainer(
+        tc.model_dir,
+        tc.loss,
+        lr=tc.lr,
+        weight_decay=tc.weight_decay,
+        betas=tc.betas,
+        warmup_steps=tc.warmup_steps,
+        ref_model_dir=tc.ref_model_dir,
+    )
+    deadline = None if tc.max_time_s is None else time.monotonic() + tc.max_time_s
+    data = KafkaTrainData(
+        {
+            "kafka": config.kafka,
+            "topic": topics.train(tc.policy),
+            "policy": tc.policy,
+            "limits": BatchLimits(tc.batch_size, tc.token_budget),
+            "pad_id": _pad_id(Path(tc.model_dir)),
+            "max_wait_s": tc.max_wait_s,
+            "start": tc.start_offsets,
+            "stop_when_idle_s": tc.stop_when_idle_s,
+            "deadline": deadline,
+            "group_id": f"af.{config.experiment}.{tc.policy}.trainer",
+        },
+        dlq_topic=topics.dlq,
+    )
+    store = WeightStore(tc.weight_store) if tc.weight_store else None
+    settings = PublishSettings(tc.publish_dtype, tc.snapshot_every_versions, tc.chunk_bytes, tc.inband_max_bytes)
+    publisher = WeightPublisher(config.kafka, config.experiment, tc.policy, settings, store=store)
+    callbacks: list[L.Callback] = [
+        PublishWeights(publisher, tc.publish_every_steps, SnapshotRequests(config.kafka, topics, tc.policy)),
+        StepCheckpoint(ckpt_dir, tc.checkpoint_every_steps, tc.keep_checkpoints),
+        KafkaMetrics(RecordProducer(config.kafka), topics, tc.policy, tc.metrics_every_steps),
+    ]
+    if tc.trained_log is not None:
+        callbacks.append(TrainedLog(tc.trained_log))
+    trainer = L.Trainer(
+        accelerator=tc.accelerator,
+        devices=tc.devices,
+        strategy=_strategy(tc.strategy, module.model),
+        precision=tc.precision,
+        max_steps=tc.max_steps,
+        max_epochs=1,  # one pass over an endless stream; it ends on idle / time / stop
+        gradient_clip_val=tc.grad_clip,
+        logger=_logger(tc.logger, log_dir),
+        callbacks=callbacks,
+        enable_checkpointing=False,  # StepCheckpoint does it, with the offsets, atomically
+        plugins=[AtomicCheckpointIO()],
+        log_every_n_steps=1,
+        enable_progress_bar=tc.progress_bar,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=log_dir,
+    )
+
+    stopped_by = {"value": ""}
+
+    def _on_sigint(signum: int, frame: Any) -> None:
+        if stopped_by["value"] == "interrupt":
+            raise KeyboardInterrupt
+        stopped_by["value"] = "interrupt"
+        log.warning("stopping after this batch (Ctrl-C again to abort without a final checkpoint)")
+        if data.stream is not None:
+            data.stream.request_stop()
+
+    previous = signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        trainer.fit(module, datamodule=data, ckpt_path=str(resume) if resume else None)
+    except SIGTERMException:
+        stopped_by["value"] = "sigterm"
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if not stopped_by["value"]:
+        if tc.max_steps >= 0 and trainer.global_step >= tc.max_steps:
+            stopped_by["value"] = "max_steps"
+        elif deadline is not None and time.monotonic() >= deadline:
+            stopped_by["value"] = "time"
+        else:
+            stopped_by["value"] = "idle"
+    return TrainSummary(
+        steps=trainer.global_step,
+        trained_samples=data.trained_samples,
+        offsets=dict(data.trained),
+        version=publisher.version,
+        resumed_from=resume,
+        seconds=time.monotonic() - t0,
+        stopped_by=stopped_by["value"],
+    )
