@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import typer
 
-from astraflow.cli import kafka_cmd, raas_cmd, smoke_cmd, topics_cmd, train_cmd
+from astraflow.cli import (
+    archive_cmd,
+    demo_cmd,
+    kafka_cmd,
+    logs_cmd,
+    model_cmd,
+    raas_cmd,
+    replay_cmd,
+    smoke_cmd,
+    topics_cmd,
+    train_cmd,
+)
 from astraflow.cli.common import console, handle_errors, load
 
 app = typer.Typer(
@@ -15,8 +26,14 @@ app = typer.Typer(
 app.add_typer(kafka_cmd.app, name="kafka")
 app.add_typer(topics_cmd.app, name="topics")
 app.command("smoke")(smoke_cmd.smoke)
+app.add_typer(archive_cmd.app, name="archive")
+app.add_typer(logs_cmd.app, name="logs")
+app.command("replay")(replay_cmd.replay)
 app.add_typer(raas_cmd.app, name="raas")
 app.command("train")(train_cmd.train)
+app.command("demo")(demo_cmd.demo)
+app.command("eval")(demo_cmd.evaluate)
+app.add_typer(model_cmd.app, name="model")
 
 
 @app.callback()

@@ -1,0 +1,1 @@
+"""`astraflow demo`: the whole pipeline on one machine, learning a tool-using agent on CPU."""

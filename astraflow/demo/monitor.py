@@ -1,0 +1,166 @@
+"""Watches a running experiment from the outside, through its topics only.
+
+Reads `scored` (reward, versions, node of each trajectory), `metrics` (evaluation success,
+versions per node, trainer figures), the `dlq`, and consumer-group lag per topic. The live view,
+the CSV, the plot and `summary.json` are all built from what this sees.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from astraflow.config import KafkaSettings
+from astraflow.kafka.topics import Topics
+from astraflow.records import DeadLetter, Metric, Trajectory
+from astraflow.serde import AvroSerde
+
+
+@dataclass
+class Snapshot:
+    """What the experiment looks like now."""
+
+    elapsed_s: float
+    trajectories: int
+    traj_per_s: float
+    reward_recent: float | None  # mean reward of the last 64 scored trajectories
+    eval_success: float | None  # latest held-out success
+    eval_version: int | None
+    versions_by_node: dict[str, int]
+    trainer_version: int | None
+    staleness_recent: float | None  # mean (trainer version - trajectory version), last 64
+    lags: dict[str, int]  # topic -> total consumer lag of its reading group
+    dlq: int
+    train_samples: int | None
+
+
+@dataclass
+class Monitor:
+    """Background reader of an experiment's topics."""
+
+    kafka: KafkaSettings
+    experiment: str
+    policy: str
+    groups: dict[str, str] = field(default_factory=dict)  # topic -> consumer group whose lag to show
+    t0: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.topics = Topics(self.experiment)
+        self.serde = AvroSerde()
+        self.rows: list[dict] = []  # one per scored trajectory
+        self.evals: list[dict] = []  # one per evaluation
+        self.versions_by_node: dict[str, int] = {}
+        self.trainer_version: int | None = None
+        self.trainer_metrics: dict[str, float] = {}
+        self.dlq: list[DeadLetter] = []
+        self._recent = deque(maxlen=64)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="demo-monitor", daemon=True)
+        self._admin = AdminClient(self.kafka.client_config())
+        self.lags: dict[str, int] = {}
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        c = Consumer({**self.kafka.client_config(), "group.id": f"af.{self.experiment}.monitor-{uuid.uuid4().hex[:6]}",
+                      "auto.offset.reset": "earliest", "enable.auto.commit": False})
+        c.subscribe([self.topics.scored, self.topics.metrics, self.topics.dlq])
+        last_lag = 0.0
+        try:
+            while not self._stop.is_set():
+                for msg in c.consume(500, 0.5):
+                    if msg.error() is None:
+                        self._handle(msg.topic(), msg.value())
+                if time.monotonic() - last_lag > 2.0:
+                    self.lags = self._lags()
+                    last_lag = time.monotonic()
+        finally:
+            c.close()
+
+    def _handle(self, topic: str, value: bytes) -> None:
+        try:
+            rec = self.serde.loads(value)
+        except Exception:  # the monitor only watches; bad records are the DLQ's business
+            return
+        now = time.monotonic() - self.t0
+        with self._lock:
+            if isinstance(rec, Trajectory):
+                gen = [s for s in rec.segments if s.loss_mask.any()]
+                version = int(min((int(s.versions[s.loss_mask.astype(bool)].min()) for s in gen), default=-1))
+                row = {"t": now, "reward": rec.reward if rec.reward is not None else 0.0, "version": version,
+                       "node": rec.node.node_id, "tool_calls": len(rec.tool_calls), "status": str(rec.status),
+                       "trainer_version": self.trainer_version if self.trainer_version is not None else 0}
+                self.rows.append(row)
+                self._recent.append(row)
+            elif isinstance(rec, Metric):
+                if rec.component == "eval" and rec.name == "eval_success":
+                    self.evals.append({"t": now, "success": rec.value, "version": int(rec.labels.get("version", -1))})
+                elif rec.name == "policy_version" and rec.component == "raas":
+                    self.versions_by_node[rec.instance] = int(rec.value)
+                elif rec.component == "trainer":
+                    self.trainer_metrics[rec.name] = rec.value
+                    if rec.name in ("version", "published_version", "policy_version"):
+                        self.trainer_version = int(rec.value)
+            elif isinstance(rec, DeadLetter):
+                self.dlq.append(rec)
+
+    def _lags(self) -> dict[str, int]:
+        out = {}
+        for topic, group in self.groups.items():
+            try:
+                md = self._admin.list_topics(topic, timeout=5)
+                parts = [TopicPartition(topic, p) for p in md.topics[topic].partitions]
+                fut = self._admin.list_consumer_group_offsets(
+                    [ConsumerGroupTopicPartitions(group, parts)])
+                committed = {tp.partition: tp.offset for tp in next(iter(fut.values())).result(timeout=5).topic_partitions}
+                probe = Consumer({**self.kafka.client_config(), "group.id": "af-lag-probe"})
+                total = 0
+                for tp in parts:
+                    _lo, hi = probe.get_watermark_offsets(tp, timeout=5)
+                    total += max(0, hi - max(committed.get(tp.partition, 0), 0))
+                probe.close()
+                out[topic.rsplit(".", 1)[-1] if topic.count(".") == 2 else ".".join(topic.split(".")[2:])] = total
+            except Exception:  # lag display is best effort while topics and groups appear
+                continue
+        return out
+
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            now = time.monotonic() - self.t0
+            recent = list(self._recent)
+            window = [r for r in self.rows if r["t"] > now - 30]
+            ev = self.evals[-1] if self.evals else None
+            return Snapshot(
+                elapsed_s=now,
+                trajectories=len(self.rows),
+                traj_per_s=len(window) / min(30.0, max(now, 1e-6)),
+                reward_recent=sum(r["reward"] for r in recent) / len(recent) if recent else None,
+                eval_success=ev["success"] if ev else None,
+                eval_version=ev["version"] if ev else None,
+                versions_by_node=dict(self.versions_by_node),
+                trainer_version=self.trainer_version,
+                staleness_recent=(sum(r["trainer_version"] - r["version"] for r in recent) / len(recent)) if recent else None,
+                lags=dict(self.lags),
+                dlq=len(self.dlq),
+                train_samples=int(self.trainer_metrics["trained_samples"]) if "trained_samples" in self.trainer_metrics else None,
+            )
+
+    def by_version(self) -> dict[int, float]:
+        """Mean reward of the trajectories generated by each policy version."""
+        acc: dict[int, list[float]] = defaultdict(list)
+        with self._lock:
+            for r in self.rows:
+                acc[r["version"]].append(r["reward"])
+        return {v: sum(x) / len(x) for v, x in sorted(acc.items())}

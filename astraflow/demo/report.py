@@ -1,0 +1,82 @@
+"""What a demo run leaves in its run directory: metrics CSV, a plot, and summary.json."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+from astraflow.demo.monitor import Monitor
+
+
+def write_csv(monitor: Monitor, run_dir: Path) -> tuple[Path, Path]:
+    traj = run_dir / "trajectories.csv"
+    with traj.open("w", newline="") as f:
+        w = csv.DictWriter(f, ["t", "reward", "version", "trainer_version", "node", "tool_calls", "status"])
+        w.writeheader()
+        w.writerows(monitor.rows)
+    evals = run_dir / "eval.csv"
+    with evals.open("w", newline="") as f:
+        w = csv.DictWriter(f, ["t", "version", "success"])
+        w.writeheader()
+        w.writerows(monitor.evals)
+    return traj, evals
+
+
+def write_plot(monitor: Monitor, run_dir: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, evals = monitor.rows, monitor.evals
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    if rows:
+        window = 32
+        ts = [r["t"] for r in rows]
+        rs = [r["reward"] for r in rows]
+        smooth = [sum(rs[max(0, i - window + 1) : i + 1]) / len(rs[max(0, i - window + 1) : i + 1]) for i in range(len(rs))]
+        a.plot(ts, smooth, label=f"training reward (mean of last {window})")
+    if evals:
+        a.plot([e["t"] for e in evals], [e["success"] for e in evals], "o-", label="held-out success")
+    a.set_xlabel("wall time (s)")
+    a.set_ylabel("reward / success")
+    a.set_ylim(-0.02, 1.02)
+    a.legend(loc="lower right")
+    a.set_title("against wall time")
+    by_version = monitor.by_version()
+    if by_version:
+        b.plot(list(by_version), list(by_version.values()), ".-", label="training reward of rollouts by version")
+    if evals:
+        b.plot([e["version"] for e in evals], [e["success"] for e in evals], "o-", label="held-out success")
+    b.set_xlabel("policy version")
+    b.set_ylim(-0.02, 1.02)
+    b.legend(loc="lower right")
+    b.set_title("against policy version")
+    fig.suptitle(f"AstraFlow demo — experiment {monitor.experiment}")
+    fig.tight_layout()
+    out = run_dir / "learning.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def write_summary(monitor: Monitor, run_dir: Path, extra: dict[str, Any]) -> dict[str, Any]:
+    evals = monitor.evals
+    warm = next((e["success"] for e in evals if e["version"] == 0), evals[0]["success"] if evals else None)
+    final = evals[-1]["success"] if evals else None
+    best = max((e["success"] for e in evals), default=None)
+    summary = {
+        "experiment": monitor.experiment,
+        "eval_success_warm_start": warm,
+        "eval_success_final": final,
+        "eval_success_best": best,
+        "eval_points": len(evals),
+        "versions_published": monitor.trainer_version,
+        "trajectories": len(monitor.rows),
+        "dead_letters": len(monitor.dlq),
+        **extra,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
