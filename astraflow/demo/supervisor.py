@@ -7,6 +7,7 @@ tail of its log. Ctrl-C (or `stop_all`) sends SIGTERM to every role, waits, then
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -63,19 +64,15 @@ class Supervisor:
     def stop_all(self, timeout_s: float = 30.0) -> None:
         live = [r for r in self.roles if r.proc and r.proc.poll() is None]
         for r in live:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(r.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
         deadline = time.monotonic() + timeout_s
         for r in live:
             try:
                 r.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(r.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 r.proc.wait()
 
 
