@@ -169,10 +169,13 @@ def warm_start(
     seed: int = 0,
     on_step: StepCallback | None = None,
 ) -> SftMetrics:
-    """SFT on `n_examples` calculator demonstrations drawn from the train side of the split.
+    """SFT on calculator demonstrations: the RL warm start of a fresh `init_tiny` model.
 
-    Problems whose expression falls on the held-out side (`split_heldout` with
-    `heldout_fraction`) are never trained on, so evaluation can use them.
+    Draws `n_examples` problems of `difficulty` and trains on those whose expression falls on
+    the train side of `split_heldout(heldout_fraction)` (about 80%), so held-out problems stay
+    unseen for evaluation. With the defaults (about 20-40 s on one free CPU core) the tiny
+    model follows the format and solves roughly 15% of held-out problems, greedy or sampled:
+    room for RL to improve.
     """
     problems = arithmetic_dataset(n_examples, seed=seed, difficulty=difficulty)
     train, _ = split_heldout(problems, heldout_fraction)
