@@ -1,0 +1,142 @@
+"""Receiver side of weight publication: current weights + version, advanced delta by delta.
+
+An inference worker keeps one `WeightChain`. It starts from a snapshot, then applies each
+published delta in order. Whatever arrives, the chain never holds wrong weights:
+
+- a delta for a version it already has -> ``STALE``, nothing done;
+- a delta whose base is not the current version (a version was missed) -> ``SNAPSHOT_NEEDED``;
+- a delta that fails any check (corrupt bytes, wrong base checksum, tensor crc32, version
+  sha256) -> rolled back exactly, ``SNAPSHOT_NEEDED`` with the error attached;
+- otherwise ``APPLIED`` and `version` moves on.
+
+Deltas are patched into the chain's own buffers in place (no second copy of the weights); see
+`astraflow.weights.transaction` for how the rollback stays exact. Not thread-safe: a reader
+must not use `state` while `apply_delta` runs.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from astraflow.errors import DeltaFormatError, WeightsError
+from astraflow.weights.bits import Manifest, is_torch
+from astraflow.weights.delta import SparseDelta
+from astraflow.weights.format import KIND_HEADER, StreamHeader, split_blocks, unframe
+from astraflow.weights.snapshot import load_snapshot
+from astraflow.weights.transaction import apply_blocks
+
+
+class ApplyStatus(enum.Enum):
+    """Outcome of `WeightChain.apply_delta` / `load_snapshot`."""
+
+    APPLIED = "applied"  # the chain moved to the new version
+    STALE = "stale"  # the chain already has this version or a newer one; nothing changed
+    SNAPSHOT_NEEDED = "snapshot_needed"  # cannot advance by deltas; weights unchanged
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    """What one call did."""
+
+    status: ApplyStatus  # see ApplyStatus
+    version: int | None  # the chain's version after the call (None: no weights yet)
+    reason: str = ""  # why, when not APPLIED
+    error: WeightsError | None = None  # the verification error behind SNAPSHOT_NEEDED, if any
+
+
+def _owned_copy(value: Any) -> Any:
+    if is_torch(value):
+        return value.detach().to("cpu", copy=True).contiguous()
+    return np.array(value, copy=True, order="C")
+
+
+class WeightChain:
+    """Current weights and version of one receiver; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._state: dict[str, Any] = {}  # name -> tensor, owned (contiguous CPU)
+        self._manifest = Manifest()  # verified manifest of _state
+        self._version: int | None = None  # None until a snapshot is loaded
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any], version: int) -> WeightChain:
+        """Start from weights already in memory (copied, so the caller keeps its own)."""
+        chain = cls()
+        chain._state = {name: _owned_copy(v) for name, v in state.items()}
+        chain._manifest = Manifest.of(chain._state)
+        chain._version = version
+        return chain
+
+    @property
+    def version(self) -> int | None:
+        """The version held, or None before the first snapshot."""
+        return self._version
+
+    @property
+    def checksum(self) -> bytes:
+        """sha256 naming the version held (equal to the publisher's manifest checksum)."""
+        return self._manifest.checksum()
+
+    @property
+    def state(self) -> Mapping[str, Any]:
+        """Read-only view of the weights. The tensors are patched in place by `apply_delta`:
+        copy them if you need them to stay fixed."""
+        return MappingProxyType(self._state)
+
+    def load_snapshot(self, data: bytes | memoryview | Iterable[bytes]) -> ApplyResult:
+        """Replace the weights with a snapshot; on any error keep the old ones."""
+        try:
+            snap = load_snapshot(data)
+        except WeightsError as exc:
+            return ApplyResult(ApplyStatus.SNAPSHOT_NEEDED, self._version, f"snapshot rejected: {exc}", exc)
+        self._state, self._manifest, self._version = dict(snap.state), snap.manifest, snap.version
+        return ApplyResult(ApplyStatus.APPLIED, self._version)
+
+    def apply_delta(
+        self, version: int, delta: SparseDelta | bytes | memoryview | Iterable[bytes]
+    ) -> ApplyResult:
+        """Advance to `version` by applying `delta` (all or nothing); see the module docstring."""
+        if self._version is None:
+            return ApplyResult(ApplyStatus.SNAPSHOT_NEEDED, None, "no weights yet: load a snapshot first")
+        blocks: Iterable[bytes | memoryview]
+        if isinstance(delta, SparseDelta):
+            blocks = delta.blocks
+        elif isinstance(delta, bytes | bytearray | memoryview):
+            blocks = split_blocks(delta)
+        else:
+            blocks = delta
+        it = iter(blocks)
+        try:
+            first = next(it, None)
+            if first is None:
+                raise DeltaFormatError("empty delta")
+            kind, body = unframe(first)
+            if kind != KIND_HEADER:
+                raise DeltaFormatError("a delta must start with its header block")
+            header = StreamHeader.parse(body)
+        except WeightsError as exc:
+            return self._need_snapshot(f"delta for version {version} is unreadable: {exc}", exc)
+        if header.version != version:
+            return self._need_snapshot(f"delta says it produces version {header.version}, expected {version}")
+        if version <= self._version:
+            return ApplyResult(ApplyStatus.STALE, self._version, f"already at version {self._version}")
+        if header.base_version != self._version:
+            return self._need_snapshot(
+                f"missing versions: have {self._version}, delta goes {header.base_version} -> {version}"
+            )
+        try:
+            applied = apply_blocks(self._state, itertools.chain([first], it), self._manifest, inplace=True)
+        except WeightsError as exc:
+            return self._need_snapshot(f"delta {header.base_version} -> {version} rejected: {exc}", exc)
+        self._manifest, self._version = applied.manifest, version
+        return ApplyResult(ApplyStatus.APPLIED, version)
+
+    def _need_snapshot(self, reason: str, error: WeightsError | None = None) -> ApplyResult:
+        return ApplyResult(ApplyStatus.SNAPSHOT_NEEDED, self._version, reason, error)
