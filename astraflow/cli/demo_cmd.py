@@ -20,7 +20,7 @@ def demo(
     n_samples: int = typer.Option(8, help="Samples per prompt (group size)."),
     lr: float = typer.Option(2e-4, help="RL learning rate."),
     batch_size: int = typer.Option(64, help="Trainer batch size (samples)."),
-    sft_steps: int = typer.Option(150, help="Warm-start SFT steps."),
+    sft_steps: int = typer.Option(300, help="Warm-start SFT steps."),
 ) -> None:
     """Learn a tool-using arithmetic agent on CPU through the whole dataflow, with a live view."""
     import time

@@ -36,7 +36,7 @@ class DemoSettings:
     n_train: int = 4000  # training prompts
     n_heldout: int = 128  # held-out evaluation prompts
     n_samples: int = 8  # samples per prompt (GRPO group size)
-    sft_steps: int = 150  # warm-start steps: enough to use the tool sometimes, not always right
+    sft_steps: int = 300  # warm-start steps: ~16% held-out success, room for RL (measured: 150 -> 1%, 400 -> ~55%)
     lr: float = 2e-4  # RL learning rate
     batch_size: int = 64  # trainer batch (samples)
     max_ahead: int = 16  # tasks the curator keeps ahead of the trainer
