@@ -20,17 +20,17 @@ from typing import Any
 
 import lightning as L
 import torch
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from astraflow.config import KafkaSettings
-from astraflow.errors import SerdeError
+from astraflow.errors import KafkaLayerError, SerdeError
 from astraflow.kafka.clients import RecordProducer
 from astraflow.kafka.topics import Topics
 from astraflow.records import Control, Metric
 from astraflow.serde import AvroSerde
-from astraflow.weights.publish import CONTROL_APP, WeightPublisher
+from astraflow.weights.publish import CONTROL_APP, WeightPublisher, watermarks
 
 _CKPT = re.compile(r"^step-(\d+)\.ckpt$")
 
@@ -68,7 +68,7 @@ class StepCheckpoint(L.Callback):
         step = trainer.global_step
         if step == self._saved_step or step == 0:
             return
-        trainer.save_checkpoint(self.directory / f"step-{step:09d}.ckpt")
+        trainer.save_checkpoint(self.directory / f"step-{step:09d}.ckpt", weights_only=False)
         self._saved_step = step
         if trainer.is_global_zero:
             found = sorted((int(m.group(1)), p) for p in self.directory.iterdir() if (m := _CKPT.match(p.name)))
@@ -96,9 +96,9 @@ class SnapshotRequests:
         self.serde = AvroSerde()
         self._consumer = Consumer({**kafka.client_config(), "group.id": "astraflow-trainer-control", "enable.auto.commit": False})
         try:
-            _, high = self._consumer.get_watermark_offsets(TopicPartition(topics.control, 0), timeout=10)
+            _, high = watermarks(self._consumer, topics.control, 0)
             self._consumer.assign([TopicPartition(topics.control, 0, high)])
-        except KafkaException:
+        except KafkaLayerError:
             self._consumer.close()
             self._consumer = None  # no control topic: nobody can ask
 

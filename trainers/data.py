@@ -38,6 +38,7 @@ from astraflow.errors import KafkaLayerError, SerdeError, TopicError
 from astraflow.kafka.clients import DeadLetterWriter, RecordProducer
 from astraflow.records import TrainSample
 from astraflow.serde import AvroSerde
+from astraflow.weights.publish import watermarks
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,8 @@ class _Item:
     partition: int
     offset: int
     sample: TrainSample | None  # None: dead-lettered, consumed without training
-    size: int = 0
+    size: int = 0  # tokens
+    ts: int = 0  # Kafka timestamp (ms): partitions are merged oldest first
 
 
 class TrainStream(IterableDataset):
@@ -141,7 +143,10 @@ class TrainStream(IterableDataset):
         self.positions: dict[int, int] = dict(resume_offsets or {})  # next offset to take, per partition
         self.skipped: dict[int, int] = collections.Counter()  # records lost to retention, per partition
         self._consumer: Consumer | None = None
-        self._buffer: collections.deque[_Item] = collections.deque()
+        self._buffers: dict[int, collections.deque[_Item]] = collections.defaultdict(collections.deque)
+        self._buffered = 0  # items in all buffers
+        self._taken: dict[int, int] = collections.Counter()  # records taken per partition (merge tie-break)
+        self.max_buffered = max(1000, 4 * limits.batch_size)  # decoded records held ahead of training
         self._stop = False
         self.min_samples = 1  # samples a batch needs (the number of ranks: each trains its share)
 
@@ -171,7 +176,7 @@ class TrainStream(IterableDataset):
             raise TopicError(f"train topic {self.topic} does not exist; create it with `astraflow topics create`")
         for p in parts:
             if p not in self.positions:  # new run (or new partition): concrete offsets, so checkpoints name them
-                low, high = c.get_watermark_offsets(TopicPartition(self.topic, p), timeout=10)
+                low, high = watermarks(c, self.topic, p)
                 self.positions[p] = high if self.start == "latest" else low
         c.assign([TopicPartition(self.topic, p, self.positions[p]) for p in parts])
         self._consumer = c
@@ -181,7 +186,8 @@ class TrainStream(IterableDataset):
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None
-        self._buffer.clear()
+        self._buffers.clear()
+        self._buffered = 0
 
     def request_stop(self) -> None:
         """End the iteration after the current batch (e.g. on SIGTERM)."""
@@ -210,7 +216,9 @@ class TrainStream(IterableDataset):
                     log.warning("Kafka error on %s: %s", self.topic, err.str())
                 continue
             n += 1
-            self._buffer.append(self._decode(msg))
+            item = self._decode(msg)
+            self._buffers[item.partition].append(item)
+            self._buffered += 1
         return n
 
     def _decode(self, msg: Message) -> _Item:
@@ -225,12 +233,20 @@ class TrainStream(IterableDataset):
                 self.dlq.send(msg, problem if isinstance(problem, BaseException) else ValueError(problem))
             else:  # ranks other than 0 (rank 0 dead-letters), or no DLQ configured
                 log.warning("skipping %s[%d]@%d: %s", self.topic, p, o, problem)
-            return _Item(p, o, None)
-        return _Item(p, o, s, len(s.token_ids))
+            return _Item(p, o, None, 0, msg.timestamp()[1])
+        return _Item(p, o, s, len(s.token_ids), msg.timestamp()[1])
 
     # -- batching ----------------------------------------------------------------------------------
 
+    def _head(self) -> _Item | None:
+        """The oldest buffered record over all partitions (so no partition starves)."""
+        heads = [(q[0].ts, self._taken[p], p) for p, q in self._buffers.items() if q]  # ties: fewer taken first
+        return self._buffers[min(heads)[2]][0] if heads else None
+
     def _take(self, item: _Item) -> None:
+        self._buffers[item.partition].popleft()
+        self._buffered -= 1
+        self._taken[item.partition] += 1
         expected = self.positions.get(item.partition, item.offset)
         if item.offset > expected:
             self.skipped[item.partition] += item.offset - expected
@@ -244,11 +260,11 @@ class TrainStream(IterableDataset):
         first_at: float | None = None
         idle_since = time.monotonic()
         while True:
-            while self._buffer:
-                it = self._buffer[0]
+            if self._buffered < self.max_buffered:
+                self._fill(0)  # whatever the client already fetched, from every partition
+            while (it := self._head()) is not None:
                 if it.sample is not None and n >= self.min_samples and not self.limits.fits(n, longest, it.size):
                     return items
-                self._buffer.popleft()
                 self._take(it)
                 items.append(it)
                 if it.sample is not None:
@@ -273,14 +289,10 @@ class TrainStream(IterableDataset):
         got: dict[tuple[int, int], _Item] = {}
         deadline = time.monotonic() + 120
         while len(got) < len(plan):
-            rest: collections.deque[_Item] = collections.deque()
-            for it in self._buffer:  # keep what belongs to later plans
-                if it.offset in want[it.partition]:
-                    got[(it.partition, it.offset)] = it
-                    self._take(it)
-                else:
-                    rest.append(it)
-            self._buffer = rest
+            for p, queue in self._buffers.items():  # the plan takes a prefix of each partition
+                while queue and queue[0].offset in want[p]:
+                    got[(p, queue[0].offset)] = queue[0]
+                    self._take(queue[0])
             if len(got) < len(plan):
                 if time.monotonic() > deadline:
                     raise KafkaLayerError(f"rank could not read the planned records of {self.topic} in 120 s")

@@ -10,6 +10,7 @@ checkpoint and version) or SIGTERM (checkpoint between batches).
 from __future__ import annotations
 
 import logging
+import random
 import signal
 import time
 import warnings
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -108,7 +110,10 @@ def run_training(config: TrainRunConfig) -> TrainSummary:
     write_resolved(config, log_dir, "trainer-config.json")
     ckpt_dir = config.checkpoint_dir()
     resume = newest_checkpoint(ckpt_dir) if tc.resume else None
-    L.seed_everything(tc.seed, workers=False, verbose=False)
+    # Not L.seed_everything: it exports PL_GLOBAL_SEED into the environment of the whole process.
+    random.seed(tc.seed)
+    np.random.seed(tc.seed)
+    torch.manual_seed(tc.seed)
     warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
     warnings.filterwarnings("ignore", message=r".*IterableDataset.*__len__.*")
 

@@ -102,7 +102,9 @@ class Publication:
 class VersionEncoder:
     """Pure: state dicts in, `Publication`s out; remembers the previous published version."""
 
-    def __init__(self, policy: str, settings: PublishSettings = PublishSettings(), next_version: int = 0) -> None:
+    def __init__(
+        self, policy: str, settings: PublishSettings = PublishSettings(), next_version: int = 0
+    ) -> None:
         self.policy = policy
         self.settings = settings
         self.next_version = next_version  # number the next publication gets
@@ -120,19 +122,28 @@ class VersionEncoder:
         self._prev = self._prev_manifest = None
 
     def encode(
-        self, state: Mapping[str, Any], *, trainer_step: int = 0, trained_samples: int = 0, snapshot: bool = False
+        self,
+        state: Mapping[str, Any],
+        *,
+        trainer_step: int = 0,
+        trained_samples: int = 0,
+        snapshot: bool = False,
     ) -> Publication:
         """Encode `state` (any dtype, any device) as the next version."""
         version = self.next_version
         new = published_state(state, self.settings.dtype)
-        as_snapshot = snapshot or self._prev is None or self._since_snapshot + 1 >= self.settings.snapshot_every
+        as_snapshot = (
+            snapshot or self._prev is None or self._since_snapshot + 1 >= self.settings.snapshot_every
+        )
         if as_snapshot:
             payload = snapshot_bytes(new, version)
             manifest = Manifest.of(new)
             base = None
         else:
             assert self._prev is not None and self._prev_manifest is not None
-            delta = encode(self._prev, new, base_version=version - 1, version=version, base_manifest=self._prev_manifest)
+            delta = encode(
+                self._prev, new, base_version=version - 1, version=version, base_manifest=self._prev_manifest
+            )
             payload, manifest, base = delta.to_bytes(), delta.manifest or Manifest.of(new), version - 1
         record = PolicyVersion(
             policy=self.policy,
@@ -166,7 +177,13 @@ class WeightPublisher:
         store: WeightStore | None = None,
         producer: RecordProducer | None = None,
     ) -> None:
-        self.kafka, self.topics, self.policy, self.settings, self.store = kafka, Topics(experiment), policy, settings, store
+        self.kafka, self.topics, self.policy, self.settings, self.store = (
+            kafka,
+            Topics(experiment),
+            policy,
+            settings,
+            store,
+        )
         self.producer = producer or RecordProducer(kafka)
         self.encoder = VersionEncoder(policy, settings)
         self.latest: PolicyVersion | None = None  # last version published by this process
@@ -192,11 +209,19 @@ class WeightPublisher:
         return None if self.latest is None else self.latest.version
 
     def publish(
-        self, state: Mapping[str, Any], *, trainer_step: int = 0, trained_samples: int = 0, snapshot: bool = False
+        self,
+        state: Mapping[str, Any],
+        *,
+        trainer_step: int = 0,
+        trained_samples: int = 0,
+        snapshot: bool = False,
     ) -> PolicyVersion:
         """Encode `state` as the next version and send it; returns its manifest once acknowledged."""
         pub = self.encoder.encode(
-            state, trainer_step=trainer_step, trained_samples=trained_samples, snapshot=snapshot or self._snapshot_requested
+            state,
+            trainer_step=trainer_step,
+            trained_samples=trained_samples,
+            snapshot=snapshot or self._snapshot_requested,
         )
         try:
             manifest = self._send(pub)
@@ -213,7 +238,9 @@ class WeightPublisher:
         chunks: list[WeightChunk] = []
         if self.store is not None and len(pub.payload) > self.settings.inband_max_bytes:
             kind = "snapshot" if is_snap else "delta"
-            m.uri = self.store.put(f"{self.policy}/v{m.version:010d}.{kind}", pub.payload)  # blob before record
+            m.uri = self.store.put(
+                f"{self.policy}/v{m.version:010d}.{kind}", pub.payload
+            )  # blob before record
         else:
             chunks = split_chunks(self.policy, m.version, pub.payload, self.settings.chunk_bytes)
         m.num_chunks = len(chunks)
@@ -224,7 +251,9 @@ class WeightPublisher:
             m.latest_snapshot, m.latest_snapshot_uri = m.version, m.uri
         offsets: list[int] = []
         topic = self.topics.weights(self.policy)
-        self.producer.send(topic, m, key=self.policy, on_delivery=lambda err, msg: offsets.append(msg.offset()))
+        self.producer.send(
+            topic, m, key=self.policy, on_delivery=lambda err, msg: offsets.append(msg.offset())
+        )
         for chunk in chunks:
             self.producer.send(topic, chunk, key=self.policy)
         self.producer.flush()
@@ -258,14 +287,25 @@ def _consumer(kafka: KafkaSettings, serde: AvroSerde) -> Consumer:
     )
 
 
-def _read_range(kafka: KafkaSettings, topic: str, start: int | None, serde: AvroSerde, timeout_s: float) -> list[Any]:
+def watermarks(consumer: Consumer, topic: str, partition: int = 0, timeout_s: float = 10.0) -> tuple[int, int]:
+    """(low, high) offsets of a partition, retrying while a new topic still elects its leader."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=max(1.0, timeout_s / 4))
+        except KafkaException as exc:
+            if time.monotonic() >= deadline:
+                raise KafkaLayerError(f"cannot read the offsets of {topic}[{partition}] (does it exist?): {exc}") from exc
+            time.sleep(0.2)
+
+
+def _read_range(
+    kafka: KafkaSettings, topic: str, start: int | None, serde: AvroSerde, timeout_s: float
+) -> list[Any]:
     """Decoded records of partition 0 of `topic` from `start` (None: the last record) to its end."""
     consumer = _consumer(kafka, serde)
     try:
-        try:
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=timeout_s)
-        except KafkaException as exc:
-            raise KafkaLayerError(f"cannot read the offsets of {topic} (does it exist?): {exc}") from exc
+        low, high = watermarks(consumer, topic, 0, timeout_s)
         if high <= low:
             return []
         first = high - 1 if start is None else max(start, low)
@@ -298,7 +338,9 @@ def latest_policy_version(
     return max(found, key=lambda r: r.version) if found else None
 
 
-def last_published_version(kafka: KafkaSettings, topics: Topics, policy: str, timeout_s: float = 10.0) -> int | None:
+def last_published_version(
+    kafka: KafkaSettings, topics: Topics, policy: str, timeout_s: float = 10.0
+) -> int | None:
     """Highest version number already used for `policy`: on ``policies`` or, after a crash
     between the two sends, as the last record of the weights topic."""
     serde = AvroSerde()
@@ -309,11 +351,20 @@ def last_published_version(kafka: KafkaSettings, topics: Topics, policy: str, ti
     return max(versions) if versions else None
 
 
-def request_snapshot(producer: RecordProducer, topics: Topics, policy: str, requester: str, reason: str = "") -> None:
+def request_snapshot(
+    producer: RecordProducer, topics: Topics, policy: str, requester: str, reason: str = ""
+) -> None:
     """Ask the trainer of `policy` to publish a full snapshot next (via the control topic)."""
     producer.send(
         topics.control,
-        Control(CONTROL_APP, f"{policy}.snapshot", "snapshot", int(time.time() * 1000), {"reason": reason}, requester),
+        Control(
+            CONTROL_APP,
+            f"{policy}.snapshot",
+            "snapshot",
+            int(time.time() * 1000),
+            {"reason": reason},
+            requester,
+        ),
         key=f"{CONTROL_APP}/{policy}.snapshot",
     )
     producer.flush()
@@ -352,7 +403,9 @@ class WeightFollower:
     delta that fails its own checks. Only one payload is buffered at a time.
     """
 
-    def __init__(self, policy: str, *, chain: WeightChain | None = None, fetch: BlobFetcher = fetch_blob) -> None:
+    def __init__(
+        self, policy: str, *, chain: WeightChain | None = None, fetch: BlobFetcher = fetch_blob
+    ) -> None:
         self.policy = policy
         self.chain = chain or WeightChain()
         self.fetch = fetch  # (uri, sha256) -> bytes, for claim-checked payloads
@@ -371,6 +424,11 @@ class WeightFollower:
         """The current weights (read-only view; patched in place by later deltas)."""
         return self.chain.state
 
+    def state_copy(self) -> dict[str, Any]:
+        """A copy of the current weights that later deltas will not touch (hand this to an
+        inference engine that applies it asynchronously)."""
+        return {k: v.clone() if hasattr(v, "clone") else v.copy() for k, v in self.chain.state.items()}
+
     def feed(self, record: Any, offset: int | None = None) -> list[FollowEvent]:
         """Take one record (PolicyVersion or WeightChunk; others are ignored); return the events
         of the versions it completed or gave up on."""
@@ -383,8 +441,12 @@ class WeightFollower:
     def load_hinted(self, hint: SnapshotHint) -> list[FollowEvent]:
         """Fetch and load a claim-checked snapshot named by a hint."""
         if hint.uri is None:
-            raise WeightsError("this snapshot is in-band: seek the weights topic to the hint's offset instead")
-        record = PolicyVersion(self.policy, hint.version, WeightKind.SNAPSHOT, "", 0, 0, "", "", 0, 0, uri=hint.uri)
+            raise WeightsError(
+                "this snapshot is in-band: seek the weights topic to the hint's offset instead"
+            )
+        record = PolicyVersion(
+            self.policy, hint.version, WeightKind.SNAPSHOT, "", 0, 0, "", "", 0, 0, uri=hint.uri
+        )
         return [self._apply(record, None, lambda: self.fetch(hint.uri, None), check_sums=False)]
 
     def _manifest(self, m: PolicyVersion, offset: int | None) -> list[FollowEvent]:
@@ -397,9 +459,15 @@ class WeightFollower:
             self.newest = m
         have = self.chain.version
         if have is not None and m.version <= have:
-            events.append(FollowEvent(m.version, m.kind, ApplyResult(ApplyStatus.STALE, have, f"already at {have}"), offset))
+            events.append(
+                FollowEvent(
+                    m.version, m.kind, ApplyResult(ApplyStatus.STALE, have, f"already at {have}"), offset
+                )
+            )
         elif m.kind == WeightKind.DELTA and m.base_version != have:
-            events.append(self._give_up(m, offset, f"delta {m.base_version} -> {m.version} does not apply to {have}"))
+            events.append(
+                self._give_up(m, offset, f"delta {m.base_version} -> {m.version} does not apply to {have}")
+            )
         elif m.num_chunks == 0:
             if m.uri is None:
                 events.append(self._give_up(m, offset, "manifest has neither chunks nor a uri"))
@@ -415,7 +483,11 @@ class WeightFollower:
             return []  # chunks of a version we skip or gave up on
         if c.index != len(self._parts) or c.count != m.num_chunks or zlib.crc32(c.data) != c.crc32:
             self._pending = None
-            return [self._give_up(m, self._pending_offset, f"chunk {c.index}/{c.count} is out of order or corrupt")]
+            return [
+                self._give_up(
+                    m, self._pending_offset, f"chunk {c.index}/{c.count} is out of order or corrupt"
+                )
+            ]
         self._parts.append(c.data)
         if len(self._parts) < m.num_chunks:
             return []
@@ -423,13 +495,17 @@ class WeightFollower:
         self._pending, self._parts = None, []
         return [self._apply(m, self._pending_offset, lambda: payload)]
 
-    def _apply(self, m: PolicyVersion, offset: int | None, payload_of: Callable[[], bytes], check_sums: bool = True) -> FollowEvent:
+    def _apply(
+        self, m: PolicyVersion, offset: int | None, payload_of: Callable[[], bytes], check_sums: bool = True
+    ) -> FollowEvent:
         try:
             payload = payload_of()
             if check_sums and sha256_hex(payload) != m.sha256:
                 raise PayloadError(f"payload of version {m.version} does not match its sha256")
             stream = SparseDelta.from_bytes(payload)  # splits and checks the frames (either kind)
-            if stream.header.version != m.version or (check_sums and stream.trailer.checksum.hex() != m.state_checksum):
+            if stream.header.version != m.version or (
+                check_sums and stream.trailer.checksum.hex() != m.state_checksum
+            ):
                 raise PayloadError(f"payload does not produce the announced version {m.version}")
         except WeightsError as exc:
             return self._give_up(m, offset, str(exc), exc)
@@ -442,13 +518,17 @@ class WeightFollower:
             return FollowEvent(m.version, m.kind, result, offset)
         return self._give_up(m, offset, result.reason, result.error)
 
-    def _give_up(self, m: PolicyVersion, offset: int | None, reason: str, error: WeightsError | None = None) -> FollowEvent:
+    def _give_up(
+        self, m: PolicyVersion, offset: int | None, reason: str, error: WeightsError | None = None
+    ) -> FollowEvent:
         """Record that `m` cannot be applied and point at the newest snapshot that would help."""
         have = -1 if self.chain.version is None else self.chain.version
         n = self.newest
         if n is not None and n.latest_snapshot is not None and n.latest_snapshot > have:
             raw = n.metadata.get(SNAPSHOT_OFFSET)
-            self.snapshot_hint = SnapshotHint(n.latest_snapshot, n.latest_snapshot_uri, int(raw) if raw else None)
+            self.snapshot_hint = SnapshotHint(
+                n.latest_snapshot, n.latest_snapshot_uri, int(raw) if raw else None
+            )
         result = ApplyResult(ApplyStatus.SNAPSHOT_NEEDED, self.chain.version, reason, error)
         return FollowEvent(m.version, m.kind, result, offset)
 

@@ -1,0 +1,233 @@
+"""The trainer and weight publication against a real Kafka broker.
+
+- training from a train topic: every record trained once, parameters changed, metrics sent, and
+  a follower reading the weights topic ends with the trainer's final weights bit for bit;
+- publisher and follower: a corrupted chunk and a version that never arrives lead to snapshot
+  fallbacks (and a snapshot request on the control topic), never to wrong weights; a late
+  joiner starts from the latest snapshot; claim-checked payloads via the store.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from confluent_kafka import Consumer, TopicPartition
+
+from astraflow.config import KafkaSettings
+from astraflow.kafka.clients import RecordProducer
+from astraflow.kafka.topics import Topics
+from astraflow.models.tiny import init_tiny, load_tiny
+from astraflow.records import Metric, WeightChunk, WeightKind
+from astraflow.serde import AvroSerde
+from astraflow.weights.chain import ApplyStatus, WeightChain
+from astraflow.weights.publish import (
+    KafkaWeightFollower,
+    PublishSettings,
+    WeightFollower,
+    WeightPublisher,
+    latest_policy_version,
+    published_state,
+)
+from astraflow.weights.store import WeightStore
+from trainers.callbacks import SnapshotRequests
+from trainers.config import TrainRunConfig
+from trainers.run import run_training
+from trainers.synthetic import make_samples
+
+torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # settles TORCHINDUCTOR_CACHE_DIR before the leak guard
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _bits_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a)
+
+
+def _follow(f: KafkaWeightFollower, until_version: int, timeout_s: float = 30.0) -> list:
+    events, deadline = [], time.monotonic() + timeout_s
+    while f.follower.version != until_version and time.monotonic() < deadline:
+        events += f.poll(0.5)
+    return events
+
+
+def _watermarks(kafka: KafkaSettings, topic: str, partitions: int) -> dict[int, int]:
+    c = Consumer({**kafka.client_config(), "group.id": "wm"})
+    try:
+        return {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(partitions)}
+    finally:
+        c.close()
+
+
+def test_training_on_a_train_topic_publishes_versions_a_follower_reproduces(
+    kafka: KafkaSettings, experiment: str, tmp_path: Path, one_thread: None
+) -> None:
+    topics = Topics(experiment)
+    model_dir = init_tiny(tmp_path / "tiny", vocab_size=512, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
+    initial, _ = load_tiny(model_dir)
+    producer = RecordProducer(kafka)
+    samples = make_samples(initial, prompts=3, group_size=8, policy="policy")
+    for s in samples:
+        producer.send(topics.train("policy"), s, key=s.group_id)
+    producer.flush()
+    cfg = TrainRunConfig.model_validate(
+        {
+            "experiment": experiment,
+            "run_dir": str(tmp_path / "runs"),
+            "kafka": kafka.model_dump(),
+            "topics": {"partitions": 2},
+            "trainer": {
+                "model_dir": str(model_dir), "batch_size": 8, "max_wait_s": 0.3, "stop_when_idle_s": 1.5, "lr": 1e-3,
+                "publish_every_steps": 1, "snapshot_every_versions": 3, "checkpoint_every_steps": 1,
+                "logger": "none", "progress_bar": False,
+            },
+        }
+    )
+    summary = run_training(cfg)
+    assert summary.stopped_by == "idle" and summary.steps == 3 and summary.trained_samples == 24
+    assert summary.offsets == _watermarks(kafka, topics.train("policy"), 2)
+    assert summary.version == 3  # v0 snapshot at start, one version per step
+
+    ckpt = torch.load(cfg.checkpoint_dir() / "step-000000003.ckpt", weights_only=False)
+    trained = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()}
+    assert any(not torch.equal(v, trained[k]) for k, v in initial.state_dict().items())
+    assert ckpt["KafkaTrainData"]["offsets"] == summary.offsets
+
+    follower = KafkaWeightFollower(kafka, experiment, "policy", request_snapshots=False)
+    follower.start(offset=0)
+    events = _follow(follower, 3)
+    follower.close()
+    assert [e.result.status for e in events] == [ApplyStatus.APPLIED] * 4
+    assert [e.kind for e in events] == [WeightKind.SNAPSHOT, WeightKind.DELTA, WeightKind.DELTA, WeightKind.SNAPSHOT]
+    assert _bits_equal(dict(follower.follower.state), published_state(trained, "bfloat16"))
+
+    latest = latest_policy_version(kafka, topics, "policy")
+    assert latest is not None and latest.version == 3 and latest.trained_samples == 24
+
+    serde = AvroSerde()
+    c = Consumer({**kafka.client_config(), "group.id": uuid.uuid4().hex, "auto.offset.reset": "earliest"})
+    c.assign([TopicPartition(topics.metrics, 0, 0)])
+    names = {serde.loads(m.value(), Metric).name for m in c.consume(500, 5.0) if m.error() is None}
+    c.close()
+    assert {"trainer.loss", "trainer.reward", "trainer.clip_frac", "trainer.staleness", "trainer.tokens_per_s"} <= names
+
+
+class _Sabotage(RecordProducer):
+    """Corrupts a chunk of one version and diverts another version to a decoy topic."""
+
+    def __init__(self, kafka: KafkaSettings, corrupt: int, divert: int, decoy: str) -> None:
+        super().__init__(kafka)
+        self.corrupt, self.divert, self.decoy = corrupt, divert, decoy
+
+    def send(self, topic, record, key=None, headers=None, on_delivery=None) -> None:
+        version = getattr(record, "version", None)
+        if topic.endswith(".weights") and version == self.divert:
+            topic = self.decoy
+        if isinstance(record, WeightChunk) and version == self.corrupt and record.index == 0:
+            record = WeightChunk(record.policy, version, 0, record.count, b"\xff" + record.data[1:], record.crc32)
+        super().send(topic, record, key, headers, on_delivery)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(128, 32)
+        self.mid = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.mid(self.emb(x)) @ self.emb.weight.T).logsumexp(-1).mean()
+
+
+def _publish_versions(publisher: WeightPublisher, n: int) -> list:
+    torch.manual_seed(0)
+    model = _Model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    out = []
+    for step in range(n):
+        m = publisher.publish(model.state_dict(), trainer_step=step)
+        out.append((m, {k: v.clone() for k, v in publisher.encoder.state.items()}))
+        loss = model(torch.randint(0, 128, (8,)))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return out
+
+
+def test_follower_falls_back_to_snapshots_and_never_holds_wrong_weights(
+    kafka: KafkaSettings, experiment: str, topic_factory
+) -> None:
+    topics = Topics(experiment)
+    requests = SnapshotRequests(kafka, topics, "policy")
+    early = KafkaWeightFollower(kafka, experiment, "policy", requester="early")
+    early.start()  # nothing published yet: reads from the beginning
+    sabotage = _Sabotage(kafka, corrupt=2, divert=5, decoy=topic_factory("decoy"))
+    publisher = WeightPublisher(kafka, experiment, "policy", PublishSettings(snapshot_every=4, chunk_bytes=4096), producer=sabotage)
+    assert publisher.start() is None
+    published = _publish_versions(publisher, 10)
+    kinds = "".join("S" if m.kind == WeightKind.SNAPSHOT else "D" for m, _ in published)
+    assert kinds == "SDDDSDDDSD"
+    checksum = {m.version: m.state_checksum for m, _ in published}
+
+    events = _follow(early, 9)
+    status = {e.version: e.result.status for e in events}
+    assert status[2] == status[3] == ApplyStatus.SNAPSHOT_NEEDED  # corrupted chunk, then no base
+    assert status[4] == ApplyStatus.APPLIED  # the next snapshot
+    assert 5 not in status and status[6] == status[7] == ApplyStatus.SNAPSHOT_NEEDED  # v5 never arrived
+    assert status[8] == status[9] == ApplyStatus.APPLIED
+    for e in events:
+        if e.result.status == ApplyStatus.APPLIED:
+            assert e.result.version == e.version
+    assert early.follower.chain.checksum.hex() == checksum[9]
+    assert _bits_equal(dict(early.follower.state), published[9][1])
+    early.close()
+    deadline = time.monotonic() + 10
+    asked = False
+    while not asked and time.monotonic() < deadline:
+        asked = requests.pending()  # the stuck follower asked the trainer for a snapshot
+    requests.close()
+    assert asked
+
+    late = KafkaWeightFollower(kafka, experiment, "policy", request_snapshots=False)
+    late.start()  # at the latest snapshot (v8) named on the policies topic
+    events = _follow(late, 9)
+    late.close()
+    assert [(e.version, e.kind) for e in events] == [(8, WeightKind.SNAPSHOT), (9, WeightKind.DELTA)]
+    assert _bits_equal(dict(late.follower.state), published[9][1])
+
+    # A follower still at v1 that resumes at v9's manifest: seeks back to the v8 snapshot.
+    behind = WeightFollower("policy", chain=WeightChain.from_state(published[1][1], 1))
+    seeker = KafkaWeightFollower(kafka, experiment, "policy", follower=behind, request_snapshots=False)
+    seeker.start(offset=int(published[9][0].metadata["offset"]))
+    events = _follow(seeker, 9)
+    seeker.close()
+    assert [e.result.status for e in events] == [ApplyStatus.SNAPSHOT_NEEDED, ApplyStatus.APPLIED, ApplyStatus.APPLIED]
+    assert _bits_equal(dict(behind.state), published[9][1])
+
+    again = WeightPublisher(kafka, experiment, "policy")
+    assert again.start() == 9 and again.encoder.next_version == 10  # numbering continues after a restart
+
+
+def test_claim_checked_versions_through_the_store(kafka: KafkaSettings, experiment: str, tmp_path: Path) -> None:
+    store = WeightStore(tmp_path / "store")
+    settings = PublishSettings(snapshot_every=3, inband_max_bytes=2048)
+    publisher = WeightPublisher(kafka, experiment, "policy", settings, store=store)
+    published = _publish_versions(publisher, 4)
+    assert all(m.uri and m.uri.startswith("file://") and m.num_chunks == 0 for m, _ in published)
+    assert published[3][0].latest_snapshot == 3 and published[2][0].latest_snapshot_uri == published[0][0].uri
+    follower = KafkaWeightFollower(kafka, experiment, "policy", request_snapshots=False)
+    follower.start(offset=0)
+    events = _follow(follower, 3)
+    follower.close()
+    assert [e.result.status for e in events] == [ApplyStatus.APPLIED] * 4
+    assert _bits_equal(dict(follower.follower.state), published[3][1])
+
