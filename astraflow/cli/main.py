@@ -13,6 +13,7 @@ from astraflow.cli import (
     raas_cmd,
     replay_cmd,
     smoke_cmd,
+    status_cmd,
     topics_cmd,
     train_cmd,
 )
@@ -34,6 +35,7 @@ app.command("train")(train_cmd.train)
 app.command("demo")(demo_cmd.demo)
 app.command("eval")(demo_cmd.evaluate)
 app.add_typer(model_cmd.app, name="model")
+status_cmd.register(app)
 
 
 @app.callback()

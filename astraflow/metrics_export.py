@@ -1,0 +1,213 @@
+"""Prometheus metrics: an opt-in endpoint for any process, and a bridge from an experiment's topics.
+
+Every AstraFlow component already publishes `Metric` records to `af.<exp>.metrics`; that topic is
+the source of truth and feeds `astraflow status`. Prometheus wants to scrape HTTP, so:
+
+- `start_metrics_server(port)` serves a process's own registry (CPU, memory, GC, and any
+  `Metric` it passes to `ProcessMetrics.observe`). Opt-in: nothing listens unless a process
+  calls it, for example when `ASTRAFLOW_METRICS_PORT` is set (`start_from_env`).
+- `MetricsBridge` turns one experiment into gauges: the latest value of every series on the
+  metrics topic (RaaS nodes, trainers, evaluators), plus what `status` measures (lag per group,
+  topic rates, policy versions, staleness, reward, DLQ). One bridge per experiment
+  (`astraflow metrics serve`) covers every node, however many join, with no service discovery.
+
+Series are named `astraflow_<component>_<name>` (e.g. `astraflow_raas_tokens_per_s`,
+`astraflow_trainer_loss`) with labels `experiment`, `component`, `process` and the record's own
+labels (volatile ones such as `step` dropped).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from astraflow.config import KafkaSettings
+from astraflow.errors import AstraflowError, ConfigError
+from astraflow.ops.status import VOLATILE_LABELS, MetricSeries, StatusReport, collect_status, series_key
+from astraflow.records import Metric
+
+log = logging.getLogger("astraflow.metrics")
+
+PORT_ENV = "ASTRAFLOW_METRICS_PORT"
+_BAD = re.compile(r"[^a-zA-Z0-9_]")
+_RESERVED = frozenset({"experiment", "component", "process"})
+
+
+def prom_name(component: str, name: str) -> str:
+    """`astraflow_<component>_<name>`, without repeating the component, in Prometheus' alphabet."""
+    for sep in (".", "_"):
+        name = name.removeprefix(component + sep)
+    out = _BAD.sub("_", f"astraflow_{component}_{name}")
+    return re.sub(r"_+", "_", out)
+
+
+def prom_label(key: str) -> str:
+    key = _BAD.sub("_", key) or "label"
+    if key[0].isdigit() or key.startswith("__") or key in _RESERVED:
+        key = f"label_{key.lstrip('_')}"
+    return key
+
+
+def series_families(series: Iterable[MetricSeries], experiment: str = "") -> list[GaugeMetricFamily]:
+    """One gauge family per metric name; label sets are unioned within a family (missing -> "")."""
+    grouped: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for s in series:
+        labels = {"experiment": experiment, "component": s.component, "process": s.instance}
+        labels.update({prom_label(k): v for k, v in s.labels.items() if k not in VOLATILE_LABELS})
+        grouped.setdefault(prom_name(s.component, s.name), []).append((labels, s.value))
+    out = []
+    for name, samples in sorted(grouped.items()):
+        keys = sorted({k for labels, _ in samples for k in labels})
+        fam = GaugeMetricFamily(name, f"latest {name} from the AstraFlow metrics topic", labels=keys)
+        seen: set[tuple[str, ...]] = set()
+        for labels, value in samples:
+            values = tuple(labels.get(k, "") for k in keys)
+            if values not in seen:  # two series that only differed in characters Prometheus rejects
+                seen.add(values)
+                fam.add_metric(list(values), value)
+        out.append(fam)
+    return out
+
+
+def _gauge(name: str, doc: str, labels: list[str], rows: Iterable[tuple[list[str], float | None]]) -> GaugeMetricFamily:
+    fam = GaugeMetricFamily(name, doc, labels=labels)
+    for values, value in rows:
+        if value is not None:
+            fam.add_metric(values, float(value))
+    return fam
+
+
+def report_families(r: StatusReport) -> list[GaugeMetricFamily]:
+    """What `astraflow status` measures, as gauges."""
+    e = r.experiment
+    st, rw = r.staleness, r.reward
+    return [
+        _gauge("astraflow_topic_records", "records stored in the topic", ["experiment", "stream"],
+               (([e, t.stream], t.records) for t in r.topics)),
+        _gauge("astraflow_topic_end_offset", "records ever written (high watermarks summed)", ["experiment", "stream"],
+               (([e, t.stream], t.end_offset) for t in r.topics)),
+        _gauge("astraflow_topic_rate_per_second", "records written per second over the status window",
+               ["experiment", "stream"], (([e, t.stream], t.rate_per_s) for t in r.topics)),
+        _gauge("astraflow_consumer_lag", "records not yet committed by the group", ["experiment", "group", "topic"],
+               (([e, g.group, g.topic], g.lag) for g in r.lags)),
+        _gauge("astraflow_consumer_group_members", "consumers in the group", ["experiment", "group"],
+               (([e, g], m) for g, m in {g.group: g.members for g in r.lags}.items())),
+        _gauge("astraflow_policy_version", "latest published version (policies topic)", ["experiment", "policy"],
+               (([e, p.policy], p.version) for p in r.policies)),
+        _gauge("astraflow_trainer_step", "latest trainer step", ["experiment", "policy"],
+               (([e, p.policy], p.trainer_step) for p in r.policies)),
+        _gauge("astraflow_raas_nodes", "RaaS nodes that reported metrics recently", ["experiment"], [([e], len(r.nodes))]),
+        _gauge("astraflow_staleness_mean", "mean versions behind over recent scored trajectories", ["experiment"], [([e], st.mean)]),
+        _gauge("astraflow_staleness_max", "max versions behind over recent scored trajectories", ["experiment"], [([e], st.max)]),
+        _gauge("astraflow_reward_mean", "mean reward over recent scored trajectories", ["experiment"], [([e], rw.mean)]),
+        _gauge("astraflow_dlq_records", "records in the dead-letter topic", ["experiment"], [([e], r.dlq.records)]),
+    ]
+
+
+class ProcessMetrics(Collector):
+    """Latest value of each `Metric` a process observes; register it in the registry it serves."""
+
+    def __init__(self, experiment: str = "") -> None:
+        self.experiment = experiment
+        self._latest: dict[tuple, MetricSeries] = {}
+        self._lock = threading.Lock()
+
+    def observe(self, *metrics: Metric) -> None:
+        with self._lock:
+            for m in metrics:
+                key, old = series_key(m), self._latest.get(series_key(m))
+                if old is None or m.ts >= old.ts:
+                    self._latest[key] = MetricSeries(m.component, m.instance, m.name, m.value, dict(m.labels), m.ts)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        with self._lock:
+            series = list(self._latest.values())
+        yield from series_families(series, self.experiment)
+
+
+@dataclass
+class MetricsServer:
+    """A running /metrics endpoint; `port` is the bound one (useful when asked for port 0)."""
+
+    addr: str
+    port: int
+    _httpd: object
+    _thread: threading.Thread
+
+    def close(self) -> None:
+        self._httpd.shutdown()  # type: ignore[attr-defined]
+        self._httpd.server_close()  # type: ignore[attr-defined]
+        self._thread.join(timeout=5)
+
+
+def start_metrics_server(port: int, addr: str = "0.0.0.0", registry: CollectorRegistry = REGISTRY) -> MetricsServer:
+    """Serves `registry` on http://addr:port/metrics from a daemon thread. Port 0 picks a free port."""
+    try:
+        httpd, thread = start_http_server(port, addr=addr, registry=registry)
+    except OSError as exc:
+        raise ConfigError(f"cannot serve Prometheus metrics on {addr}:{port}: {exc} (choose another port)") from exc
+    return MetricsServer(addr, httpd.server_port, httpd, thread)
+
+
+def start_from_env(env: dict[str, str] | None = None) -> MetricsServer | None:
+    """Starts the endpoint when `ASTRAFLOW_METRICS_PORT` is set (the opt-in for any process)."""
+    value = (os.environ if env is None else env).get(PORT_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ConfigError(f"{PORT_ENV}={value!r} must be a port number (or unset, to expose no metrics)")
+    return start_metrics_server(int(value))
+
+
+class MetricsBridge(Collector):
+    """Refreshes a StatusReport of one experiment every `interval_s` and serves it as gauges."""
+
+    def __init__(self, kafka: KafkaSettings, experiment: str, interval_s: float = 15.0, **status_kw: object) -> None:
+        self.kafka, self.experiment, self.interval_s, self.status_kw = kafka, experiment, interval_s, status_kw
+        self.report: StatusReport | None = None
+        self.refreshes = 0
+        self.last_error: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def refresh(self) -> StatusReport | None:
+        try:
+            self.report = collect_status(self.kafka, self.experiment, **self.status_kw)  # type: ignore[arg-type]
+            self.last_error = None
+        except AstraflowError as exc:  # Kafka away or topics not created yet: keep serving, say why
+            self.last_error = str(exc)
+            log.warning("metrics bridge: %s", exc)
+        self.refreshes += 1
+        return self.report
+
+    def start(self) -> MetricsBridge:
+        self.refresh()
+        self._thread = threading.Thread(target=self._run, name="astraflow-metrics-bridge", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.refresh()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval_s + 30)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield _gauge("astraflow_status_up", "1 if the last refresh of the experiment's status succeeded",
+                     ["experiment"], [([self.experiment], 0.0 if self.last_error else 1.0)])
+        r = self.report
+        if r is None:
+            return
+        yield from report_families(r)
+        yield from series_families(r.metrics, r.experiment)

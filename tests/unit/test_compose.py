@@ -1,0 +1,362 @@
+"""The compose stack validates without a Docker engine: structure, and every command it runs.
+
+No engine (and no `docker compose`) runs in CI, so this checks what `docker compose config`
+would, following the compose specification: known keys, dependencies that exist with valid
+conditions (healthy ones on services that have a health check, completed ones on one-shot
+jobs), declared named volumes, existing bind-mount sources and Dockerfiles, profiles, and
+variables that all have defaults. Then it parses every `astraflow ...` command line of the stack
+(entrypoint + command, health checks, the init script) with the real CLI, so an option that does
+not exist or a missing required one fails here instead of in a container.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKER = ROOT / "docker"
+COMPOSE = DOCKER / "docker-compose.yml"
+
+# Top-level and service keys of the compose specification (compose-spec/schema/compose-spec.json).
+TOP_KEYS = {"version", "name", "include", "services", "models", "networks", "volumes", "secrets", "configs"}
+SERVICE_KEYS = {
+    "develop", "deploy", "annotations", "attach", "build", "blkio_config", "cap_add", "cap_drop", "cgroup",
+    "cgroup_parent", "command", "configs", "container_name", "cpu_count", "cpu_percent", "cpu_shares", "cpu_quota",
+    "cpu_period", "cpu_rt_period", "cpu_rt_runtime", "cpus", "cpuset", "credential_spec", "depends_on",
+    "device_cgroup_rules", "devices", "dns", "dns_opt", "dns_search", "domainname", "entrypoint", "env_file",
+    "label_file", "environment", "expose", "extends", "external_links", "extra_hosts", "gpus", "group_add",
+    "healthcheck", "hostname", "image", "init", "ipc", "isolation", "labels", "links", "logging", "mac_address",
+    "mem_limit", "mem_reservation", "mem_swappiness", "memswap_limit", "models", "network_mode", "networks",
+    "oom_kill_disable", "oom_score_adj", "pid", "pids_limit", "platform", "ports", "post_start", "pre_stop",
+    "privileged", "profiles", "provider", "pull_policy", "pull_refresh_after", "read_only", "restart", "runtime",
+    "scale", "secrets", "security_opt", "shm_size", "stdin_open", "stop_grace_period", "stop_signal",
+    "storage_opt", "sysctls", "tmpfs", "tty", "ulimits", "use_api_socket", "user", "userns_mode", "uts",
+    "volumes", "volumes_from", "working_dir",
+}
+HEALTHCHECK_KEYS = {"disable", "interval", "retries", "test", "timeout", "start_period", "start_interval"}
+CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
+DURATION = re.compile(r"^(\d+(\.\d+)?(us|ms|s|m|h))+$")
+RESTART = re.compile(r"^(no|always|unless-stopped|on-failure(:\d+)?)$")
+VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])([^}]*))?\}")
+
+
+def interpolate(value: Any, env: dict[str, str]) -> Any:
+    """Compose's `${VAR}`, `${VAR:-default}`, `${VAR-default}` and `$$`, applied to every string."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def sub(m: re.Match[str]) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3) or ""
+        if op in (":-", "-"):
+            return env.get(name) or arg if op == ":-" else env.get(name, arg)
+        if op in (":?", "?") and name not in env:
+            raise AssertionError(f"variable {name} is required: {arg}")
+        return env.get(name, "")
+
+    return VAR.sub(sub, value).replace("$$", "$")
+
+
+def raw() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def compose() -> dict[str, Any]:
+    """The compose file as `docker compose config` would resolve it with an empty environment."""
+    return interpolate(raw(), {})
+
+
+def services() -> dict[str, dict[str, Any]]:
+    return compose()["services"]
+
+
+def argv_of(service: dict[str, Any]) -> list[str]:
+    entry = service.get("entrypoint") or []
+    command = service.get("command") or []
+    entry = shlex.split(entry) if isinstance(entry, str) else list(entry)
+    command = shlex.split(command) if isinstance(command, str) else list(command)
+    return entry + command
+
+
+def astraflow_lines() -> list[tuple[str, list[str]]]:
+    """(where, argv after `astraflow`) for every astraflow invocation the stack makes."""
+    out: list[tuple[str, list[str]]] = []
+    for name, svc in services().items():
+        argv = argv_of(svc)
+        if argv[:1] == ["astraflow"]:
+            out.append((f"{name}", argv[1:]))
+        elif argv[:2] == ["sh", "-c"]:
+            for i, line in enumerate(shell_commands(" ".join(argv[2:]))):
+                if line[:1] == ["astraflow"]:
+                    out.append((f"{name}:sh[{i}]", line[1:]))
+        test = (svc.get("healthcheck") or {}).get("test") or []
+        if test[:2] == ["CMD", "astraflow"]:
+            out.append((f"{name}:healthcheck", test[2:]))
+    return out
+
+
+def shell_commands(script: str) -> list[list[str]]:
+    """Simple commands of a shell script (split on ; && || { } and newlines)."""
+    lexer = shlex.shlex(script, posix=True, punctuation_chars=";&|{}")
+    lexer.whitespace_split = True
+    out, cur = [], []
+    for tok in lexer:
+        if tok in {";", "&&", "||", "{", "}", "&", "|"} or set(tok) <= set(";&|{}"):
+            if cur:
+                out.append(cur)
+            cur = []
+        else:
+            cur.append(tok)
+    if cur:
+        out.append(cur)
+    return out
+
+
+# --- structure ----------------------------------------------------------------------------------
+
+
+def test_top_level_and_service_keys_are_compose_spec_keys() -> None:
+    doc = raw()
+    assert set(k for k in doc if not k.startswith("x-")) <= TOP_KEYS
+    for name, svc in doc["services"].items():
+        assert re.fullmatch(r"[a-zA-Z0-9._-]+", name)
+        unknown = set(svc) - SERVICE_KEYS
+        assert not unknown, f"service {name}: keys not in the compose spec: {unknown}"
+        assert "image" in svc or "build" in svc, f"service {name} has neither image nor build"
+        if "restart" in svc:
+            assert RESTART.match(str(svc["restart"])), f"{name}: restart {svc['restart']!r}"
+        for key in ("command", "entrypoint"):
+            if key in svc:
+                assert isinstance(svc[key], str | list), f"{name}.{key}"
+                assert all(isinstance(x, str) for x in (svc[key] if isinstance(svc[key], list) else [svc[key]])), \
+                    f"{name}.{key}: every argument must be a string (quote numbers)"
+
+
+def test_every_variable_has_a_default() -> None:
+    """`docker compose config` must work with no .env file."""
+    text = COMPOSE.read_text()
+    for m in VAR.finditer(text):
+        assert m.group(2) in (":-", "-"), f"${{{m.group(1)}}} has no default"
+    stripped = VAR.sub("", text).replace("$$", "")
+    assert "$" not in stripped, "use ${VAR:-default} (or $$ for a literal $)"
+
+
+def test_dependencies_exist_with_valid_conditions_and_no_cycle() -> None:
+    svcs = services()
+    graph: dict[str, set[str]] = {}
+    for name, svc in svcs.items():
+        deps = svc.get("depends_on") or {}
+        if isinstance(deps, list):
+            deps = {d: {"condition": "service_started"} for d in deps}
+        graph[name] = set(deps)
+        for dep, spec in deps.items():
+            assert dep in svcs, f"{name} depends on unknown service {dep}"
+            cond = spec.get("condition")
+            assert cond in CONDITIONS, f"{name} -> {dep}: condition {cond!r}"
+            target = svcs[dep]
+            if cond == "service_healthy":
+                hc = target.get("healthcheck") or {}
+                assert hc.get("test") and not hc.get("disable"), f"{name} waits for {dep} to be healthy, but it has no health check"
+            if cond == "service_completed_successfully":
+                assert str(target.get("restart", "no")) == "no", f"{dep} is waited for to complete, so it must not restart"
+            # A service that always runs cannot wait for one that only runs in a profile.
+            if not svc.get("profiles"):
+                assert not target.get("profiles"), f"{name} (no profile) depends on {dep} (profiles {target['profiles']})"
+
+    state: dict[str, int] = {}
+
+    def visit(n: str, path: list[str]) -> None:
+        assert state.get(n) != 1, f"dependency cycle: {' -> '.join([*path, n])}"
+        if state.get(n) == 2:
+            return
+        state[n] = 1
+        for d in graph[n]:
+            visit(d, [*path, n])
+        state[n] = 2
+
+    for n in graph:
+        visit(n, [])
+
+
+def test_health_checks() -> None:
+    svcs = services()
+    assert svcs["kafka"]["healthcheck"]["test"], "kafka needs a health check: everything waits on it"
+    for name, svc in svcs.items():
+        hc = svc.get("healthcheck")
+        if not hc:
+            continue
+        assert set(hc) <= HEALTHCHECK_KEYS, f"{name}: {set(hc) - HEALTHCHECK_KEYS}"
+        if hc.get("disable"):
+            continue
+        assert hc["test"][0] in ("CMD", "CMD-SHELL", "NONE"), f"{name}: healthcheck test must start with CMD or CMD-SHELL"
+        for key in ("interval", "timeout", "start_period", "start_interval"):
+            if key in hc:
+                assert DURATION.match(str(hc[key])), f"{name}.healthcheck.{key}={hc[key]!r}"
+    long_running = [n for n, s in svcs.items() if str(s.get("restart", "no")) != "no"]
+    for name in long_running:
+        hc = svcs[name].get("healthcheck") or {}
+        assert hc.get("test") and not hc.get("disable"), f"long-running service {name} has no health check"
+
+
+def test_volumes_are_declared_and_bind_mounts_exist() -> None:
+    doc = compose()
+    declared = set(doc.get("volumes") or {})
+    used: set[str] = set()
+    for name, svc in doc["services"].items():
+        for vol in svc.get("volumes") or []:
+            source = vol["source"] if isinstance(vol, dict) else vol.split(":")[0]
+            if source.startswith((".", "/", "~")):
+                assert (DOCKER / source).resolve().exists(), f"{name}: bind-mount source {source} does not exist"
+            else:
+                assert source in declared, f"{name}: named volume {source} is not declared under volumes:"
+                used.add(source)
+    assert declared == used, f"declared but unused volumes: {declared - used}"
+    for needed in ("kafka-data", "models", "checkpoints", "weights", "archives"):
+        assert needed in declared
+
+
+def test_builds_use_the_dockerfiles_of_this_repo() -> None:
+    for name, svc in services().items():
+        build = svc.get("build")
+        if build is None:
+            continue
+        ctx = (DOCKER / build["context"]).resolve()
+        assert ctx == ROOT, f"{name}: build context must be the repository root"
+        dockerfile = ctx / build["dockerfile"]
+        assert dockerfile.is_file(), f"{name}: {dockerfile} missing"
+        text = dockerfile.read_text()
+        assert re.search(r'^ENTRYPOINT \["astraflow"\]', text, re.M), f"{dockerfile.name}: entrypoint must be astraflow"
+    cpu = (DOCKER / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim", cpu, re.M)
+    assert "vllm" in (DOCKER / "Dockerfile.gpu").read_text()
+    for name in ("Dockerfile", "Dockerfile.gpu"):
+        text = (DOCKER / name).read_text()
+        for folder in re.findall(r"^COPY (\S+) ", text, re.M):
+            assert (ROOT / folder).exists(), f"{name} copies {folder}, which the repository lacks"
+
+
+def test_kafka_is_pinned_to_the_local_kafka_version() -> None:
+    pom = (DOCKER / "kafka" / "pom.xml").read_text()
+    version = re.search(r"<kafka\.version>([^<]+)</kafka\.version>", pom).group(1)
+    kafka = services()["kafka"]
+    assert kafka["image"] == f"apache/kafka:{version}", "compose and `astraflow kafka up` must run the same Kafka"
+    assert version.startswith("4."), "KRaft-only Kafka 4.x"
+    env = kafka["environment"]
+    assert "controller" in env["KAFKA_PROCESS_ROLES"] and "broker" in env["KAFKA_PROCESS_ROLES"]
+    assert env["KAFKA_LOG_DIRS"] in [v.split(":")[1] for v in kafka["volumes"]], "the log dir must be the volume"
+    assert "kafka:9092" in env["KAFKA_ADVERTISED_LISTENERS"]
+
+
+def test_roles_profiles_and_scaling() -> None:
+    svcs = services()
+    for role in ("kafka", "topics", "curator", "reward", "curate", "archive", "raas", "trainer", "raas-gpu", "trainer-gpu", "eval"):
+        assert role in svcs, f"the stack lacks {role}"
+    assert set(svcs["raas"]["profiles"]) == {"cpu"} and set(svcs["trainer"]["profiles"]) == {"cpu"}
+    assert set(svcs["raas-gpu"]["profiles"]) == {"gpu"} and set(svcs["trainer-gpu"]["profiles"]) == {"gpu"}
+    for name in ("raas", "raas-gpu"):
+        assert "container_name" not in svcs[name] and "ports" not in svcs[name], f"{name} must scale with --scale"
+    gpu = svcs["raas-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
+    assert "vllm" in argv_of(svcs["raas-gpu"])
+    assert svcs["topics"]["depends_on"]["kafka"]["condition"] == "service_healthy"
+
+
+def test_configuration_by_environment_and_one_mounted_file() -> None:
+    """Every astraflow role mounts the config file, points at the compose Kafka, and its
+    ASTRAFLOW__* variables resolve with the config model of the command it runs."""
+    from astraflow.config import load_config
+    from trainers.config import TrainRunConfig
+
+    for path in sorted((DOCKER / "config").glob("*.y*ml")):
+        load_config(path, env={})
+        load_config(path, env={}, model=TrainRunConfig)
+    for name, svc in services().items():
+        argv = argv_of(svc)
+        if argv[:1] != ["astraflow"] and argv[:2] != ["sh", "-c"]:
+            continue
+        mounts = [v if isinstance(v, str) else f"{v['source']}:{v['target']}" for v in svc.get("volumes", [])]
+        assert "./config/astraflow.yaml:/etc/astraflow/astraflow.yaml:ro" in mounts, f"{name} lacks the config file"
+        env = {k: str(v) for k, v in (svc.get("environment") or {}).items()}
+        assert env.get("ASTRAFLOW__KAFKA__BOOTSTRAP_SERVERS") == "kafka:9092", name
+        model = TrainRunConfig if "train" in argv else None
+        cfg = load_config(DOCKER / "config" / "astraflow.yaml", env=env, **({"model": model} if model else {}))
+        assert cfg.kafka.bootstrap_servers == "kafka:9092"
+
+
+# --- every command exists in the CLI --------------------------------------------------------------
+
+LINES = astraflow_lines()
+HAVE_APPS = (ROOT / "astraflow" / "cli" / "apps_cmd.py").exists()
+
+
+# Recent typer vendors its own click: catch its usage errors as well as click's.
+USAGE_ERRORS: tuple[type[Exception], ...] = (click.ClickException, getattr(typer, "TyperException", click.ClickException))
+
+
+def _parse(argv: list[str]) -> list[str]:
+    """Parses argv with the real CLI, group by group, without running anything; returns the
+    command path. Raises a usage error (unknown command or option, missing required one, bad value)."""
+    from astraflow.cli.main import app
+
+    cmd: Any = typer.main.get_command(app)
+    ctx = cmd.make_context("astraflow", list(argv))
+    path: list[str] = []
+    while hasattr(cmd, "resolve_command"):  # a group: descend into the subcommand
+        args = [*getattr(ctx, "_protected_args", getattr(ctx, "protected_args", [])), *ctx.args]
+        name, sub, rest = cmd.resolve_command(ctx, args)
+        assert sub is not None, f"no command {name!r}"
+        path.append(name)
+        cmd, ctx = sub, sub.make_context(name, rest, parent=ctx)
+    return path
+
+
+@pytest.mark.parametrize(("where", "argv"), LINES, ids=[w for w, _ in LINES])
+def test_every_compose_command_exists_in_the_cli(where: str, argv: list[str]) -> None:
+    from astraflow.cli.main import app
+
+    if argv[:1] == ["--config"]:
+        argv_sub = argv[2:]
+    else:
+        argv_sub = argv
+    if argv_sub[:1] == ["app"] and not HAVE_APPS:
+        pytest.skip(f"{where}: `astraflow app run` (astraflow/cli/apps_cmd.py) has not landed yet")
+    try:
+        path = _parse(argv)
+    except USAGE_ERRORS as exc:
+        pytest.fail(f"{where}: `astraflow {shlex.join(argv)}` does not parse: {exc.format_message()}")  # type: ignore[attr-defined]
+    assert path, f"{where}: no subcommand"
+    res = CliRunner().invoke(app, [*path, "--help"])
+    assert res.exit_code == 0, f"{where}: astraflow {' '.join(path)} --help failed: {res.output}"
+
+
+def test_the_stack_runs_astraflow_for_every_role() -> None:
+    paths = {w.split(":")[0]: a for w, a in LINES if ":" not in w}
+    assert {"topics", "reward", "curate", "curator", "archive", "raas", "trainer", "raas-gpu", "trainer-gpu", "eval",
+            "metrics", "status"} <= set(paths)
+
+
+def test_init_script_python_imports_exist() -> None:
+    """The init job's `python -c` imports real names (checked by importing them, not running them)."""
+    argv = argv_of(services()["init"])
+    code = [c for c in shell_commands(" ".join(argv[2:])) if c[:2] == ["python", "-c"]]
+    assert code, "init writes the demo data sets with python -c"
+    for tree in (ast.parse(c[2]) for c in code):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                module = importlib.import_module(node.module or "")
+                for alias in node.names:
+                    assert hasattr(module, alias.name), f"{node.module} has no {alias.name}"
