@@ -46,7 +46,7 @@ class GroupLag:
     group: str
     topic: str
     lag: int  # records between the committed offsets and the ends of the partitions
-    partitions: int  # partitions of the topic the group has committed on or is assigned
+    partitions: int  # partitions of the topic
     state: str = ""  # STABLE, EMPTY, ... as the coordinator reports it
     members: int = 0  # consumers in the group now
 
@@ -141,24 +141,19 @@ class OffsetReader:
 
 def group_lags(groups: dict[str, GroupInfo], committed: dict[str, dict[TP, int]],
                offsets: dict[TP, PartitionOffsets], topics: dict[str, int]) -> list[GroupLag]:
-    """Lag per (group, topic): committed partitions count from their commit, partitions a member
-    holds without a commit yet count from the log start (where `auto.offset.reset=earliest` reads)."""
+    """Lag per (group, topic) over every partition of each topic the group has committed on or is
+    assigned: a group reads whole topics, so a partition without a commit yet still waits for it,
+    from the log start (where `auto.offset.reset=earliest` reads)."""
     out: list[GroupLag] = []
     for gid, info in groups.items():
         commits = committed.get(gid, {})
-        by_topic: dict[str, set[int]] = {}
-        for t, p in set(commits) | info.assigned:
-            if t in topics:
-                by_topic.setdefault(t, set()).add(p)
-        for topic in sorted(by_topic):
+        for topic in sorted({t for t, _p in set(commits) | info.assigned if t in topics}):
             lag = 0
-            for p in sorted(by_topic[topic]):
+            for p in range(topics[topic]):
                 po = offsets.get((topic, p))
-                if po is None:
-                    continue
-                start = commits.get((topic, p), po.low)
-                lag += max(0, po.high - max(start, po.low))
-            out.append(GroupLag(gid, topic, lag, len(by_topic[topic]), info.state, info.members))
+                if po is not None:
+                    lag += max(0, po.high - max(commits.get((topic, p), po.low), po.low))
+            out.append(GroupLag(gid, topic, lag, topics[topic], info.state, info.members))
     return out
 
 
