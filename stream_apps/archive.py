@@ -14,7 +14,9 @@ Guarantees:
   or a reset consumer group never writes a record twice, and never skips one that Kafka still
   retains.
 - Several instances may share the consumer group to split partitions; on a rebalance each
-  seals and commits its open files before giving partitions up.
+  seals and commits its open files before giving partitions up. A crashed member holds its
+  partitions until its session times out (10 s here); give each instance a stable
+  `--instance-id` (static membership) and its restart takes them over at once.
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ class ArchiveApp:
         start: StartFrom = "earliest",
         catalog: SchemaCatalog | None = None,
         on_seal: Callable[[Manifest], None] | None = None,
+        instance_id: str | None = None,
+        session_timeout_s: float = 10.0,
     ) -> None:
         from confluent_kafka import Consumer
 
@@ -109,6 +113,8 @@ class ArchiveApp:
                 "isolation.level": "read_committed",
                 "fetch.message.max.bytes": 16 * 1024 * 1024 + 65536,
                 "max.poll.interval.ms": 600000,
+                "session.timeout.ms": int(session_timeout_s * 1000),
+                **({"group.instance.id": instance_id} if instance_id else {}),
             }
         )
         self.assigned = False
@@ -230,10 +236,11 @@ def run(
     exit_when_idle_s: float | None = None,
     catalog: SchemaCatalog | None = None,
     on_seal: Callable[[Manifest], None] | None = None,
+    instance_id: str | None = None,
 ) -> ArchiveStats:
     """Archives `topics` (full names) into `to` (a directory or an fsspec URI)."""
     app = ArchiveApp(kafka, topics, to, group=group or default_group(experiment, to), policy=policy, start=start,
-                     catalog=catalog, on_seal=on_seal)
+                     catalog=catalog, on_seal=on_seal, instance_id=instance_id)
     return app.run(stop, exit_when_idle_s)
 
 
@@ -265,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Topics to archive, comma-separated or repeated: stream names or full topic names.")
     p.add_argument("--to", required=True, help="Archive root: a directory or an fsspec URI (s3://bucket/path).")
     p.add_argument("--group", help="Consumer group (default: one per experiment and destination).")
+    p.add_argument("--instance-id", help="Stable id of this instance (static membership: a restart resumes at once).")
     p.add_argument("--start", choices=["earliest", "latest", "committed"], default="earliest",
                    help="Where to start in partitions the archive does not hold yet (default: earliest).")
     p.add_argument("--max-file-mb", type=float, default=64.0, help="Roll files at this size (default 64).")
@@ -301,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         topics = resolve_topics(args.experiment, args.topics)
         stats = serve(cfg.kafka, topics, args.to, group=args.group, experiment=args.experiment,
                       policy=policy_from(args.max_file_mb, args.max_file_age, args.max_file_records, args.block_kb),
-                      start=args.start, exit_when_idle_s=args.exit_when_idle)
+                      start=args.start, exit_when_idle_s=args.exit_when_idle, instance_id=args.instance_id)
     except AstraflowError as exc:
         log.error("%s: %s", type(exc).__name__, exc)
         return 1

@@ -96,38 +96,54 @@ class TopicSource:
     def __iter__(self) -> Iterator[ArchivedRecord]:
         return self.records()
 
-    def records(self, stop: Callable[[], bool] | None = None) -> Iterator[ArchivedRecord]:
-        todo = {p for p, (s, e) in self.ranges.items() if self.follow or s < e}
-        if not todo:
+    def records(
+        self, stop: Callable[[], bool] | None = None, on_caught_up: Callable[[], None] | None = None
+    ) -> Iterator[ArchivedRecord]:
+        """Yields the records; with `follow`, calls `on_caught_up` once the planned range is read."""
+        todo = {p for p, (s, e) in self.ranges.items() if s < e}
+        caught_up = not todo  # reported after the record that completes the range is yielded
+
+        def reached(p: int) -> None:
+            nonlocal caught_up
+            if p in todo:
+                todo.discard(p)
+                caught_up = not todo
+
+        if caught_up and on_caught_up is not None:
+            on_caught_up()
+            caught_up = False
+        if not todo and not self.follow:
             return
-        self.consumer.assign([TopicPartition(self.topic, p, self.ranges[p][0]) for p in sorted(todo)])
+        parts = sorted(self.ranges) if self.follow else sorted(todo)
+        self.consumer.assign([TopicPartition(self.topic, p, self.ranges[p][0]) for p in parts])
         while (todo or self.follow) and not (stop and stop()):
             for msg in self.consumer.consume(500, 0.5):
                 p = msg.partition()
                 err = msg.error()
                 if err is not None:
                     if err.code() == KafkaError._PARTITION_EOF:
-                        if not self.follow:
-                            todo.discard(p)
+                        reached(p)
+                        if caught_up and on_caught_up is not None:
+                            on_caught_up()
+                        caught_up = False
                         continue
                     if err.fatal():
                         raise ReplayError(f"fatal Kafka error reading {self.topic}: {err.str()}")
                     continue
-                if p not in todo and not self.follow:
-                    continue
                 off = msg.offset()
                 end = self.ranges[p][1]
-                if not self.follow:
-                    if off >= end - 1:
-                        todo.discard(p)
-                    if off >= end:
-                        continue
+                if off >= end - 1:
+                    reached(p)
                 rec = ArchivedRecord.from_message(msg)
-                if self.since_ms is not None and rec.timestamp_ms < self.since_ms:
-                    continue
-                if self.until_ms is not None and rec.timestamp_ms > self.until_ms:
-                    continue
-                yield rec
+                in_range = (self.since_ms is None or rec.timestamp_ms >= self.since_ms) and (
+                    self.until_ms is None or rec.timestamp_ms <= self.until_ms
+                )
+                if in_range and (off < end or self.follow):
+                    yield rec
+                if caught_up:
+                    caught_up = False
+                    if on_caught_up is not None:
+                        on_caught_up()
 
     def close(self) -> None:
         self.consumer.close()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from astraflow.archive.errors import FilterError, ReplayError
+from astraflow.archive.errors import ArchiveError, FilterError, ReplayError
 from astraflow.archive.filter import RecordFilter, record_env
 from astraflow.archive.format import ArchivedRecord
 from astraflow.archive.kafka_source import TopicSource
@@ -115,11 +115,16 @@ def open_source(
         if not is_uri(spec) and path.is_dir() and any(c.name.startswith("p") and c.name[1:].isdigit() for c in path.iterdir()):
             root, in_topic = str(path.parent), path.name  # --from <archive>/<topic>
         reader = ArchiveReader(root, skip_corrupt=skip_corrupt, on_corrupt=on_corrupt)
-        if in_topic is not None and in_topic not in reader.topics():
-            in_topic = resolve_topic(in_topic)  # a stream name such as `rollouts`
-        name = reader.resolve_topic(in_topic)
+        try:  # a full name, or the one archived topic of a stream (`rollouts`)
+            name = reader.resolve_topic(in_topic)
+        except ArchiveError:
+            if in_topic is None:
+                raise
+            name = reader.resolve_topic(resolve_topic(in_topic))
         return ReplaySource(f"archive {root} ({name})", reader.read_topic(name, since_ms, until_ms),
                             reader.count(name, since_ms, until_ms))
+    if "/" in spec or spec.startswith("."):  # Kafka topic names never hold a slash
+        raise ReplayError(f"no archive at {spec}: the path does not exist (a topic name has no '/')")
     name = resolve_topic(spec)
     src = TopicSource(kafka, name, since_ms=since_ms, until_ms=until_ms)
     return ReplaySource(f"topic {name}", iter(src), src.total, src.close)

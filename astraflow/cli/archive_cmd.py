@@ -24,6 +24,7 @@ def run_(
     to: str = typer.Option(..., "--to", help="Archive root: a directory or an fsspec URI (s3://bucket/path)."),
     experiment: str | None = typer.Option(None, "--experiment", "-e", help="Experiment whose streams --topics names."),
     group: str | None = typer.Option(None, "--group", help="Consumer group (default: one per experiment and destination)."),
+    instance_id: str | None = typer.Option(None, "--instance-id", help="Stable instance id (static membership: restarts resume at once)."),
     start: str = typer.Option("earliest", "--start", help="earliest | latest | committed: where to begin partitions the archive lacks."),
     max_file_mb: float = typer.Option(64.0, "--max-file-mb", help="Roll files at this size."),
     max_file_age: float = typer.Option(300.0, "--max-file-age", help="Roll files this many seconds after their first record."),
@@ -32,19 +33,18 @@ def run_(
     exit_when_idle: float | None = typer.Option(None, "--exit-when-idle", help="Exit once no record came for this many seconds."),
 ) -> None:
     """Archive topics until Ctrl-C / SIGTERM (files are sealed and committed before exit)."""
-    from rich.logging import RichHandler
-
     from astraflow.errors import ConfigError
     from stream_apps.archive import policy_from, resolve_topics, serve
 
     if start not in ("earliest", "latest", "committed"):
         raise ConfigError(f"--start must be earliest, latest or committed, not {start!r}")
-    logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[RichHandler(console=err_console, show_path=False)])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     cfg = load(ctx)
     names = resolve_topics(experiment, topics)
     console.print(f"archiving {', '.join(names)} into {to}")
     stats = serve(cfg.kafka, names, to, group=group, experiment=experiment, start=start,  # type: ignore[arg-type]
-                  policy=policy_from(max_file_mb, max_file_age, max_file_records, block_kb), exit_when_idle_s=exit_when_idle)
+                  policy=policy_from(max_file_mb, max_file_age, max_file_records, block_kb), exit_when_idle_s=exit_when_idle,
+                  instance_id=instance_id)
     console.print(f"archived {stats.records:,} records into {stats.files} files ({stats.bytes / 2**20:.1f} MiB); "
                   f"{stats.skipped:,} already archived were skipped")
 
@@ -57,7 +57,6 @@ def ls(
 ) -> None:
     """Summarise an archive per topic and partition, from its manifests."""
     from astraflow.archive.reader import ArchiveReader
-    from astraflow.archive.render import fmt_ts
 
     reader = ArchiveReader(location)
     rows = []
@@ -83,16 +82,28 @@ def ls(
         for r in rows:
             typer.echo(json.dumps(r))
         return
-    table = Table("topic", "part", "files", "records", "offsets", "time range", "MiB", "schemas")
+    tables: dict[str, Table] = {}
     for r in rows:
+        table = tables.get(r["topic"])
+        if table is None:
+            table = tables[r["topic"]] = Table("part", "files", "records", "offsets", "first → last record (UTC)", "MiB",
+                                               "schemas", title=r["topic"], title_justify="left")
         missing = f" ({r['without_manifest']} without manifest)" if r["without_manifest"] else ""
         table.add_row(
-            r["topic"], str(r["partition"]), f"{r['files']}{missing}", f"{r['records']:,}",
-            f"{r['first_offset']}..{r['last_offset']}",
-            f"{fmt_ts(r['min_timestamp_ms'])} → {fmt_ts(r['max_timestamp_ms'])}",
-            f"{r['bytes'] / 2**20:.2f}", ", ".join(f"{k}: {v:,}" for k, v in sorted(r["schemas"].items())),
+            str(r["partition"]), f"{r['files']}{missing}", f"{r['records']:,}", f"{r['first_offset']}..{r['last_offset']}",
+            f"{_short_ts(r['min_timestamp_ms'])} → {_short_ts(r['max_timestamp_ms'])}", f"{r['bytes'] / 2**20:.2f}",
+            ", ".join(f"{k.removeprefix('astraflow.')}: {v:,}" for k, v in sorted(r["schemas"].items())),
         )
-    console.print(table)
+    for table in tables.values():
+        console.print(table)
+    if not tables:
+        console.print(f"[dim]{location} holds no archived topics[/]")
+
+
+def _short_ts(ms: int | None) -> str:
+    from astraflow.archive.render import fmt_ts
+
+    return fmt_ts(ms)[:19].replace("T", " ") if ms is not None else "-"
 
 
 @app.command("verify")

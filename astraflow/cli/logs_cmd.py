@@ -64,7 +64,7 @@ def show(
 
         tail = limit if limit and ident is None and rfilter is None else None
         src = TopicSource(cfg.kafka, name, since_ms=since_ms, until_ms=until_ms, follow=follow, tail=tail)
-        records, close = iter(src), src.close
+        records, close = src.records(on_caught_up=lambda: print_kept()), src.close
 
     def emit(rec: ArchivedRecord, fullname: str | None, datum: dict | None, error: str | None) -> None:
         if as_json:
@@ -74,7 +74,17 @@ def show(
             console.print(render_record(rec, fullname, datum, error, max_text))
 
     kept: dict[int, deque] = {}
-    shown = 0
+    state = {"live": False, "shown": 0}
+
+    def print_kept() -> None:
+        """Prints the most recent `limit` matches read so far, in time order."""
+        matched = sorted((x for d in kept.values() for x in d), key=lambda x: (x[0].timestamp_ms, x[0].partition, x[0].offset))
+        for item in matched[-limit:] if limit else matched:
+            emit(*item)
+            state["shown"] += 1
+        kept.clear()
+        state["live"] = follow  # from now on, print each match as it arrives
+
     try:
         for rec in records:
             error = None
@@ -87,21 +97,15 @@ def show(
             if rfilter is not None and (datum is None or not rfilter(
                     record_env(fullname, datum, rec.topic, rec.partition, rec.offset, rec.timestamp_ms, rec.key))):
                 continue
-            if follow:
+            if state["live"]:
                 emit(rec, fullname, datum, error)
-                shown += 1
+                state["shown"] += 1
             else:
                 kept.setdefault(rec.partition, deque(maxlen=limit or None)).append((rec, fullname, datum, error))
     except KeyboardInterrupt:
         pass
     finally:
         close()
-    if not follow:
-        matched = sorted((x for d in kept.values() for x in d), key=lambda x: (x[0].timestamp_ms, x[0].partition, x[0].offset))
-        if limit:
-            matched = matched[-limit:]
-        for item in matched:
-            emit(*item)
-        shown = len(matched)
-    if not shown and not as_json:
+    print_kept()
+    if not state["shown"] and not as_json:
         console.print(f"[dim]no matching records in {archive or name}[/]")

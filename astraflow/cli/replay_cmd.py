@@ -65,7 +65,8 @@ def replay(
             TextColumn("{task.fields[detail]}"), TimeElapsedColumn(),
         )
         with Progress(*columns, console=err_console) as progress:
-            task = progress.add_task(f"{src.description} → {target_topic}", total=total, detail="")
+            progress.console.print(f"replaying {src.description} → {target_topic}")
+            task = progress.add_task("replay", total=total, detail="")
 
             def on_progress(s: ReplayStats) -> None:
                 detail = f"published {s.published:,} · filtered {s.filtered_out:,} · {s.rate:,.1f}/s"
