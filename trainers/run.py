@@ -56,6 +56,7 @@ class TrainSummary:
     resumed_from: Path | None  # checkpoint the run started from
     seconds: float  # wall time of this call
     stopped_by: str  # "max_steps", "idle", "time", "interrupt" or "sigterm"
+    global_rank: int = 0  # this process's rank (only rank 0 publishes and reports)
 
 
 def _pad_id(model_dir: Path) -> int:
@@ -203,4 +204,5 @@ def run_training(config: TrainRunConfig) -> TrainSummary:
         resumed_from=resume,
         seconds=time.monotonic() - t0,
         stopped_by=stopped_by["value"],
+        global_rank=trainer.global_rank,
     )

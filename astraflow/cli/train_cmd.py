@@ -29,6 +29,8 @@ def train(
     from trainers.run import run_training  # heavy: torch, lightning, transformers
 
     summary = run_training(cfg)
+    if summary.global_rank != 0:
+        return
     console.print(
         f"[green]trained[/] {summary.steps} steps, {summary.trained_samples} samples; "
         f"last version {summary.version}; offsets {summary.offsets}; stopped by {summary.stopped_by} "

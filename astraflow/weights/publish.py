@@ -594,12 +594,11 @@ class KafkaWeightFollower:
         if hint is None or hint == self._acted:
             return False
         self._acted = hint
-        if hint.uri is not None:
-            events += self.follower.load_hinted(hint)
-            return False
-        if hint.offset is not None and hint.offset < at:
+        if hint.offset is not None and hint.offset < at:  # replays the snapshot and every delta after it
             self._consumer.seek(TopicPartition(self.topic, 0, hint.offset))
             return True
+        if hint.uri is not None:
+            events += self.follower.load_hinted(hint)
         return False
 
     def _maybe_request(self, events: list[FollowEvent]) -> None:

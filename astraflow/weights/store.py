@@ -74,7 +74,9 @@ class WeightStore:
                     fs.makedirs(parent, exist_ok=True)
                 fs.pipe_file(path, data)
         except (OSError, ValueError, ImportError) as exc:
-            raise WeightStoreError(f"cannot write {len(data):,} bytes to the weight store at {uri}: {exc}") from exc
+            raise WeightStoreError(
+                f"cannot write {len(data):,} bytes to the weight store at {uri}: {exc}"
+            ) from exc
         return uri
 
     def get(self, uri: str, sha256: str | None = None) -> bytes:
@@ -93,7 +95,9 @@ class WeightStore:
             raise WeightStoreError(f"cannot delete {uri} from the weight store: {exc}") from exc
 
 
-def fetch_blob(uri: str, sha256: str | None = None, storage_options: Mapping[str, Any] | None = None) -> bytes:
+def fetch_blob(
+    uri: str, sha256: str | None = None, storage_options: Mapping[str, Any] | None = None
+) -> bytes:
     """Reads the payload at `uri` (file://, s3://, any fsspec URI) and checks its sha256.
 
     Raises `WeightStoreError` if it cannot be read or does not match `sha256`.
