@@ -24,6 +24,7 @@ def serve(
     search_corpus: str | None = typer.Option(None, help="JSONL or folder of .txt for the search tool."),
     threads: int | None = typer.Option(None, help="torch CPU threads."),
     seed: int | None = typer.Option(None, help="Sampling seed (torch backend)."),
+    tokenizer: str | None = typer.Option(None, help="Local tokenizer directory (openai backend)."),
 ) -> None:
     """Join the experiment's task consumer group and serve rollouts until SIGTERM / Ctrl-C."""
     from astraflow.errors import ConfigError
@@ -39,4 +40,5 @@ def serve(
 
     console.print(f"RaaS node serving {experiment}: policies {', '.join(pairs)} on {backend}, max_inflight={max_inflight}")
     serve_node(cfg, experiment, pairs, backend=backend, max_inflight=max_inflight, max_batch=max_batch, region=region,
-               node_id=node_id, follow_weights=follow_weights, search_corpus=search_corpus, threads=threads, seed=seed)
+               node_id=node_id, follow_weights=follow_weights, search_corpus=search_corpus, threads=threads, seed=seed,
+               tokenizer=tokenizer)

@@ -18,15 +18,23 @@ log = logging.getLogger("astraflow.raas")
 def serve_node(cfg: AstraflowConfig, experiment: str, policies: dict[str, str], *, backend: str = "torch",
                max_inflight: int = 8, max_batch: int = 16, region: str = "local", node_id: str | None = None,
                follow_weights: bool = True, search_corpus: str | None = None, threads: int | None = None,
-               seed: int | None = None) -> None:
+               seed: int | None = None, tokenizer: str | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    opts: dict[str, Any] = {"max_batch": max_batch, "threads": threads, "seed": seed} if backend == "torch" else {}
+    opts: dict[str, Any] = {}
+    if backend == "torch":
+        opts = {"max_batch": max_batch, "threads": threads, "seed": seed}
+    elif backend == "openai":
+        opts = {"tokenizer": tokenizer}
+    elif backend == "vllm":
+        opts = {"seed": seed}
     backends = {name: create_backend(backend, name, target, **opts) for name, target in policies.items()}
     kw = {"node_id": node_id} if node_id else {}
     settings = NodeSettings(experiment, max_inflight=max_inflight, region=region, **kw)
     node = RaasNode(cfg, settings, backends, default_tools(search_corpus))
     followers = []
-    if follow_weights:
+    if follow_weights and backend == "openai":
+        log.info("openai backend: the server manages its weights; not following the weights topics")
+    elif follow_weights:
         followers = start_followers(cfg, experiment, backends)
 
     async def main() -> None:

@@ -1,0 +1,101 @@
+"""`vllm` backend: an in-process vLLM engine on GPU (imported lazily; tests carry the `gpu` marker).
+
+Requests go to vLLM's `AsyncLLMEngine` (continuous batching) as token ids; the sampled ids and
+their logprobs come back per request. New weights are loaded into the running engine without a
+restart (`collective_rpc("load_weights")`), applied before the next request is submitted: with
+vLLM, a version switch happens between requests, not between decoding steps, and every token of
+a request records the version it was submitted under.
+
+Not exercised on this project's CPU-only CI; the `gpu` tests run it where a GPU is present.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+
+from astraflow.errors import AstraflowError
+from astraflow.raas.backends.base import GenerateRequest, Generation
+
+
+class VllmBackendError(AstraflowError):
+    """Raised when vLLM is not installed, finds no GPU, or fails to load the model."""
+
+
+class VllmBackend:
+    """Serves one policy from a local model directory with vLLM."""
+
+    name = "vllm"
+
+    def __init__(self, policy: str, model_dir: str, *, version: int = 0, gpu_memory_utilization: float = 0.5,
+                 max_model_len: int | None = None, seed: int | None = None, **_: Any) -> None:
+        try:
+            from vllm import AsyncEngineArgs, AsyncLLMEngine
+        except ImportError as exc:
+            raise VllmBackendError("the vllm backend needs `pip install astraflow[vllm]` and a CUDA GPU") from exc
+        from transformers import AutoTokenizer
+
+        self.policy = policy
+        self.version = version
+        self.model_dir = model_dir
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        args = AsyncEngineArgs(model=model_dir, gpu_memory_utilization=gpu_memory_utilization,
+                               max_model_len=max_model_len, seed=seed or 0, enforce_eager=True)
+        try:
+            self.engine = AsyncLLMEngine.from_engine_args(args)
+        except Exception as exc:  # vLLM raises many types when the GPU or model is unusable
+            raise VllmBackendError(f"vLLM could not start on {model_dir}: {exc}") from exc
+        self._ids = itertools.count()
+        self._pending_update: tuple[dict[str, Any], int] | None = None
+
+    def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_bos)
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def hardware(self) -> str:
+        import torch
+
+        return f"cuda:{torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "cuda:?"
+
+    def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
+        self._pending_update = (state_dict, version)
+
+    async def _apply_update(self) -> None:
+        upd, self._pending_update = self._pending_update, None
+        if upd is None:
+            return
+        sd, version = upd
+        rpc = getattr(self.engine, "collective_rpc", None)
+        if rpc is None:
+            raise VllmBackendError("this vLLM version has no collective_rpc; upgrade vLLM to update weights in place")
+        await rpc("load_weights", kwargs={"weights": list(sd.items())})
+        self.version = version
+
+    async def generate(self, request: GenerateRequest) -> Generation:
+        from vllm import SamplingParams, TokensPrompt
+
+        await self._apply_update()
+        params = SamplingParams(temperature=request.temperature, top_p=request.top_p, max_tokens=request.max_tokens,
+                                stop=request.stop or None, logprobs=0, include_stop_str_in_output=True)
+        start_version = self.version
+        final = None
+        async for out in self.engine.generate(TokensPrompt(prompt_token_ids=request.prompt_ids), params,
+                                              request_id=f"{self.policy}-{next(self._ids)}"):
+            final = out
+        if final is None:
+            raise VllmBackendError("vLLM returned no output")
+        comp = final.outputs[0]
+        ids = list(comp.token_ids)
+        lps = [float(step[t].logprob) if step and t in step else 0.0 for t, step in zip(ids, comp.logprobs or [], strict=False)]
+        versions = np.full(len(ids), start_version, np.int32)
+        return Generation(np.asarray(ids, np.int32), np.asarray(lps, np.float32), versions, comp.text,
+                          "length" if comp.finish_reason == "length" else "stop")
+
+    def close(self) -> None:
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown:
+            shutdown()
