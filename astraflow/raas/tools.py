@@ -22,7 +22,7 @@ ToolFn = Callable[[str], Awaitable[str]]
 
 
 async def calculator(args: str) -> str:
-    """Exact arithmetic on + - * / // % ** and parentheses (no eval: parsed with ast)."""
+    """Exact arithmetic on + - * / // % and parentheses (no eval: parsed with ast; powers are refused)."""
     from astraflow.models.arith import calculate
 
     return calculate(args)
