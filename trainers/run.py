@@ -91,8 +91,12 @@ def _logger(kind: str, log_dir: Path) -> Any:
 
         return CSVLogger(log_dir, name="lightning")
     if kind == "tensorboard":
+        import importlib.util
+
         from lightning.pytorch.loggers import TensorBoardLogger
 
+        if not (importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX")):
+            raise ConfigError("trainer.logger=tensorboard needs `pip install tensorboard`; or use trainer.logger=csv")
         return TensorBoardLogger(log_dir, name="lightning")
     return False
 
