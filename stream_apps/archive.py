@@ -28,7 +28,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # heavy imports stay inside functions so that --help is instant
@@ -52,7 +52,6 @@ class ArchiveStats:
     files: int = 0  # files sealed
     bytes: int = 0  # bytes of sealed files
     skipped: int = 0  # records already in the archive (dropped)
-    sealed: list[Manifest] = field(default_factory=list)
 
 
 def default_group(experiment: str | None, to: str) -> str:
@@ -153,7 +152,6 @@ class ArchiveApp:
         self.stats.files += 1
         self.stats.records += m.records
         self.stats.bytes += m.bytes
-        self.stats.sealed.append(m)
         self._to_commit[(m.topic, m.partition)] = m.last_offset + 1
         log.info("sealed %s/p%04d/%s: %d records, offsets %d..%d, %.1f KiB",
                  m.topic, m.partition, m.file, m.records, m.first_offset, m.last_offset, m.bytes / 1024)
@@ -202,7 +200,9 @@ class ArchiveApp:
                         if err.code() == KafkaError._PARTITION_EOF:
                             continue
                         if err.fatal():
-                            raise RuntimeError(f"fatal Kafka error: {err.str()}")
+                            from astraflow.archive.errors import ArchiveError
+
+                            raise ArchiveError(f"fatal Kafka consumer error: {err.str()}; restart the app")
                         log.warning("consumer error: %s", err.str())
                         continue
                     if (msg.topic(), msg.partition()) not in self.writer.partitions:
