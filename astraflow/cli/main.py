@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from astraflow.cli import (
+    apps_cmd,
     archive_cmd,
     demo_cmd,
     kafka_cmd,
@@ -26,6 +27,9 @@ app = typer.Typer(
 )
 app.add_typer(kafka_cmd.app, name="kafka")
 app.add_typer(topics_cmd.app, name="topics")
+app.add_typer(apps_cmd.app_app, name="app")
+app.add_typer(apps_cmd.control_app, name="control")
+app.add_typer(apps_cmd.process_app, name="process")
 app.command("smoke")(smoke_cmd.smoke)
 app.add_typer(archive_cmd.app, name="archive")
 app.add_typer(logs_cmd.app, name="logs")

@@ -1,0 +1,212 @@
+"""`astraflow app run | list`, `astraflow control set | show | unset`, `astraflow process run`.
+
+Stream apps (reward, curate, curator), the control topic that hot-swaps their strategies, and
+the runner of user processors. Heavy imports (Kafka clients, numpy, the apps) happen inside
+the commands, so `--help` stays instant.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+import typer
+from rich.table import Table
+
+from astraflow.cli.common import console, handle_errors, load
+
+app_app = typer.Typer(help="Run the stream apps: reward, curate, curator.", no_args_is_help=True)
+control_app = typer.Typer(help="Select the strategies of running apps (hot swap, no restart).", no_args_is_help=True)
+process_app = typer.Typer(help="Run user processors written with @astraflow.processor.", no_args_is_help=True)
+
+EXPERIMENT = typer.Option(..., "--experiment", "-e", help="Experiment name (topics are af.<experiment>.*).")
+
+# Slots of the built-in apps: slot -> (strategy kind, default), for `app list` and validation.
+SLOT_KINDS = {"reward": "reward", "advantage": "advantage", "curator": "curator"}
+
+
+def _kind(slot: str) -> str | None:
+    return "filter" if slot.startswith("filter.") else SLOT_KINDS.get(slot)
+
+
+def _settings(ctx: typer.Context, experiment: str, group: str | None, instance_id: str | None,
+              max_inflight: int, metrics_interval: float) -> object:
+    from stream_apps.runtime import WorkerSettings
+
+    cfg = load(ctx)
+    return WorkerSettings(experiment, cfg.kafka, group_id=group, instance_id=instance_id, max_inflight=max_inflight,
+                          metrics_interval_s=metrics_interval)
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def _run(worker: object) -> None:
+    worker.install_signal_handlers()  # type: ignore[attr-defined]
+    worker.run()  # type: ignore[attr-defined]
+
+
+@app_app.command("run")
+@handle_errors
+def run_app(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="reward | curate | curator"),
+    experiment: str = EXPERIMENT,
+    policy: list[str] = typer.Option([], "--policy", "-p", help="curate: policies to route (default: all); curator: the tasks' policies."),
+    default: list[str] = typer.Option([], "--default", help="Slot default: slot=strategy[:{json params}] (control records override it)."),
+    group: str | None = typer.Option(None, help="Consumer group (default af.<experiment>.<app>)."),
+    instance_id: str | None = typer.Option(None, help="Instance name in metrics (default app-host-pid-random)."),
+    max_inflight: int = typer.Option(16, help="Slow records (async rewards) handled at once per worker."),
+    metrics_interval: float = typer.Option(10.0, help="Seconds between metrics records."),
+    group_timeout: float | None = typer.Option(None, help="curate: seconds before an incomplete group is emitted or dropped (300)."),
+    min_group_size: int | None = typer.Option(None, help="curate: smallest timed-out group still trained on (2)."),
+    dataset: list[str] = typer.Option([], "--dataset", help="curator: JSONL or Parquet file (repeatable)."),
+    n_samples: int | None = typer.Option(None, help="curator: samples per prompt, one group (8)."),
+    max_ahead: int | None = typer.Option(None, help="curator: most tasks ahead of the trainer (64)."),
+    workflow: str | None = typer.Option(None, help="curator: workflow of rows that name none (rlvr)."),
+    temperature: float | None = typer.Option(None, help="curator: sampling temperature (1.0)."),
+    top_p: float | None = typer.Option(None, help="curator: nucleus mass (1.0)."),
+    max_tokens: int | None = typer.Option(None, help="curator: tokens per model call (256)."),
+    max_turns: int | None = typer.Option(None, help="curator: model turns per rollout (1)."),
+    max_tasks: int | None = typer.Option(None, help="curator: stop after this many tasks (0 = never)."),
+    trainer_group: str | None = typer.Option(None, help="curator: trainer's consumer group (af.<exp>.<policy>.trainer; 'none' ignores it)."),
+    log_level: str = typer.Option("info", help="debug | info | warning"),
+) -> None:
+    """Run one worker of a stream app until SIGTERM / Ctrl-C; start more to split partitions."""
+    from astraflow.errors import ConfigError
+    from stream_apps.launch import APPS, AppOptions, build_worker
+    from stream_apps.slots import parse_default
+
+    if name not in APPS:
+        raise ConfigError(f"unknown app {name!r}; apps are {', '.join(APPS)} (user code: `astraflow process run`)")
+    curate_only = {"--group-timeout": group_timeout, "--min-group-size": min_group_size}
+    curator_only = {"--dataset": dataset or None, "--n-samples": n_samples, "--max-ahead": max_ahead, "--workflow": workflow,
+                    "--temperature": temperature, "--top-p": top_p, "--max-tokens": max_tokens, "--max-turns": max_turns,
+                    "--max-tasks": max_tasks, "--trainer-group": trainer_group}
+    for owner, opts in (("curate", curate_only), ("curator", curator_only)):
+        given = [k for k, v in opts.items() if v is not None]
+        if given and name != owner:
+            raise ConfigError(f"{', '.join(given)} only apply to the {owner} app")
+    _logging(log_level)
+    options = AppOptions(policies=policy, defaults=dict(parse_default(d) for d in default))
+    if group_timeout is not None:
+        options.group_timeout_s = group_timeout
+    if min_group_size is not None:
+        options.min_group_size = min_group_size
+    if name == "curator":
+        from astraflow.records import SamplingParams
+        from stream_apps.curator import CuratorOptions
+
+        if not dataset:
+            raise ConfigError("the curator needs --dataset FILE.jsonl (or .parquet); repeat it for several")
+        sp = SamplingParams()
+        options.curator = CuratorOptions(
+            datasets=dataset, policies=policy, n_samples=n_samples or 8, max_ahead=max_ahead or 64,
+            workflow=workflow or "rlvr", max_tasks=max_tasks or 0, trainer_group=trainer_group,
+            sampling=SamplingParams(temperature if temperature is not None else sp.temperature,
+                                    top_p if top_p is not None else sp.top_p, max_tokens or sp.max_tokens, [],
+                                    max_turns or sp.max_turns),
+        )
+    worker = build_worker(name, _settings(ctx, experiment, group, instance_id, max_inflight, metrics_interval), options)
+    console.print(f"{name} worker for experiment {experiment} (group {worker.group_id}); Ctrl-C stops it")
+    _run(worker)
+
+
+@app_app.command("list")
+def list_apps() -> None:
+    """The built-in apps and the default strategy of each of their slots."""
+    from stream_apps.curate import DEFAULTS as CURATE
+    from stream_apps.curator import DEFAULTS as CURATOR
+    from stream_apps.reward import DEFAULTS as REWARD
+
+    table = Table("app", "slot", "default", "params")
+    for app_name, defaults in (("reward", REWARD), ("curate", CURATE), ("curator", CURATOR)):
+        for slot, d in defaults.items():
+            table.add_row(app_name, slot, d.strategy, json.dumps(d.params) if d.params else "")
+    table.add_row("curator", "pause", "off", "on | off")
+    console.print(table)
+
+
+@control_app.command("set")
+@handle_errors
+def control_set(
+    ctx: typer.Context,
+    app: str = typer.Argument(..., help="reward | curate | curator | <processor name> | * (every app)."),
+    slot: str = typer.Argument(..., help="reward | advantage | filter.<name> | curator | pause | ..."),
+    strategy: str = typer.Argument(..., help="Registered strategy name, 'none' to switch an optional slot off, or a value."),
+    experiment: str = EXPERIMENT,
+    param: list[str] = typer.Option([], "--param", help="Strategy parameter name=value (JSON values decoded); repeatable."),
+    check: bool = typer.Option(True, help="Build the strategy here first, so a typo never reaches the workers."),
+) -> None:
+    """Select STRATEGY for SLOT of APP: every worker of the app applies it within a second."""
+    from astraflow.control import ControlWriter, parse_param_args
+
+    params = parse_param_args(param)
+    kind = _kind(slot)
+    if check and kind is not None:
+        from astraflow.dataflow.registry import parse_params
+        from stream_apps.slots import build_strategy
+
+        build_strategy(kind, strategy, parse_params(params))
+    cfg = load(ctx)
+    control = ControlWriter(cfg.kafka, experiment).set(app, slot, strategy, params)
+    shown = " ".join(f"{k}={v}" for k, v in control.params.items())
+    console.print(f"{control.key} = {control.strategy} {shown} (version {control.version})".replace("  ", " "))
+
+
+@control_app.command("unset")
+@handle_errors
+def control_unset(
+    ctx: typer.Context,
+    app: str = typer.Argument(...),
+    slot: str = typer.Argument(...),
+    experiment: str = EXPERIMENT,
+) -> None:
+    """Remove the selection of SLOT of APP: the app goes back to its default."""
+    from astraflow.control import ControlWriter
+
+    ControlWriter(load(ctx).kafka, experiment).unset(app, slot)
+    console.print(f"{app}/{slot} back to its default")
+
+
+@control_app.command("show")
+@handle_errors
+def control_show(ctx: typer.Context, experiment: str = EXPERIMENT, as_json: bool = typer.Option(False, "--json")) -> None:
+    """What the control topic selects now, per app and slot."""
+    from astraflow.control import ControlWriter
+
+    state = ControlWriter(load(ctx).kafka, experiment).current()
+    rows = [state.controls[k] for k in sorted(state.controls)]
+    if as_json:
+        console.print_json(json.dumps([{**c.to_avro()} for c in rows]))
+        return
+    table = Table("app/slot", "strategy", "params", "version", "issued by")
+    for c in rows:
+        table.add_row(c.key, c.strategy, " ".join(f"{k}={v}" for k, v in c.params.items()), str(c.version), c.issued_by)
+    console.print(table)
+
+
+@process_app.command("run")
+@handle_errors
+def process_run(
+    ctx: typer.Context,
+    spec: str = typer.Argument(..., help="my_module:my_function, decorated with @astraflow.processor."),
+    experiment: str = EXPERIMENT,
+    group: str | None = typer.Option(None, help="Consumer group (default af.<experiment>.proc.<name>)."),
+    instance_id: str | None = typer.Option(None, help="Instance name in metrics."),
+    metrics_interval: float = typer.Option(10.0, help="Seconds between metrics records."),
+    log_level: str = typer.Option("info", help="debug | info | warning"),
+) -> None:
+    """Run one worker of a user processor until SIGTERM / Ctrl-C; start more to split partitions."""
+    from stream_apps.launch import build_processor_worker
+
+    if os.getcwd() not in sys.path:  # console scripts do not put the working directory on sys.path
+        sys.path.insert(0, os.getcwd())
+    _logging(log_level)
+    worker = build_processor_worker(spec, _settings(ctx, experiment, group, instance_id, 16, metrics_interval))
+    proc = worker.handler.proc  # type: ignore[attr-defined]
+    console.print(f"processor {proc.name}: {proc.source} -> {proc.sink or '(Emit topics)'} (group {worker.group_id})")
+    _run(worker)

@@ -1,0 +1,306 @@
+"""The curate app: scored trajectories -> per-policy train topics, and per-prompt feedback.
+
+    astraflow app run curate --experiment EXP --policy solver --policy verifier \
+        [--group-timeout 300] [--min-group-size 2]
+
+For every group (records keyed by `group_id`, so a group lives on one partition):
+
+1. **Assemble** by `group_id` until `group_size` distinct trajectories arrived, or
+   `--group-timeout` seconds after its first one (then it is emitted if it has at least
+   `--min-group-size` members, dropped as `incomplete_group` otherwise). Trajectories of a group
+   already emitted are dropped as `late_trajectory`.
+2. **Feedback.** For every policy that trained tokens in the group, the prompt's statistics are
+   updated (`update_prompt_stats`: pass rate, EWMA, zero-variance streak, ...) and published
+   to `feedback` keyed `<policy>/<prompt_id>` — for every group, whatever the filters keep,
+   since curators choose prompts by how they went.
+3. **Trajectory filters** (slots `filter.dedupe`, `filter.length`).
+4. **Per policy**: one TrainSample per trajectory (`stream_apps.groups.train_sample`), then
+   the **sample filters** — `filter.staleness` (default 8 versions), `filter.zero_variance`,
+   then any other `filter.<name>` slot set on the control topic, in slot-name order — then
+   **advantages** (slot `advantage`, default `grpo`) over that policy's remaining samples of
+   the group; the samples go to `<policy>.train` keyed by `group_id`. Every sample's lineage is
+   its trajectory's (the reward) plus each curate strategy applied.
+
+**Staleness.** The trainer's current version of each policy comes from the compacted
+`policies` topic (the latest PolicyVersion per policy, written by the trainer on every
+publish), read to its end at start and followed live. It is the only place that knows what
+the trainer is at (samples' `min_version` tells how old a rollout is, not how far the trainer
+moved on). While no version of a policy is known (no trainer yet), nothing is stale.
+
+**Restart and rebalance.** Records of a group stay uncommitted until the group is emitted, so
+the committed offset of a partition never passes the first record of a pending group. After
+a crash or a rebalance the new owner reads from there: pending groups are rebuilt completely
+(nothing lost); groups emitted after that offset are emitted again (at-least-once), with the
+same deterministic `sample_id`s (`<trajectory_id>#<policy>`) so a trainer can drop them. The
+window is bounded by the group timeout. Prompt statistics resume from the `feedback` topic.
+Within one worker's lifetime, emitted groups are remembered (100k ids), so redelivered
+trajectories are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from astraflow.dataflow.advantages import advantages_for
+from astraflow.dataflow.filters import FilterContext, FilterResult
+from astraflow.dataflow.prompt_stats import update_prompt_stats
+from astraflow.dataflow.registry import Strategy
+from astraflow.errors import AstraflowError, ConfigError
+from astraflow.records import PolicyVersion, PromptStats, StrategyRef, TrainSample, Trajectory
+from stream_apps.groups import (
+    Group,
+    GroupAssembler,
+    newest_version,
+    policy_reward,
+    train_sample,
+    trained_policies,
+)
+from stream_apps.runtime import TP, AppHandler, Incoming, StrategyFailed
+from stream_apps.slots import Slot, SlotDefault
+
+log = logging.getLogger("astraflow.stream.curate")
+
+DEFAULTS: dict[str, SlotDefault] = {
+    "filter.dedupe": SlotDefault("dedupe"),
+    "filter.length": SlotDefault("length"),
+    "filter.staleness": SlotDefault("staleness", {"max_staleness": 8}),
+    "filter.zero_variance": SlotDefault("zero_variance"),
+    "advantage": SlotDefault("grpo"),
+}
+TRAJECTORY_FILTERS = ("filter.dedupe", "filter.length")
+SAMPLE_FILTERS = ("filter.staleness", "filter.zero_variance")
+
+
+class UnscoredTrajectoryError(AstraflowError):
+    """Raised when curate reads a trajectory without a reward (it was not written by the reward app)."""
+
+
+class CurateApp(AppHandler):
+    """Assembles groups and routes training samples (see the module doc)."""
+
+    name = "curate"
+    expect = Trajectory
+    sources = ("scored",)
+    tick_interval_s = 0.25
+
+    def __init__(
+        self,
+        policies: Sequence[str] = (),
+        *,
+        group_timeout_s: float = 300.0,
+        min_group_size: int = 2,
+        stats_alpha: float = 0.3,
+        defaults: dict[str, SlotDefault] | None = None,
+    ) -> None:
+        if min_group_size < 1:
+            raise ConfigError(f"--min-group-size must be >= 1, got {min_group_size}")
+        self.policies = tuple(policies)  # policies routed (empty: every policy that has a train topic)
+        self.group_timeout_s = group_timeout_s
+        self.min_group_size = min_group_size
+        self.stats_alpha = stats_alpha
+        self.defaults = {**DEFAULTS, **(defaults or {})}
+        self.slots: dict[str, Slot] = {}
+        self.assembler = GroupAssembler(group_timeout_s)
+        self.stats: dict[str, PromptStats] = {}  # "<policy>/<prompt_id>" -> latest statistics
+        self.groups_emitted = 0
+        self._extra_generation = -1
+        self._train_topics: dict[str, bool] = {}  # policy -> its train topic exists
+
+    # ---- setup -----------------------------------------------------------------------------------
+
+    def bind(self, worker: Any) -> None:
+        from astraflow.control import CompactedReader
+
+        super().bind(worker)
+        for slot, default in self.defaults.items():
+            kind = "advantage" if slot == "advantage" else "filter"
+            self.slots[slot] = Slot(worker.control, self.name, slot, kind, default, optional=slot != "advantage")
+        for policy in self.policies:
+            if not self._has_train_topic(policy):
+                raise ConfigError(
+                    f"train topic {worker.topics.train(policy)} does not exist; create it with "
+                    f"`astraflow topics create -e {worker.settings.experiment} -p {policy}`"
+                )
+        self.versions = CompactedReader(worker.kafka, worker.topics.policies, serde=worker.serde, expect=PolicyVersion)
+        self.feedback = CompactedReader(
+            worker.kafka, worker.topics.feedback, serde=worker.serde, expect=PromptStats, on_record=self._on_feedback
+        )
+        self.versions.catch_up()
+        self.feedback.catch_up()
+
+    def _on_feedback(self, key: str, stats: PromptStats | None) -> None:
+        # Another worker's update (or ours coming back): keep whichever has seen more groups.
+        mine = self.stats.get(key)
+        if stats is not None and (mine is None or stats.groups >= mine.groups):
+            self.stats[key] = stats
+
+    def _has_train_topic(self, policy: str) -> bool:
+        known = self._train_topics.get(policy)
+        if known is None:
+            topic = self.worker.topics.train(policy)
+            md = self.worker.producer.raw.list_topics(topic, timeout=10.0)
+            meta = md.topics.get(topic)
+            known = self._train_topics[policy] = meta is not None and meta.error is None and bool(meta.partitions)
+            if not known:
+                log.error("no train topic %s: samples of policy %s are dropped (create it and restart curate)", topic, policy)
+        return known
+
+    def current_version(self, policy: str) -> int | None:
+        pv = self.versions.latest.get(policy)
+        return None if pv is None else int(pv.version)
+
+    # ---- stream ----------------------------------------------------------------------------------
+
+    def handle(self, inc: Incoming) -> None:
+        traj: Trajectory = inc.record
+        if traj.reward is None:
+            raise UnscoredTrajectoryError(f"trajectory {traj.trajectory_id} has no reward; curate reads the reward app's output")
+        added = self.assembler.add(traj, inc, inc.tp, self._now())
+        if added.status == "late":
+            self.worker.drop("late_trajectory")
+        elif added.status == "duplicate":
+            self.worker.drop("duplicate_in_group")
+        else:
+            self.worker.hold(inc)
+            if added.group is not None:
+                self._emit(added.group)
+
+    def tick(self, now: float) -> None:
+        self.versions.refresh()
+        self.feedback.refresh()
+        for group in self.assembler.expire(now):
+            self._emit(group)
+
+    def on_revoke(self, tps: set[TP]) -> None:
+        gone = self.assembler.drop_partitions(tps)
+        if gone:
+            log.info("dropped %d pending groups of revoked partitions; their new owner rebuilds them", len(gone))
+
+    def _now(self) -> float:
+        import time
+
+        return time.monotonic()
+
+    # ---- one group -------------------------------------------------------------------------------
+
+    def _emit(self, group: Group) -> None:
+        incs: list[Incoming] = group.tokens
+        try:
+            outputs, feedback = self.process(group)
+        except StrategyFailed as exc:
+            for inc in incs:
+                self.worker.dead_letter(inc, exc, exc.strategy)
+            return
+        except Exception as exc:  # a malformed trajectory (e.g. arrays of unequal lengths) fails its group only
+            for inc in incs:
+                self.worker.dead_letter(inc, exc)
+            return
+        for topic, record, key in outputs:
+            self.worker.send(topic, record, key)
+        for key, stats in feedback:
+            self.worker.send_side(self.worker.topics.feedback, stats, key)
+        self.groups_emitted += 1
+        self.worker.release(incs)
+
+    def process(self, group: Group) -> tuple[list[tuple[str, TrainSample, str]], list[tuple[str, PromptStats]]]:
+        """(train samples with their topic and key, feedback records with their key) of one group."""
+        trajs = group.trajectories
+        feedback = self._prompt_stats(trajs)
+        if not group.complete and len(trajs) < self.min_group_size:
+            self.worker.drop("incomplete_group", len(trajs))
+            return [], feedback
+        kept, refs = trajs, []
+        for slot in TRAJECTORY_FILTERS:
+            kept, ref = self._filter(slot, kept, FilterContext())
+            refs += ref
+        by_id = {t.trajectory_id: t for t in kept}
+        outputs: list[tuple[str, TrainSample, str]] = []
+        for policy in trained_policies(kept):
+            if (self.policies and policy not in self.policies) or not self._has_train_topic(policy):
+                self.worker.drop("unrouted_policy", len(kept))
+                continue
+            samples = [s for t in kept if (s := train_sample(t, policy)) is not None]
+            policy_refs = list(refs)
+            ctx = FilterContext(current_version=self.current_version(policy))
+            for slot in self._sample_filter_slots():
+                if slot == "filter.staleness" and ctx.current_version is None:
+                    continue  # no trainer version known yet: nothing can be stale
+                samples, ref = self._filter(slot, samples, ctx)
+                policy_refs += ref
+            if not samples:
+                continue
+            adv = self.slots["advantage"].get()
+            assert adv is not None
+            try:
+                values = advantages_for(samples, adv.impl)
+            except Exception as exc:
+                raise StrategyFailed(adv.name, exc) from exc
+            policy_refs.append(adv.ref(self.name, "advantage"))
+            topic = self.worker.topics.train(policy)
+            for sample, value in zip(samples, np.asarray(values, dtype=np.float64).tolist(), strict=True):
+                sample.advantage = float(value)
+                sample.lineage = [*by_id[sample.trajectory_id].lineage, *policy_refs]
+                outputs.append((topic, sample, sample.group_id))
+        return outputs, feedback
+
+    def _filter(self, slot: str, items: list[Any], ctx: FilterContext) -> tuple[list[Any], list[StrategyRef]]:
+        strategy: Strategy[Any] | None = self.slots[slot].get()
+        if strategy is None or not items:
+            return items, []
+        try:
+            result: FilterResult[Any] = strategy(items, ctx)
+        except Exception as exc:
+            raise StrategyFailed(strategy.name, exc) from exc
+        if result.dropped:
+            self.worker.drop(strategy.name, len(result.dropped))
+        return list(result.kept), [strategy.ref(self.name, slot)]
+
+    def _sample_filter_slots(self) -> list[str]:
+        """Built-in sample filters, then any other `filter.*` slot the control topic names."""
+        control = self.worker.control
+        if control.generation != self._extra_generation:
+            self._extra_generation = control.generation
+            for slot in sorted(control.state.slots(self.name)):
+                if slot.startswith("filter.") and slot not in self.slots:
+                    self.slots[slot] = Slot(control, self.name, slot, "filter", SlotDefault("none"), optional=True)
+        extra = sorted(s for s in self.slots if s.startswith("filter.") and s not in (*TRAJECTORY_FILTERS, *SAMPLE_FILTERS))
+        return [*SAMPLE_FILTERS, *extra]
+
+    def _prompt_stats(self, trajs: list[Trajectory]) -> list[tuple[str, PromptStats]]:
+        out = []
+        for policy in trained_policies(trajs):
+            mine = [t for t in trajs if _trains(t, policy)]
+            key = f"{policy}/{trajs[0].prompt_id}"
+            stats = update_prompt_stats(
+                self.stats.get(key),
+                [policy_reward(t, policy) for t in mine],
+                [t.num_tokens for t in mine],
+                max(newest_version(t, policy) for t in mine),
+                alpha=self.stats_alpha,
+                prompt_id=trajs[0].prompt_id,
+                dataset=trajs[0].dataset,
+                policy=policy,
+            )
+            self.stats[key] = stats
+            out.append((key, stats))
+        return out
+
+    def gauges(self) -> dict[str, float]:
+        return {
+            "groups_pending": float(len(self.assembler.pending)),
+            "groups_emitted_total": float(self.groups_emitted),
+            **{f"control_version.{k}": float(s.version) for k, s in self.slots.items()},
+        }
+
+    def close(self) -> None:
+        for reader in (getattr(self, "versions", None), getattr(self, "feedback", None)):
+            if reader is not None:
+                reader.close()
+
+
+def _trains(traj: Trajectory, policy: str) -> bool:
+    return any(seg.policy == policy and np.any(np.asarray(seg.loss_mask)) for seg in traj.segments)
