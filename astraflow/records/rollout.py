@@ -108,17 +108,45 @@ class Task:
         )
 
 
-@dataclass(slots=True)
 class Segment:
-    """A run of tokens with one policy and role; arrays are numpy, packed on the wire."""
+    """A run of tokens with one policy and role; arrays are numpy, packed on the wire.
 
-    policy: str
-    role: str  # prompt | assistant | tool | user | system
-    token_ids: np.ndarray  # int32
-    logprobs: np.ndarray  # float32 behaviour logprobs (0 where not sampled)
-    loss_mask: np.ndarray  # uint8, 1 = trained on
-    versions: np.ndarray  # int32 policy version per token (-1 where not sampled)
-    text: str = ""
+    Decoded segments keep the wire bytes and wrap them as numpy arrays only when an array is
+    first read (zero-copy either way); re-encoding an untouched array reuses its bytes, so an
+    app that passes trajectories through (reward, curate) never copies token arrays.
+    """
+
+    __slots__ = ("_logprobs", "_loss_mask", "_raw", "_token_ids", "_versions", "policy", "role", "text")
+
+    _ARRAYS = (("token_ids", INT32), ("logprobs", FLOAT32), ("loss_mask", UINT8), ("versions", INT32))
+
+    def __init__(self, policy: str, role: str, token_ids: Any, logprobs: Any, loss_mask: Any, versions: Any,
+                 text: str = "") -> None:
+        self.policy = policy  # policy that generated (or, for context, is trained with) these tokens
+        self.role = role  # prompt | assistant | tool | user | system
+        self._token_ids = np.asarray(token_ids, dtype=INT32)  # int32 ids
+        self._logprobs = np.asarray(logprobs, dtype=FLOAT32)  # behaviour logprobs (0 where not sampled)
+        self._loss_mask = np.asarray(loss_mask, dtype=UINT8)  # 1 = trained on
+        self._versions = np.asarray(versions, dtype=INT32)  # policy version per token (-1 where not sampled)
+        self._raw: dict[str, bytes] | None = None  # wire bytes of arrays not yet materialised
+        self.text = text  # decoded text, for people and text rewards
+
+    def _get(self, name: str, dtype: np.dtype) -> np.ndarray:
+        arr = getattr(self, "_" + name)
+        if arr is None:
+            arr = unpack(self._raw[name], dtype)  # type: ignore[index]
+            setattr(self, "_" + name, arr)
+        return arr
+
+    token_ids = property(lambda self: self._get("token_ids", INT32), lambda self, v: self._set("token_ids", v, INT32))
+    logprobs = property(lambda self: self._get("logprobs", FLOAT32), lambda self, v: self._set("logprobs", v, FLOAT32))
+    loss_mask = property(lambda self: self._get("loss_mask", UINT8), lambda self, v: self._set("loss_mask", v, UINT8))
+    versions = property(lambda self: self._get("versions", INT32), lambda self, v: self._set("versions", v, INT32))
+
+    def _set(self, name: str, value: Any, dtype: np.dtype) -> None:
+        setattr(self, "_" + name, np.asarray(value, dtype=dtype))
+        if self._raw is not None:
+            self._raw.pop(name, None)
 
     @classmethod
     def context(cls, policy: str, role: str, token_ids: Any, text: str = "") -> Segment:
@@ -128,30 +156,37 @@ class Segment:
         return cls(policy, role, ids, np.zeros(n, FLOAT32), np.zeros(n, UINT8), np.full(n, -1, INT32), text)
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        if self._token_ids is None:
+            return len(self._raw["token_ids"]) // 4  # type: ignore[index]
+        return len(self._token_ids)
+
+    def __repr__(self) -> str:
+        return f"Segment(policy={self.policy!r}, role={self.role!r}, tokens={len(self)}, text={self.text[:40]!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Segment):
+            return NotImplemented
+        return (self.policy, self.role, self.text) == (other.policy, other.role, other.text) and all(
+            np.array_equal(getattr(self, n), getattr(other, n)) for n, _ in self._ARRAYS)
+
+    __hash__ = None  # type: ignore[assignment]
 
     def to_avro(self) -> dict[str, Any]:
-        return {
-            "policy": self.policy,
-            "role": self.role,
-            "token_ids": pack(self.token_ids, INT32),
-            "logprobs": pack(self.logprobs, FLOAT32),
-            "loss_mask": pack(self.loss_mask, UINT8),
-            "versions": pack(self.versions, INT32),
-            "text": self.text,
-        }
+        raw = self._raw or {}
+        out: dict[str, Any] = {"policy": self.policy, "role": self.role, "text": self.text}
+        for name, dtype in self._ARRAYS:
+            cached = raw.get(name)
+            out[name] = cached if cached is not None else pack(getattr(self, "_" + name), dtype)
+        return out
 
     @classmethod
     def from_avro(cls, d: dict[str, Any]) -> Segment:
-        return cls(
-            d["policy"],
-            d["role"],
-            unpack(d["token_ids"], INT32),
-            unpack(d["logprobs"], FLOAT32),
-            unpack(d["loss_mask"], UINT8),
-            unpack(d["versions"], INT32),
-            d["text"],
-        )
+        seg = cls.__new__(cls)
+        seg.policy, seg.role, seg.text = d["policy"], d["role"], d["text"]
+        seg._raw = {"token_ids": d["token_ids"], "logprobs": d["logprobs"], "loss_mask": d["loss_mask"],
+                    "versions": d["versions"]}
+        seg._token_ids = seg._logprobs = seg._loss_mask = seg._versions = None
+        return seg
 
 
 @dataclass(slots=True)
