@@ -40,6 +40,7 @@ trajectories are dropped.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -116,9 +117,7 @@ class CurateApp(AppHandler):
         from astraflow.control import CompactedReader
 
         super().bind(worker)
-        for slot, default in self.defaults.items():
-            kind = "advantage" if slot == "advantage" else "filter"
-            self.slots[slot] = Slot(worker.control, self.name, slot, kind, default, optional=slot != "advantage")
+        self.init_slots(worker.control)
         for policy in self.policies:
             if not self._has_train_topic(policy):
                 raise ConfigError(
@@ -131,6 +130,12 @@ class CurateApp(AppHandler):
         )
         self.versions.catch_up()
         self.feedback.catch_up()
+
+    def init_slots(self, control: Any) -> None:
+        """Builds the strategy slots (bind calls it; unit tests call it with a plain control state)."""
+        for slot, default in self.defaults.items():
+            kind = "advantage" if slot == "advantage" else "filter"
+            self.slots[slot] = Slot(control, self.name, slot, kind, default, optional=slot != "advantage")
 
     def _on_feedback(self, key: str, stats: PromptStats | None) -> None:
         # Another worker's update (or ours coming back): keep whichever has seen more groups.
@@ -181,8 +186,6 @@ class CurateApp(AppHandler):
             log.info("dropped %d pending groups of revoked partitions; their new owner rebuilds them", len(gone))
 
     def _now(self) -> float:
-        import time
-
         return time.monotonic()
 
     # ---- one group -------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 Row fields:
 - `prompt` (required): the text the workflow starts from;
-- `reference`: what the reward needs, a JSON object or a string holding one (a string that is
-  not JSON is taken as the answer: {"answer": text}); or `answer`: shorthand for
+- `reference`: what the reward needs, a JSON object or a string holding one (anything else,
+  e.g. "42", is taken as the answer: {"answer": "42"}); or `answer`: shorthand for
   {"answer": answer};
 - `id` (optional): unique prompt id; default `<dataset>/<row index>`;
 - `dataset` (optional): the dataset name, for mixing; default the file name without extension;
@@ -68,11 +68,11 @@ def reference_json(row: dict[str, Any]) -> str | None:
         return None
     if isinstance(ref, str):
         try:
-            json.loads(ref)
-            return ref
+            decoded = json.loads(ref)
         except json.JSONDecodeError:
-            return json.dumps({"answer": ref})
-    return json.dumps(ref)
+            decoded = None
+        return ref if isinstance(decoded, dict) else json.dumps({"answer": ref})
+    return json.dumps(ref) if isinstance(ref, dict) else json.dumps({"answer": ref})
 
 
 def load_dataset(path: str | Path) -> list[DatasetRow]:
