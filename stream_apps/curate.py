@@ -192,8 +192,17 @@ class CurateApp(AppHandler):
 
     def _emit(self, group: Group) -> None:
         incs: list[Incoming] = group.tokens
+        # Statistics first, whatever happens to the samples: the curator counts every group
+        # curate finished (max-ahead), and a prompt whose group broke a filter is still news.
         try:
-            outputs, feedback = self.process(group)
+            feedback = self.prompt_feedback(group)
+        except Exception as exc:  # malformed trajectories: the samples below fail too and say why
+            log.warning("no prompt statistics for group %s: %r", group.group_id, exc)
+            feedback = []
+        for key, stats in feedback:
+            self.worker.send_side(self.worker.topics.feedback, stats, key)
+        try:
+            outputs = self.train_outputs(group)
         except StrategyFailed as exc:
             for inc in incs:
                 self.worker.dead_letter(inc, exc, exc.strategy)
@@ -204,18 +213,23 @@ class CurateApp(AppHandler):
             return
         for topic, record, key in outputs:
             self.worker.send(topic, record, key)
-        for key, stats in feedback:
-            self.worker.send_side(self.worker.topics.feedback, stats, key)
         self.groups_emitted += 1
         self.worker.release(incs)
 
     def process(self, group: Group) -> tuple[list[tuple[str, TrainSample, str]], list[tuple[str, PromptStats]]]:
         """(train samples with their topic and key, feedback records with their key) of one group."""
+        return self.train_outputs(group), self.prompt_feedback(group)
+
+    def prompt_feedback(self, group: Group) -> list[tuple[str, PromptStats]]:
+        """Updated statistics of the group's prompt for each policy that trained in it, with their keys."""
+        return self._prompt_stats(group.trajectories)
+
+    def train_outputs(self, group: Group) -> list[tuple[str, TrainSample, str]]:
+        """The group's train samples with their topic and key (filters and advantages applied)."""
         trajs = group.trajectories
-        feedback = self._prompt_stats(trajs)
         if not group.complete and len(trajs) < self.min_group_size:
             self.worker.drop("incomplete_group", len(trajs))
-            return [], feedback
+            return []
         kept, refs = trajs, []
         for slot in TRAJECTORY_FILTERS:
             kept, ref = self._filter(slot, kept, FilterContext())
@@ -248,7 +262,7 @@ class CurateApp(AppHandler):
                 sample.advantage = float(value)
                 sample.lineage = [*by_id[sample.trajectory_id].lineage, *policy_refs]
                 outputs.append((topic, sample, sample.group_id))
-        return outputs, feedback
+        return outputs
 
     def _filter(self, slot: str, items: list[Any], ctx: FilterContext) -> tuple[list[Any], list[StrategyRef]]:
         strategy: Strategy[Any] | None = self.slots[slot].get()

@@ -383,11 +383,10 @@ class StreamWorker:
         self.dead_letter(inc, exc, strategy)
 
     def _dead_letter_msg(self, msg: Message, error: BaseException | str, strategy: str | None) -> None:
+        if isinstance(error, StrategyFailed):  # the DLQ names the strategy and shows what it raised
+            strategy, error = strategy or error.strategy, error.cause
         self._dlq.send(msg, error, strategy)
-        reason = type(error).__name__ if isinstance(error, BaseException) else "Error"
-        if isinstance(error, StrategyFailed) and isinstance(error.cause, BaseException):
-            reason = type(error.cause).__name__
-        self.stats.dead_lettered[reason] += 1
+        self.stats.dead_lettered[type(error).__name__ if isinstance(error, BaseException) else "Error"] += 1
 
     # ---- commits and rebalances ------------------------------------------------------------------
 

@@ -1,0 +1,1 @@
+"""Example user processors (see docs/processors.md); run one with `astraflow process run`."""

@@ -1,0 +1,176 @@
+"""reward + curate on a real broker: trajectories in, train samples per policy out, poison to the DLQ.
+
+Two policies (solver, verifier): the verifier trains in three of the four samples of one group,
+so its advantages differ from the solver's. Poison records (undecodable bytes, a reference the
+reward cannot read, a group a curate filter raises on) land in the DLQ with the reason and the
+strategy's name, and every record after them is still processed.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+from confluent_kafka import Consumer
+
+from astraflow.config import KafkaSettings, TopicSettings
+from astraflow.control import ControlWriter
+from astraflow.dataflow.filters import FilterResult
+from astraflow.dataflow.registry import register
+from astraflow.kafka.clients import RecordProducer
+from astraflow.kafka.topics import TopicAdmin, Topics, topic_specs
+from astraflow.records import DeadLetter, Metric, PromptStats, Segment, TrainSample, Trajectory
+from astraflow.serde import AvroSerde
+from astraflow.testing import make_trajectory
+from stream_apps.launch import AppOptions, build_worker
+from stream_apps.runtime import StreamWorker, WorkerSettings
+
+POLICIES = ["solver", "verifier"]
+
+
+@pytest.fixture
+def exp2(kafka: KafkaSettings, unique: Callable[[str], str]) -> Iterator[str]:
+    """An experiment with train topics for two policies."""
+    name = unique("exp")
+    admin = TopicAdmin(kafka)
+    specs = topic_specs(name, POLICIES, TopicSettings(partitions=2))
+    admin.create(specs)
+    yield name
+    admin.delete([s.name for s in specs])
+
+
+@register("filter", "it_explode", version=1)
+@dataclass(frozen=True)
+class Explode:
+    """Raises on groups of the prompt `boom` (a broken plug-in filter)."""
+
+    def __call__(self, items: list[Any], ctx: Any = None) -> FilterResult[Any]:
+        if any(i.prompt_id == "boom" for i in items):
+            raise RuntimeError("filter exploded")
+        return FilterResult(list(items))
+
+
+def group(name: str, answers: list[str], verifier_in: int = 0, prompt: str | None = None) -> list[Trajectory]:
+    """Trajectories of one group; the first `verifier_in` also have a verifier segment."""
+    out = []
+    for i, answer in enumerate(answers):
+        t = make_trajectory(96, task_id=name, sample_index=i, group_size=len(answers), policy="solver", seed=i, version=4)
+        t.group_id, t.prompt_id, t.final_answer, t.reference = name, prompt or f"p-{name}", answer, '{"answer": "4"}'
+        if i < verifier_in:
+            n = 8
+            t.segments.append(Segment("verifier", "assistant", np.arange(n, dtype=np.int32), np.full(n, -0.1, np.float32),
+                                      np.ones(n, np.uint8), np.full(n, 7, np.int32)))
+        out.append(t)
+    return out
+
+
+def drain(kafka: KafkaSettings, topics: list[str], until: Callable[[list[Any]], bool], timeout_s: float = 40.0) -> list[Any]:
+    """Decoded records of `topics` (from the start) until `until(records)` or the timeout."""
+    serde = AvroSerde()
+    c = Consumer({**kafka.client_config(), "group.id": f"read-{uuid.uuid4().hex}", "auto.offset.reset": "earliest"})
+    c.subscribe(topics)
+    out: list[Any] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not until(out) and time.monotonic() < deadline:
+            for m in c.consume(500, 0.3):
+                if m.error() is None:
+                    out.append(serde.loads(m.value()))
+    finally:
+        c.close()
+    return out
+
+
+def start(*workers: StreamWorker) -> list[Any]:
+    return [w.start_thread() for w in workers]
+
+
+def stop(workers: list[StreamWorker], threads: list[Any]) -> None:
+    for w in workers:
+        w.stop()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert all(w.error is None for w in workers), [w.error for w in workers]
+
+
+def test_trajectories_to_train_samples_per_policy_with_dlq_and_metrics(kafka: KafkaSettings, exp2: str) -> None:
+    topics = Topics(exp2)
+    ControlWriter(kafka, exp2).set("curate", "filter.explode", "it_explode")  # before start: read at startup
+    producer = RecordProducer(kafka)
+    producer.send_raw(topics.rollouts, b"garbage, not avro", key=b"poison")
+    bad = group("bad-ref", ["4"])[0]
+    bad.reference = "this is not json"
+    producer.send(topics.rollouts, bad, key=bad.group_id)
+    batches = [
+        group("g1", ["4", "5", "4", "5"], verifier_in=3),  # solver 1,0,1,0; verifier 1,0,1
+        group("g2", ["4", "4", "4", "5"]),  # solver 1,1,1,0
+        group("boom", ["4", "5"], prompt="boom"),  # the explode filter raises on this group
+        group("flat", ["5", "5", "5"]),  # all wrong: zero variance, dropped
+    ]
+    for batch in batches:
+        for t in batch:
+            producer.send(topics.rollouts, t, key=t.group_id)
+    producer.flush()
+
+    settings = dict(metrics_interval_s=0.5, commit_interval_s=0.5)
+    workers = [build_worker("reward", WorkerSettings(exp2, kafka, **settings)),
+               build_worker("curate", WorkerSettings(exp2, kafka, **settings), AppOptions(policies=POLICIES))]
+    threads = start(*workers)
+    try:
+        samples = drain(kafka, [topics.train(p) for p in POLICIES], lambda out: len(out) >= 11)
+        letters = drain(kafka, [topics.dlq], lambda out: len(out) >= 4, timeout_s=20)
+        time.sleep(1.0)  # one more metrics period after the last record
+    finally:
+        stop(workers, threads)
+
+    assert all(isinstance(s, TrainSample) for s in samples)
+    adv = {(s.policy, s.trajectory_id): s.advantage for s in samples}
+    assert len(adv) == len(samples) == 11  # 4 + 4 solver, 3 verifier; nothing twice
+    half, third = 0.5 / (0.5 + 1e-6), np.sqrt(2) / 3
+    expected = {
+        **{("solver", f"g1/{i}"): a for i, a in enumerate([half, -half, half, -half])},
+        **{("verifier", f"g1/{i}"): a for i, a in enumerate([(1 / 3) / third, (-2 / 3) / third, (1 / 3) / third])},
+        **{("solver", f"g2/{i}"): a for i, a in enumerate([0.25 / np.sqrt(3 / 16)] * 3 + [-0.75 / np.sqrt(3 / 16)])},
+    }
+    assert adv == pytest.approx(expected, abs=1e-4)
+    v0 = next(s for s in samples if s.policy == "verifier" and s.trajectory_id == "g1/0")
+    assert v0.loss_mask.sum() == 8 and v0.min_version == 7 and len(v0.token_ids) == 96 + 8
+    s0 = next(s for s in samples if s.policy == "solver" and s.trajectory_id == "g1/0")
+    assert s0.min_version == 4 and s0.loss_mask[-8:].sum() == 0  # the verifier's tokens are masked for the solver
+    lineage = [(r.app, r.slot, r.name) for r in s0.lineage]
+    assert lineage[0] == ("reward", "reward", "exact_match") and lineage[-1] == ("curate", "advantage", "grpo")
+    assert ("curate", "filter.explode", "it_explode") in lineage
+
+    assert all(isinstance(d, DeadLetter) for d in letters)
+    got = sorted((d.component, d.error_class, d.strategy or "", d.topic == topics.scored) for d in letters)
+    assert got == [
+        ("curate", "RuntimeError", "it_explode", True),
+        ("curate", "RuntimeError", "it_explode", True),
+        ("reward", "CorruptRecordError", "", False),
+        ("reward", "RewardError", "exact_match", False),
+    ]
+    assert any("not valid JSON" in d.error for d in letters if d.strategy == "exact_match")
+    assert any("filter exploded" in d.error for d in letters if d.strategy == "it_explode")
+    assert next(d for d in letters if d.error_class == "CorruptRecordError").original == b"garbage, not avro"
+
+    feedback = drain(kafka, [topics.feedback], lambda out: len(out) >= 5, timeout_s=10)
+    keys = {f"{s.policy}/{s.prompt_id}" for s in feedback if isinstance(s, PromptStats)}
+    assert keys == {"solver/p-g1", "verifier/p-g1", "solver/p-g2", "solver/boom", "solver/p-flat"}  # boom's too
+
+    def final(metrics: list[Any], component: str, name: str, **labels: str) -> float | None:
+        hits = [m for m in metrics if isinstance(m, Metric) and m.component == component and m.name == name
+                and all(m.labels.get(k) == v for k, v in labels.items())]
+        return hits[-1].value if hits else None
+
+    metrics = drain(kafka, [topics.metrics], lambda out: final(out, "curate", "dropped_total", reason="zero_variance") == 3,
+                    timeout_s=10)
+    assert final(metrics, "curate", "dropped_total", reason="zero_variance") == 3
+    assert final(metrics, "reward", "records_in_total") == 2 + 13
+    assert final(metrics, "reward", "records_out_total") == 13
+    assert final(metrics, "reward", "dead_lettered_total", reason="CorruptRecordError") == 1
