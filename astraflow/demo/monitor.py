@@ -37,7 +37,7 @@ class Snapshot:
     staleness_recent: float | None  # mean (trainer version - trajectory version), last 64
     lags: dict[str, int]  # topic -> total consumer lag of its reading group
     dlq: int
-    train_samples: int | None
+    train_samples: int  # samples trained on so far
 
 
 @dataclass
@@ -58,6 +58,7 @@ class Monitor:
         self.versions_by_node: dict[str, int] = {}
         self.trainer_version: int | None = None
         self.trainer_metrics: dict[str, float] = {}
+        self.trained_samples = 0  # samples the trainer reports having trained on
         self.dlq: list[DeadLetter] = []
         self._recent = deque(maxlen=64)
         self._lock = threading.Lock()
@@ -105,14 +106,17 @@ class Monitor:
                 self.rows.append(row)
                 self._recent.append(row)
             elif isinstance(rec, Metric):
+                name = rec.name.removeprefix("trainer.")
                 if rec.component == "eval" and rec.name == "eval_success":
                     self.evals.append({"t": now, "success": rec.value, "version": int(rec.labels.get("version", -1))})
                 elif rec.name == "policy_version" and rec.component == "raas":
                     self.versions_by_node[rec.instance] = int(rec.value)
-                elif rec.component == "trainer":
-                    self.trainer_metrics[rec.name] = rec.value
-                    if rec.name in ("version", "published_version", "policy_version"):
+                elif rec.component == "trainer" and "bucket" not in rec.labels:
+                    self.trainer_metrics[name] = rec.value
+                    if name == "policy_version":
                         self.trainer_version = int(rec.value)
+                    elif name == "samples":
+                        self.trained_samples += int(rec.value)
             elif isinstance(rec, DeadLetter):
                 self.dlq.append(rec)
 
@@ -154,7 +158,7 @@ class Monitor:
                 staleness_recent=(sum(r["trainer_version"] - r["version"] for r in recent) / len(recent)) if recent else None,
                 lags=dict(self.lags),
                 dlq=len(self.dlq),
-                train_samples=int(self.trainer_metrics["trained_samples"]) if "trained_samples" in self.trainer_metrics else None,
+                train_samples=self.trained_samples,
             )
 
     def by_version(self) -> dict[int, float]:

@@ -75,6 +75,7 @@ def write_summary(monitor: Monitor, run_dir: Path, extra: dict[str, Any]) -> dic
         "eval_points": len(evals),
         "versions_published": monitor.trainer_version,
         "trajectories": len(monitor.rows),
+        "samples_trained": monitor.trained_samples,
         "dead_letters": len(monitor.dlq),
         **extra,
     }

@@ -22,7 +22,8 @@ def render(s: Snapshot, settings: Any, experiment: str) -> Panel:
     t.add_row("held-out success", f"{_f(s.eval_success, '{:.1%}')} (version {s.eval_version if s.eval_version is not None else '-'}; "
               f"target {settings.target_success:.0%})")
     t.add_row("training reward", f"{_f(s.reward_recent)} (mean of last 64 trajectories)")
-    t.add_row("trainer version", str(s.trainer_version if s.trainer_version is not None else "-"))
+    t.add_row("trainer", f"version {s.trainer_version if s.trainer_version is not None else '-'}, "
+              f"{s.train_samples} samples trained")
     t.add_row("versions per node", ", ".join(f"{k}={v}" for k, v in sorted(s.versions_by_node.items())) or "-")
     t.add_row("trajectories", f"{s.trajectories} ({s.traj_per_s:.1f}/s over 30 s)")
     t.add_row("staleness", f"{_f(s.staleness_recent, '{:.2f}')} versions behind the trainer (last 64)")
