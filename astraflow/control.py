@@ -233,13 +233,13 @@ class ControlReader:
         self.state = ControlState()
         self.topic = Topics(experiment).control
         self._reader = CompactedReader(kafka, self.topic, serde=serde, expect=Control, on_record=self._on_record)
-        self.last_change_at: float | None = None  # monotonic time of the latest change that concerns `app`
+        self.last_change_at: float | None = None  # wall-clock time (time.time()) this reader saw the latest change
 
     def _on_record(self, key: str, record: Control | None) -> None:
         if self.app is not None and not (key.startswith(f"{self.app}/") or key.startswith(f"{EVERYONE}/")):
             return
         if self.state.apply(key, record):
-            self.last_change_at = time.monotonic()
+            self.last_change_at = time.time()
 
     def start(self, timeout_s: float = 15.0) -> ControlReader:
         """Reads the topic to its end; returns self."""

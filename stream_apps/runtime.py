@@ -3,8 +3,8 @@
 Every app (`reward`, `curate`, `curator`, user processors) is an `AppHandler` run by a
 `StreamWorker`. One worker is one consumer-group member and one asyncio event loop:
 
-* **Input.** A confluent-kafka consumer in the group `af.<experiment>.<app>` (cooperative-sticky
-  assignment: start more workers to split the partitions). Each record is decoded into its
+* **Input.** A confluent-kafka consumer in the group `af.<experiment>.<app>` (start more workers
+  to split the partitions; eager rebalancing, see `_on_assign`). Each record is decoded into its
   typed class; undecodable records go to the DLQ and the worker goes on.
 * **Handling.** `handler.handle(incoming)` may finish synchronously or return an awaitable; up
   to `max_inflight` awaitables run at once (slow rewards, async user functions), so outputs of
@@ -161,6 +161,7 @@ class StreamWorker:
         self.started = threading.Event()  # set once subscribed and the control topic is read
         self.stopped = threading.Event()  # set when run() returned
         self.error: BaseException | None = None  # what ended run() abnormally
+        self.assigned: frozenset[TP] = frozenset()  # partitions this worker owns now
         self.serde: AvroSerde
         self.producer: RecordProducer | None = None
         self.control: ControlReader | None = None
@@ -277,9 +278,9 @@ class StreamWorker:
                 "enable.auto.commit": False,
                 "auto.offset.reset": "earliest",
                 "isolation.level": "read_committed",
-                "partition.assignment.strategy": "cooperative-sticky",
                 "fetch.message.max.bytes": self.serde.max_record_bytes + 64 * 1024,
                 "max.poll.interval.ms": 300000,
+                "heartbeat.interval.ms": 1000,  # members learn of a rebalance by heartbeat: joiners get work sooner
                 **self.settings.extra_consumer_config,
             }
             self._consumer = Consumer(conf)
@@ -409,27 +410,37 @@ class StreamWorker:
         self._offsets.mark_committed(offsets)
         self.stats.commits += 1
 
+    # Eager rebalancing (librdkafka's default range/roundrobin), with explicit assign/unassign:
+    # the revoke callback runs before the group moves to a new generation, so its commit is
+    # accepted. With cooperative-sticky, librdkafka 2.x ran the revoke after the new generation
+    # began here: commits failed with ILLEGAL_GENERATION and hand-overs stalled for seconds.
+
     def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
         if partitions:
             self.log.info("assigned %s", ", ".join(f"{p.topic}[{p.partition}]" for p in partitions))
+        consumer.assign(partitions)
+        self.assigned = frozenset((p.topic, p.partition) for p in partitions)
 
     def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
         tps = {(p.topic, p.partition) for p in partitions}
-        if not tps:
-            return
-        self.log.info("revoked %s", ", ".join(f"{t}[{p}]" for t, p in sorted(tps)))
-        try:
-            self._commit(tps)
-        except AstraflowError as exc:  # outputs not acknowledged: do not commit, the next owner redoes them
-            self.log.warning("could not commit revoked partitions: %s", exc)
-        self.handler.on_revoke(tps)
-        self._offsets.forget(tps)
+        if tps:
+            self.log.info("revoked %s", ", ".join(f"{t}[{p}]" for t, p in sorted(tps)))
+            try:
+                self._commit(tps)
+            except AstraflowError as exc:  # outputs not acknowledged: do not commit, the next owner redoes them
+                self.log.warning("could not commit revoked partitions: %s", exc)
+            self.handler.on_revoke(tps)
+            self._offsets.forget(tps)
+        consumer.unassign()
+        self.assigned = frozenset()
 
     def _on_lost(self, consumer: Any, partitions: list[Any]) -> None:
         tps = {(p.topic, p.partition) for p in partitions}
         self.log.warning("lost %s (session expired); they are handled again elsewhere", sorted(tps))
         self.handler.on_revoke(tps)
         self._offsets.forget(tps)
+        consumer.unassign()
+        self.assigned = frozenset()
 
     # ---- metrics and shutdown --------------------------------------------------------------------
 
