@@ -27,6 +27,7 @@ class WorkerStats:
     first_in_at: float | None = None  # monotonic time of the first record taken
     last_out_at: float | None = None  # monotonic time of the latest output queued
     commits: int = 0  # successful offset commits
+    inflight_peak: int = 0  # most awaitables (slow records) that ran at once
 
     @property
     def dead_lettered_total(self) -> int:

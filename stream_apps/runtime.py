@@ -359,6 +359,7 @@ class StreamWorker:
         if inspect.isawaitable(result):
             task = asyncio.ensure_future(result)
             self._tasks.add(task)
+            self.stats.inflight_peak = max(self.stats.inflight_peak, len(self._tasks))
             task.add_done_callback(functools.partial(self._task_done, inc))
         elif not inc.held:
             self._offsets.finished(inc.tp, inc.offset, inc.epoch)

@@ -174,3 +174,34 @@ def test_trajectories_to_train_samples_per_policy_with_dlq_and_metrics(kafka: Ka
     assert final(metrics, "reward", "records_in_total") == 2 + 13
     assert final(metrics, "reward", "records_out_total") == 13
     assert final(metrics, "reward", "dead_lettered_total", reason="CorruptRecordError") == 1
+
+
+def test_code_rewards_run_concurrently_in_the_sandbox_without_blocking(kafka: KafkaSettings, exp2: str) -> None:
+    topics = Topics(exp2)
+    ControlWriter(kafka, exp2).set("reward", "reward", "code_tests", {"timeout_s": "3", "cpu_s": "2"})
+    tests = '{"tests": ["assert add(2, 3) == 5", "assert add(-1, 1) == 0"]}'
+    answers = {
+        "right": "def add(a, b):\n    return a + b\n",
+        "wrong": "def add(a, b):\n    return a - b\n",
+        "hangs": "def add(a, b):\n    while True:\n        pass\n",
+    }
+    producer = RecordProducer(kafka)
+    expected = {}
+    for i in range(9):
+        kind = list(answers)[i % 3]
+        t = make_trajectory(64, task_id=f"code-{i}", seed=i)
+        t.group_id, t.final_answer, t.reference = t.task_id, f"```python\n{answers[kind]}```", tests
+        expected[t.trajectory_id] = 1.0 if kind == "right" else 0.0
+        producer.send(topics.rollouts, t, key=t.group_id)
+    producer.flush()
+    worker = build_worker("reward", WorkerSettings(exp2, kafka, max_inflight=8, metrics_interval_s=60))
+    threads = start(worker)
+    try:
+        scored = drain(kafka, [topics.scored], lambda out: len(out) >= 9, timeout_s=60)
+    finally:
+        stop([worker], threads)
+    assert {t.trajectory_id: t.reward for t in scored} == expected
+    assert all(t.lineage[-1].name == "code_tests" for t in scored)
+    hung = [t for t in scored if t.final_answer and "while True" in t.final_answer]
+    assert all(t.reward_components["timed_out"] == 1.0 for t in hung)
+    assert worker.stats.inflight_peak > 1  # sandbox runs overlapped instead of queueing one by one
