@@ -50,15 +50,15 @@ from astraflow.dataflow.advantages import advantages_for
 from astraflow.dataflow.filters import FilterContext, FilterResult
 from astraflow.dataflow.prompt_stats import update_prompt_stats
 from astraflow.dataflow.registry import Strategy
-from astraflow.errors import AstraflowError, ConfigError
+from astraflow.errors import AstraflowError, ConfigError, SerdeError
 from astraflow.records import PolicyVersion, PromptStats, StrategyRef, TrainSample, Trajectory
 from stream_apps.groups import (
     Group,
     GroupAssembler,
-    newest_version,
     policy_reward,
     train_sample,
     trained_policies,
+    trained_versions,
 )
 from stream_apps.runtime import TP, AppHandler, Incoming, StrategyFailed
 from stream_apps.slots import Slot, SlotDefault
@@ -110,6 +110,7 @@ class CurateApp(AppHandler):
         self.groups_emitted = 0
         self._extra_generation = -1
         self._train_topics: dict[str, bool] = {}  # policy -> its train topic exists
+        self._versions: dict[str, dict[str, tuple[int, int]]] = {}  # trained_versions of the group being emitted
 
     # ---- setup -----------------------------------------------------------------------------------
 
@@ -190,7 +191,15 @@ class CurateApp(AppHandler):
 
     # ---- one group -------------------------------------------------------------------------------
 
+    def _trained_versions(self, traj: Trajectory) -> dict[str, tuple[int, int]]:
+        """`trained_versions` of a trajectory of the group being emitted, computed once."""
+        found = self._versions.get(traj.trajectory_id)
+        if found is None:
+            found = self._versions[traj.trajectory_id] = trained_versions(traj)
+        return found
+
     def _emit(self, group: Group) -> None:
+        self._versions = {}
         incs: list[Incoming] = group.tokens
         # Statistics first, whatever happens to the samples: the curator counts every group
         # curate finished (max-ahead), and a prompt whose group broke a filter is still news.
@@ -211,13 +220,19 @@ class CurateApp(AppHandler):
             for inc in incs:
                 self.worker.dead_letter(inc, exc)
             return
-        for topic, record, key in outputs:
-            self.worker.send(topic, record, key)
+        try:
+            for topic, record, key in outputs:
+                self.worker.send(topic, record, key)
+        except SerdeError as exc:  # a sample that does not encode (e.g. too large): the group is dead-lettered
+            for inc in incs:
+                self.worker.dead_letter(inc, exc)
+            return
         self.groups_emitted += 1
         self.worker.release(incs)
 
     def process(self, group: Group) -> tuple[list[tuple[str, TrainSample, str]], list[tuple[str, PromptStats]]]:
         """(train samples with their topic and key, feedback records with their key) of one group."""
+        self._versions = {}
         return self.train_outputs(group), self.prompt_feedback(group)
 
     def prompt_feedback(self, group: Group) -> list[tuple[str, PromptStats]]:
@@ -236,7 +251,7 @@ class CurateApp(AppHandler):
             refs += ref
         by_id = {t.trajectory_id: t for t in kept}
         outputs: list[tuple[str, TrainSample, str]] = []
-        for policy in trained_policies(kept):
+        for policy in trained_policies(kept, self._trained_versions):
             if (self.policies and policy not in self.policies) or not self._has_train_topic(policy):
                 self.worker.drop("unrouted_policy", len(kept))
                 continue
@@ -289,14 +304,15 @@ class CurateApp(AppHandler):
 
     def _prompt_stats(self, trajs: list[Trajectory]) -> list[tuple[str, PromptStats]]:
         out = []
-        for policy in trained_policies(trajs):
-            mine = [t for t in trajs if _trains(t, policy)]
+        versions = [self._trained_versions(t) for t in trajs]
+        for policy in trained_policies(trajs, self._trained_versions):
+            mine = [(t, v[policy]) for t, v in zip(trajs, versions, strict=True) if policy in v]
             key = f"{policy}/{trajs[0].prompt_id}"
             stats = update_prompt_stats(
                 self.stats.get(key),
-                [policy_reward(t, policy) for t in mine],
-                [t.num_tokens for t in mine],
-                max(newest_version(t, policy) for t in mine),
+                [policy_reward(t, policy) for t, _ in mine],
+                [t.num_tokens for t, _ in mine],
+                max(newest for _, (_, newest) in mine),
                 alpha=self.stats_alpha,
                 prompt_id=trajs[0].prompt_id,
                 dataset=trajs[0].dataset,
@@ -318,6 +334,3 @@ class CurateApp(AppHandler):
             if reader is not None:
                 reader.close()
 
-
-def _trains(traj: Trajectory, policy: str) -> bool:
-    return any(seg.policy == policy and np.any(np.asarray(seg.loss_mask)) for seg in traj.segments)

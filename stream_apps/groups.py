@@ -21,7 +21,7 @@ answer), which then replaces `reward` for that policy's sample.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,13 +112,31 @@ class GroupAssembler:
         return sum(len(g.members) for g in self.pending.values())
 
 
-def trained_policies(trajectories: Iterable[Trajectory]) -> list[str]:
-    """Policies that generated trained tokens (loss_mask 1) in any trajectory, in order of appearance."""
+def trained_versions(traj: Trajectory) -> dict[str, tuple[int, int]]:
+    """Per policy that trained tokens (loss_mask 1) in `traj`: (oldest, newest) version among them."""
+    out: dict[str, tuple[int, int]] = {}
+    for seg in traj.segments:
+        mask = np.asarray(seg.loss_mask).astype(bool, copy=False)
+        if not mask.any():
+            continue
+        v = np.asarray(seg.versions)[mask]
+        lo, hi = int(v.min()), int(v.max())
+        old = out.get(seg.policy)
+        out[seg.policy] = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
+    return out
+
+
+def trained_policies(
+    trajectories: Iterable[Trajectory], versions: Callable[[Trajectory], dict[str, tuple[int, int]]] = trained_versions
+) -> list[str]:
+    """Policies that generated trained tokens (loss_mask 1) in any trajectory, in order of appearance.
+
+    `versions` computes `trained_versions` (pass a cached one to scan each trajectory once).
+    """
     seen: dict[str, None] = {}
     for t in trajectories:
-        for seg in t.segments:
-            if seg.policy not in seen and np.any(np.asarray(seg.loss_mask)):
-                seen[seg.policy] = None
+        for policy in versions(t):
+            seen.setdefault(policy, None)
     return list(seen)
 
 
@@ -141,49 +159,48 @@ def train_sample(
     traj: Trajectory, policy: str, *, advantage: float = 0.0, lineage: list[StrategyRef] | None = None
 ) -> TrainSample | None:
     """One training sequence of `traj` for `policy` (see the module doc); None if it trains nothing."""
-    if not traj.segments:
+    segs = traj.segments
+    if not segs:
         return None
-    ids, mask, logp, vers = [], [], [], []
-    for seg in traj.segments:
-        n = len(seg.token_ids)
-        ids.append(np.asarray(seg.token_ids, dtype=np.int32))
-        if seg.policy == policy:
-            m = np.asarray(seg.loss_mask, dtype=np.uint8)
-            mask.append(m)
-            on = m.astype(bool)
-            logp.append(np.where(on, np.asarray(seg.logprobs, dtype=np.float32), np.float32(0)))
-            vers.append(np.where(on, np.asarray(seg.versions, dtype=np.int32), np.int32(-1)))
-        else:
-            mask.append(np.zeros(n, np.uint8))
-            logp.append(np.zeros(n, np.float32))
-            vers.append(np.full(n, -1, np.int32))
-    loss_mask = np.concatenate(mask)
-    if not loss_mask.any():
+    mine = [seg.policy == policy for seg in segs]
+    if not any(mine):
         return None
-    versions = np.concatenate(vers).astype(np.int32, copy=False)
+    loss_mask = np.concatenate([
+        np.asarray(seg.loss_mask, dtype=np.uint8) if m else np.zeros(len(seg), np.uint8) for seg, m in zip(segs, mine, strict=True)
+    ])
+    on = loss_mask.astype(bool)
+    if not on.any():
+        return None
+    token_ids = np.concatenate([np.asarray(seg.token_ids, dtype=np.int32) for seg in segs])
+    if all(mine):  # one policy: its arrays as they are, zeroed where not trained
+        logp = np.concatenate([np.asarray(seg.logprobs, dtype=np.float32) for seg in segs])
+        vers = np.concatenate([np.asarray(seg.versions, dtype=np.int32) for seg in segs])
+    else:
+        logp = np.concatenate([
+            np.asarray(seg.logprobs, dtype=np.float32) if m else np.zeros(len(seg), np.float32) for seg, m in zip(segs, mine, strict=True)
+        ])
+        vers = np.concatenate([
+            np.asarray(seg.versions, dtype=np.int32) if m else np.full(len(seg), -1, np.int32) for seg, m in zip(segs, mine, strict=True)
+        ])
+    logp = np.where(on, logp, np.float32(0))
+    vers = np.where(on, vers, np.int32(-1))
     return TrainSample(
         sample_id=sample_id(traj.trajectory_id, policy),
         trajectory_id=traj.trajectory_id,
         group_id=traj.group_id,
         prompt_id=traj.prompt_id,
         policy=policy,
-        token_ids=np.concatenate(ids),
+        token_ids=token_ids,
         loss_mask=loss_mask,
-        behaviour_logprobs=np.concatenate(logp).astype(np.float32, copy=False),
-        versions=versions,
+        behaviour_logprobs=logp,
+        versions=vers,
         advantage=float(advantage),
         reward=policy_reward(traj, policy),
-        min_version=int(versions[loss_mask.astype(bool)].min()),
+        min_version=int(vers[on].min()),
         lineage=list(lineage or []),
     )
 
 
 def newest_version(traj: Trajectory, policy: str) -> int:
     """Newest policy version among `policy`'s trained tokens of `traj` (-1 if none)."""
-    newest = -1
-    for seg in traj.segments:
-        if seg.policy == policy:
-            v = np.asarray(seg.versions)[np.asarray(seg.loss_mask).astype(bool)]
-            if v.size:
-                newest = max(newest, int(v.max()))
-    return newest
+    return trained_versions(traj).get(policy, (-1, -1))[1]

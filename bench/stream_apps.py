@@ -1,0 +1,200 @@
+"""Stream apps throughput: records/s through reward + curate, against a plain consume-produce loop.
+
+Same run, same broker, same records: N trajectories of 4,096 tokens (groups of 8, half the
+answers right so no group is filtered) go through
+
+* ours: the `reward` app (decode, exact-match reward, lineage, encode) then the `curate` app
+  (decode, group assembly, filters, GRPO, one TrainSample per trajectory, feedback), each a
+  `StreamWorker` with its commit-after-processing, DLQ and metrics;
+* plain: two confluent-kafka loops that copy the bytes unchanged (consume -> produce, same
+  producer settings as ours: idempotent, acks=all, zstd), the floor any Kafka app pays.
+
+Stages run one after another on an otherwise idle pipeline; a stage's time runs from its first
+record consumed until the broker holds all its outputs (end offsets polled every 20 ms).
+Records/s through the pipeline = N / (stage 1 time + stage 2 time).
+
+Usage: python bench/stream_apps.py [--quick] [--json OUT] [--records N] [--tokens 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+# This file is named like the `stream_apps` package: keep its folder off sys.path so that
+# `import stream_apps` finds the package, and load the shared helpers by path.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+_spec = importlib.util.spec_from_file_location("bench_common", _HERE / "_common.py")
+assert _spec is not None and _spec.loader is not None
+_common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_common)
+write_json = _common.write_json
+
+from confluent_kafka import Consumer, Producer  # noqa: E402
+
+from astraflow.config import KafkaSettings, TopicSettings  # noqa: E402
+from astraflow.control import watermarks  # noqa: E402
+from astraflow.kafka.clients import RecordProducer, producer_config  # noqa: E402
+from astraflow.kafka.topics import TopicAdmin, Topics, TopicSpec, topic_specs  # noqa: E402
+from astraflow.serde import AvroSerde  # noqa: E402
+from astraflow.testing import make_trajectory  # noqa: E402
+from stream_apps.launch import AppOptions, build_worker  # noqa: E402
+from stream_apps.runtime import WorkerSettings  # noqa: E402
+
+PARTITIONS = 2
+
+
+class Finish:
+    """Polls a topic's end offsets until they sum to `n`; records when that happened."""
+
+    def __init__(self, kafka: KafkaSettings, topic: str, n: int) -> None:
+        self.kafka, self.topic, self.n = kafka, topic, n
+        self.at: float | None = None
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        c = Consumer({**self.kafka.client_config(), "group.id": f"bench-watch-{uuid.uuid4().hex}"})
+        try:
+            while sum(watermarks(c, self.topic, p)[1] for p in range(PARTITIONS)) < self.n:
+                time.sleep(0.02)
+            self.at = time.monotonic()
+        finally:
+            c.close()
+
+    def wait(self, timeout_s: float) -> float:
+        self._thread.join(timeout_s)
+        if self.at is None:
+            raise SystemExit(f"{self.topic} did not reach {self.n} records within {timeout_s:.0f}s")
+        return self.at
+
+
+def plain_stage(kafka: KafkaSettings, src: str, dst: str, n: int, serde: AvroSerde) -> float:
+    """Copies n records src -> dst with a bare confluent-kafka loop; returns seconds."""
+    done = Finish(kafka, dst, n)
+    producer = Producer(producer_config(kafka, serde.max_record_bytes))
+    consumer = Consumer({
+        **kafka.client_config(), "group.id": f"bench-plain-{uuid.uuid4().hex}", "enable.auto.commit": False,
+        "auto.offset.reset": "earliest", "isolation.level": "read_committed",
+        "fetch.message.max.bytes": serde.max_record_bytes + 64 * 1024,
+    })
+    consumer.subscribe([src])
+    first, copied, last_commit = None, 0, time.monotonic()
+    while copied < n:
+        msgs = consumer.consume(256, 0.2)
+        for m in msgs:
+            if m.error() is not None:
+                continue
+            if first is None:
+                first = time.monotonic()
+            while True:
+                try:
+                    producer.produce(dst, m.value(), m.key())
+                    break
+                except BufferError:
+                    producer.poll(0.05)
+            copied += 1
+        producer.poll(0)
+        if time.monotonic() - last_commit >= 1.0:  # same commit rule as ours: flush, then commit
+            producer.flush()
+            consumer.commit(asynchronous=False)
+            last_commit = time.monotonic()
+    producer.flush()
+    consumer.commit(asynchronous=False)
+    consumer.close()
+    assert first is not None
+    return done.wait(120) - first
+
+
+def our_stage(kafka: KafkaSettings, app: str, experiment: str, out_topic: str, n: int, options: AppOptions | None) -> float:
+    """Runs one app worker until its outputs reached the broker; returns seconds from its first record."""
+    done = Finish(kafka, out_topic, n)
+    worker = build_worker(app, WorkerSettings(experiment, kafka, metrics_interval_s=5.0), options)
+    thread = worker.start_thread()
+    try:
+        end = done.wait(120)
+    finally:
+        worker.stop()
+        thread.join(60)
+    if worker.error is not None:
+        raise SystemExit(f"{app} failed: {worker.error!r}")
+    assert worker.stats.first_in_at is not None
+    return end - worker.stats.first_in_at
+
+
+def fill(kafka: KafkaSettings, topic: str, n: int, tokens: int, group_size: int) -> int:
+    producer = RecordProducer(kafka)
+    t = make_trajectory(tokens, group_size=group_size)
+    t.reference = '{"answer": "4"}'
+    size = 0
+    for i in range(n):
+        g = i // group_size
+        t.trajectory_id, t.task_id, t.group_id, t.sample_index = f"t{g}/{i % group_size}", f"t{g}", f"g{g}", i % group_size
+        t.prompt_id, t.final_answer = f"p{g % 97}", "4" if i % 2 == 0 else "5"
+        data = producer.serde.dumps(t)
+        size = len(data)
+        producer.send_raw(topic, data, key=t.group_id)
+    producer.flush(120)
+    return size
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="512 records instead of 2,048")
+    ap.add_argument("--json", default=None, help="where to write the figures (default bench/results/stream_apps.json)")
+    ap.add_argument("--records", type=int, default=None)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--bootstrap", default=None, help="Kafka bootstrap servers (default: the local broker)")
+    args = ap.parse_args()
+    n = args.records or (512 if args.quick else 2048)
+    n -= n % args.group_size
+    kafka = KafkaSettings(bootstrap_servers=args.bootstrap) if args.bootstrap else KafkaSettings()
+    exp = f"bench-{uuid.uuid4().hex[:8]}"
+    topics = Topics(exp)
+    plain1, plain2 = topics.stream("plain1"), topics.stream("plain2")
+    specs = [*topic_specs(exp, ["policy"], TopicSettings(partitions=PARTITIONS)),
+             TopicSpec(plain1, PARTITIONS), TopicSpec(plain2, PARTITIONS)]
+    admin = TopicAdmin(kafka)
+    admin.create(specs)
+    serde = AvroSerde()
+    try:
+        print(f"producing {n:,} trajectories of {args.tokens:,} tokens ...", flush=True)
+        size = fill(kafka, topics.rollouts, n, args.tokens, args.group_size)
+        # Interleaved so that machine noise hits both sides alike.
+        p1 = plain_stage(kafka, topics.rollouts, plain1, n, serde)
+        o1 = our_stage(kafka, "reward", exp, topics.scored, n, None)
+        p2 = plain_stage(kafka, plain1, plain2, n, serde)
+        o2 = our_stage(kafka, "curate", exp, topics.train("policy"), n, AppOptions(policies=["policy"]))
+    finally:
+        admin.delete([s.name for s in specs])
+    plain_rate, ours_rate = n / (p1 + p2), n / (o1 + o2)
+    rows: list[tuple[str, Any]] = [
+        ("records", f"{n:,} trajectories, {args.tokens:,} tokens, {size:,} bytes each, {PARTITIONS} partitions"),
+        ("plain copy loop, stage 1 /s", f"{n / p1:,.0f}"),
+        ("plain copy loop, stage 2 /s", f"{n / p2:,.0f}"),
+        ("reward app /s", f"{n / o1:,.0f}"),
+        ("curate app /s", f"{n / o2:,.0f}"),
+        ("plain loop, 2 stages /s", f"{plain_rate:,.0f}"),
+        ("reward + curate /s", f"{ours_rate:,.0f}"),
+        ("reward + curate vs plain loop (1.0 = as fast)", f"{ours_rate / plain_rate:.2f}x"),
+    ]
+    w = max(len(r[0]) for r in rows)
+    for k, v in rows:
+        print(f"{k:<{w}}  {v}")
+    write_json(args.json, "stream_apps", {
+        "records": n, "tokens": args.tokens, "bytes": size, "partitions": PARTITIONS,
+        "plain_stage1_per_s": n / p1, "plain_stage2_per_s": n / p2, "reward_per_s": n / o1, "curate_per_s": n / o2,
+        "plain_pipeline_per_s": plain_rate, "ours_pipeline_per_s": ours_rate, "ratio_vs_plain": ours_rate / plain_rate,
+    })
+
+
+if __name__ == "__main__":
+    main()
