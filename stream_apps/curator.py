@@ -44,7 +44,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from astraflow.errors import ConfigError
+from confluent_kafka import KafkaException
+
+from astraflow.errors import AstraflowError, ConfigError
 from astraflow.records import PromptStats, SamplingParams, Task
 from stream_apps.datasets import DatasetRow, load_datasets
 from stream_apps.runtime import AppHandler
@@ -169,7 +171,10 @@ class CuratorApp(AppHandler):
         self._observe()
         if now >= self._lag_due:
             self._lag_due = now + self.options.lag_interval_s
-            self.backlog = self.measure_backlog()
+            try:
+                self.backlog = self.measure_backlog()
+            except (KafkaException, AstraflowError) as exc:  # a slow broker: keep the last figure, retry next tick
+                log.warning("could not measure the trainer's backlog (%s); using the last value", exc)
         control = self.worker.control.get("pause")
         self.paused = control is not None and control.strategy.lower() in PAUSE_ON
         self.ahead = tasks_ahead(self.issued, self.curated, self.backlog, self.options.n_samples)

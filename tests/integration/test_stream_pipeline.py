@@ -205,3 +205,37 @@ def test_code_rewards_run_concurrently_in_the_sandbox_without_blocking(kafka: Ka
     hung = [t for t in scored if t.final_answer and "while True" in t.final_answer]
     assert all(t.reward_components["timed_out"] == 1.0 for t in hung)
     assert worker.stats.inflight_peak > 1  # sandbox runs overlapped instead of queueing one by one
+
+
+def test_curate_restart_rebuilds_pending_groups_from_uncommitted_records(kafka: KafkaSettings, exp2: str) -> None:
+    topics = Topics(exp2)
+    producer = RecordProducer(kafka)
+    first, second = group("done", ["4", "5"]), group("half", ["4", "5", "4", "5"])
+    for t in [*first, *second[:2]]:  # a complete group, and half of another
+        t.reward = 1.0 if t.final_answer == "4" else 0.0
+        producer.send(topics.scored, t, key=t.group_id)
+    producer.flush()
+    settings = dict(metrics_interval_s=60, commit_interval_s=0.2)
+    worker = build_worker("curate", WorkerSettings(exp2, kafka, **settings), AppOptions(policies=["solver"]))
+    threads = start(worker)
+    try:
+        drain(kafka, [topics.train("solver")], lambda out: len(out) >= 2)
+        time.sleep(0.5)  # a commit period: the complete group's records are committed, the half group's not
+    finally:
+        stop([worker], threads)
+    assert worker.stats.records_in == 4 and worker.stats.records_out == 2
+
+    for t in second[2:]:  # the rest of the half group arrives while curate is down
+        t.reward = 1.0 if t.final_answer == "4" else 0.0
+        producer.send(topics.scored, t, key=t.group_id)
+    producer.flush()
+    again = build_worker("curate", WorkerSettings(exp2, kafka, **settings), AppOptions(policies=["solver"]))
+    threads = start(again)
+    try:
+        samples = drain(kafka, [topics.train("solver")], lambda out: len(out) >= 6)
+        time.sleep(0.5)
+    finally:
+        stop([again], threads)
+    assert again.stats.records_in == 4  # the half group's two old records were read again; the done group's not
+    assert sorted(s.trajectory_id for s in samples) == ["done/0", "done/1", "half/0", "half/1", "half/2", "half/3"]
+    assert sorted(s.advantage for s in samples if s.group_id == "half") == pytest.approx([-1, -1, 1, 1], abs=1e-5)

@@ -420,3 +420,15 @@ def test_datasets_from_jsonl_and_parquet(tmp_path: Any) -> None:
     (tmp_path / "bad.jsonl").write_text('{"answer": 1}\n')
     with pytest.raises(ConfigError, match="prompt"):
         load_datasets([tmp_path / "bad.jsonl"])
+
+
+def test_curator_feeds_greso_the_zero_variance_share_it_sees(tmp_path: Any) -> None:
+    app, w = make_curator(tmp_path, max_ahead=1)
+    w.control.set("curator", "curator", "greso", step="0.1", p_easy="0.5", p_hard="0.5")
+    greso = app.slot.get().impl
+    for i in range(4):  # four groups came back, all of them all-solved: far above the 25% target
+        app._on_feedback(f"solver/d/{i}", PromptStats(f"d/{i}", "d", "solver", 1, 2, 1.0, 1.0, 1, 0, 4, 1, 0))
+    app.tick(0.0)
+    # all-solved share 100% > its target: skip more easy prompts; all-failed share 0%: skip fewer hard ones
+    assert greso.p_easy == pytest.approx(0.4) and greso.p_hard == pytest.approx(0.6)
+    assert app.curated == 4 and app._zv == [0, 0, 0]
