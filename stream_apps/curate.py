@@ -60,7 +60,7 @@ from stream_apps.groups import (
     trained_policies,
     trained_versions,
 )
-from stream_apps.runtime import TP, AppHandler, Incoming, StrategyFailed
+from stream_apps.handler import TP, AppHandler, Incoming, StrategyFailed
 from stream_apps.slots import Slot, SlotDefault
 
 log = logging.getLogger("astraflow.stream.curate")

@@ -49,7 +49,7 @@ from confluent_kafka import KafkaException
 from astraflow.errors import AstraflowError, ConfigError
 from astraflow.records import PromptStats, SamplingParams, Task
 from stream_apps.datasets import DatasetRow, load_datasets
-from stream_apps.runtime import AppHandler
+from stream_apps.handler import AppHandler
 from stream_apps.slots import Slot, SlotDefault
 
 log = logging.getLogger("astraflow.stream.curator")

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from astraflow.errors import ConfigError
-from stream_apps.runtime import AppHandler, StreamWorker, WorkerSettings
+from stream_apps.handler import AppHandler
+from stream_apps.runtime import StreamWorker, WorkerSettings
 from stream_apps.slots import SlotDefault
 
 APPS = ("reward", "curate", "curator")

@@ -25,7 +25,7 @@ from typing import Any
 from astraflow.errors import ConfigError
 from astraflow.processor import Emit, Processor
 from astraflow.records import StrategyRef
-from stream_apps.runtime import AppHandler, Incoming, StrategyFailed
+from stream_apps.handler import AppHandler, Incoming, StrategyFailed
 
 
 class ProcessorApp(AppHandler):

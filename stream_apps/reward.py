@@ -25,7 +25,7 @@ from typing import Any
 from astraflow.dataflow.registry import Strategy
 from astraflow.dataflow.rewards import RewardResult, with_reward
 from astraflow.records import Trajectory
-from stream_apps.runtime import AppHandler, Incoming, StrategyFailed
+from stream_apps.handler import AppHandler, Incoming, StrategyFailed
 from stream_apps.slots import Slot, SlotDefault
 
 DEFAULTS = {"reward": SlotDefault("exact_match")}

@@ -1,7 +1,7 @@
 """The stream worker: consume -> handle -> produce -> commit, with the DLQ, metrics and control.
 
-Every app (`reward`, `curate`, `curator`, user processors) is an `AppHandler` run by a
-`StreamWorker`. One worker is one consumer-group member and one asyncio event loop:
+Every app (`reward`, `curate`, `curator`, user processors) is an `AppHandler`
+(`stream_apps.handler`) run by a `StreamWorker`. One worker is one consumer-group member and one asyncio event loop:
 
 * **Input.** A confluent-kafka consumer in the group `af.<experiment>.<app>` (start more workers
   to split the partitions; eager rebalancing, see `_on_assign`). Each record is decoded into its
@@ -41,11 +41,12 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from astraflow.errors import AstraflowError, KafkaLayerError, SerdeError
+from stream_apps.handler import AppHandler, Incoming, StrategyFailed
 from stream_apps.metrics import MetricsReporter, WorkerStats
 from stream_apps.offsets import TP, OffsetTracker
 
@@ -59,69 +60,6 @@ if TYPE_CHECKING:
     from astraflow.serde import AvroSerde
 
 log = logging.getLogger("astraflow.stream")
-
-
-class StrategyFailed(AstraflowError):
-    """Raised by an app when a strategy raised on a record; the DLQ entry names the strategy."""
-
-    def __init__(self, strategy: str, cause: BaseException | str) -> None:
-        self.strategy = strategy
-        self.cause = cause
-        super().__init__(f"{strategy}: {type(cause).__name__ + ': ' if isinstance(cause, BaseException) else ''}{cause}")
-
-
-@dataclass(slots=True, eq=False)
-class Incoming:
-    """A decoded input record with where it came from."""
-
-    record: Any  # the typed record (astraflow.records)
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    timestamp_ms: int
-    message: Message  # the raw message, kept for dead-lettering the original bytes
-    epoch: int  # assignment epoch of its partition (OffsetTracker)
-    held: bool = False  # the handler keeps it unfinished until `release`
-
-    @property
-    def tp(self) -> TP:
-        return (self.topic, self.partition)
-
-    @property
-    def key_str(self) -> str | None:
-        return self.key.decode(errors="replace") if isinstance(self.key, bytes) else self.key
-
-
-class AppHandler:
-    """What an app implements; the defaults do nothing. `worker` is set by `bind`."""
-
-    name: str = "app"  # component name: consumer group suffix, metrics component, DLQ component
-    expect: type | None = None  # record class of the input (others are dead-lettered); None = any
-    sources: tuple[str, ...] = ()  # stream names read (empty: a source app driven by `tick`)
-    tick_interval_s: float = 0.5  # how often `tick` runs
-    worker: StreamWorker
-
-    def bind(self, worker: StreamWorker) -> None:
-        """Called once before the first record: build slots, open readers, check topics."""
-        self.worker = worker
-
-    def handle(self, inc: Incoming) -> Awaitable[None] | None:
-        """Handles one record: send outputs through the worker; may return an awaitable."""
-        raise NotImplementedError
-
-    def tick(self, now: float) -> None:
-        """Periodic work (timeouts, source apps' production)."""
-
-    def on_revoke(self, tps: set[TP]) -> None:
-        """Partitions are leaving this worker: drop state kept for them (it is re-read elsewhere)."""
-
-    def gauges(self) -> dict[str, float]:
-        """App-specific values for the metrics topic."""
-        return {}
-
-    def close(self) -> None:
-        """The worker stops: release resources (pending state is simply not committed)."""
 
 
 @dataclass
@@ -251,6 +189,8 @@ class StreamWorker:
                 self.handler.name, self.instance_id, self.group_id, ", ".join(self._source_topics()) or "none",
             )
             await self._loop()
+            if self.error is not None:  # a slow record's task hit a Kafka-layer failure
+                raise self.error
         finally:
             await self._shutdown()
 

@@ -25,9 +25,9 @@ from astraflow.testing import make_trajectory
 from stream_apps.curate import CurateApp
 from stream_apps.curator import CuratorApp, CuratorOptions, tasks_ahead
 from stream_apps.groups import Group
+from stream_apps.handler import Incoming, StrategyFailed
 from stream_apps.process import ProcessorApp
 from stream_apps.reward import RewardApp
-from stream_apps.runtime import Incoming, StrategyFailed
 from stream_apps.slots import Slot
 
 EXP = "unit"
