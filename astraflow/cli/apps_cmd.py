@@ -89,7 +89,7 @@ def run_app(
     for owner, opts in (("curate", curate_only), ("curator", curator_only)):
         given = [k for k, v in opts.items() if v is not None]
         if given and name != owner:
-            raise ConfigError(f"{', '.join(given)} only apply to the {owner} app")
+            raise ConfigError(f"{', '.join(given)}: only for the {owner} app")
     _logging(log_level)
     options = AppOptions(policies=policy, defaults=dict(parse_default(d) for d in default))
     if group_timeout is not None:
