@@ -18,9 +18,9 @@ def demo(
     target: float = typer.Option(0.9, help="Stop once held-out success reaches this."),
     nodes: int = typer.Option(2, help="RaaS nodes."),
     n_samples: int = typer.Option(8, help="Samples per prompt (group size)."),
-    lr: float = typer.Option(2e-4, help="RL learning rate."),
+    lr: float = typer.Option(3e-4, help="RL learning rate."),
     batch_size: int = typer.Option(64, help="Trainer batch size (samples)."),
-    sft_steps: int = typer.Option(300, help="Warm-start SFT steps."),
+    sft_steps: int = typer.Option(900, help="Warm-start SFT steps."),
 ) -> None:
     """Learn a tool-using arithmetic agent on CPU through the whole dataflow, with a live view."""
     import time

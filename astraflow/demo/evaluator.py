@@ -1,9 +1,10 @@
 """Held-out evaluation that follows a policy's weights topic, like a RaaS node would.
 
 Evaluates the starting weights, then each newly applied version (at most one evaluation per
-`min_interval_s`, always the newest version), greedy, with the same tool protocol as the
-`tool_use` workflow. Publishes `Metric(name="eval_success", component="eval",
-labels={"version": ...})` to the metrics topic.
+`min_interval_s`, always the newest version), with the same tool protocol as the `tool_use`
+workflow. Two figures per version go to the metrics topic (component "eval", label "version"):
+`eval_success`, the success of the policy as it acts in rollouts (sampled at temperature 1, two
+episodes per held-out problem), and `eval_success_greedy` (argmax decoding).
 """
 
 from __future__ import annotations
@@ -38,14 +39,16 @@ def load_heldout(path: Path) -> list[tuple[str, str]]:
     return out
 
 
-def evaluate(model, tokenizer, items: list[tuple[str, str]], batch: int = 64) -> float:
+def evaluate(model, tokenizer, items: list[tuple[str, str]], batch: int = 128, temperature: float = 0.0,
+             repeats: int = 1) -> float:
     from astraflow.models.arith import answers_match, parse_answer
     from astraflow.models.evaluate import run_tool_use
 
+    items = items * repeats
     correct = 0
     for lo in range(0, len(items), batch):
         chunk = items[lo : lo + batch]
-        outs = run_tool_use(model, tokenizer, [p for p, _ in chunk], temperature=0.0)
+        outs = run_tool_use(model, tokenizer, [p for p, _ in chunk], temperature=temperature)
         correct += sum(answers_match(parse_answer(text), ref) for (text, _), (_, ref) in zip(outs, chunk, strict=True))
     return correct / max(len(items), 1)
 
@@ -67,15 +70,18 @@ def run_evaluator(cfg: AstraflowConfig, experiment: str, policy: str, model_dir:
     follower = KafkaWeightFollower(cfg.kafka, experiment, policy, request_snapshots=False, requester="eval")
     follower.start()
 
-    def publish(version: int, success: float) -> None:
-        producer.send(topics.metrics, Metric("eval_success", success, "eval", f"eval-{policy}",
-                                             {"version": str(version), "policy": policy, "n": str(len(items))}),
-                      key=f"eval-{policy}")
+    def publish(version: int) -> None:
+        with torch.no_grad():
+            torch.manual_seed(version)
+            sampled = evaluate(model, tokenizer, items, temperature=1.0, repeats=2)
+            greedy = evaluate(model, tokenizer, items, temperature=0.0)
+        labels = {"version": str(version), "policy": policy, "n": str(len(items))}
+        for name, value in (("eval_success_greedy", greedy), ("eval_success", sampled)):
+            producer.send(topics.metrics, Metric(name, value, "eval", f"eval-{policy}", labels), key=f"eval-{policy}")
         producer.flush()
-        log.info("version %d: held-out success %.3f on %d problems", version, success, len(items))
+        log.info("version %d: held-out success %.3f sampled, %.3f greedy (%d problems)", version, sampled, greedy, len(items))
 
-    with torch.no_grad():
-        publish(0, evaluate(model, tokenizer, items))
+    publish(0)
     evaluated = 0
     last = time.monotonic()
     while not stop.is_set():
@@ -88,7 +94,7 @@ def run_evaluator(cfg: AstraflowConfig, experiment: str, policy: str, model_dir:
             for name, value in follower.follower.state.items():
                 if name in params:
                     params[name].copy_(value.to(params[name].dtype))
-            publish(int(version), evaluate(model, tokenizer, items))
+        publish(int(version))
         evaluated, last = int(version), time.monotonic()
     follower.close()
     producer.flush()

@@ -58,6 +58,7 @@ class Monitor:
         self.versions_by_node: dict[str, int] = {}
         self.trainer_version: int | None = None
         self.trainer_metrics: dict[str, float] = {}
+        self._greedy: dict[int, float] = {}  # version -> greedy held-out success (arrives just before the sampled one)
         self.trained_samples = 0  # samples the trainer reports having trained on
         self.dlq: list[DeadLetter] = []
         self._recent = deque(maxlen=64)
@@ -100,15 +101,19 @@ class Monitor:
             if isinstance(rec, Trajectory):
                 gen = [s for s in rec.segments if s.loss_mask.any()]
                 version = int(min((int(s.versions[s.loss_mask.astype(bool)].min()) for s in gen), default=-1))
+                newest = max([self.trainer_version or 0, version, *self.versions_by_node.values()])
                 row = {"t": now, "reward": rec.reward if rec.reward is not None else 0.0, "version": version,
                        "node": rec.node.node_id, "tool_calls": len(rec.tool_calls), "status": str(rec.status),
-                       "trainer_version": self.trainer_version if self.trainer_version is not None else 0}
+                       "trainer_version": newest}
                 self.rows.append(row)
                 self._recent.append(row)
             elif isinstance(rec, Metric):
                 name = rec.name.removeprefix("trainer.")
-                if rec.component == "eval" and rec.name == "eval_success":
-                    self.evals.append({"t": now, "success": rec.value, "version": int(rec.labels.get("version", -1))})
+                if rec.component == "eval" and rec.name == "eval_success_greedy":
+                    self._greedy[int(rec.labels.get("version", -1))] = rec.value
+                elif rec.component == "eval" and rec.name == "eval_success":
+                    v = int(rec.labels.get("version", -1))
+                    self.evals.append({"t": now, "success": rec.value, "version": v, "greedy": self._greedy.get(v)})
                 elif rec.name == "policy_version" and rec.component == "raas":
                     self.versions_by_node[rec.instance] = int(rec.value)
                 elif rec.component == "trainer" and "bucket" not in rec.labels:

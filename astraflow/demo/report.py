@@ -18,7 +18,7 @@ def write_csv(monitor: Monitor, run_dir: Path) -> tuple[Path, Path]:
         w.writerows(monitor.rows)
     evals = run_dir / "eval.csv"
     with evals.open("w", newline="") as f:
-        w = csv.DictWriter(f, ["t", "version", "success"])
+        w = csv.DictWriter(f, ["t", "version", "success", "greedy"])
         w.writeheader()
         w.writerows(monitor.evals)
     return traj, evals
@@ -33,26 +33,30 @@ def write_plot(monitor: Monitor, run_dir: Path) -> Path:
     rows, evals = monitor.rows, monitor.evals
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     if rows:
-        window = 32
-        ts = [r["t"] for r in rows]
-        rs = [r["reward"] for r in rows]
-        smooth = [sum(rs[max(0, i - window + 1) : i + 1]) / len(rs[max(0, i - window + 1) : i + 1]) for i in range(len(rs))]
-        a.plot(ts, smooth, label=f"training reward (mean of last {window})")
+        bin_s = 10.0
+        bins: dict[int, list[float]] = {}
+        for r in rows:
+            bins.setdefault(int(r["t"] // bin_s), []).append(r["reward"])
+        xs = sorted(bins)
+        a.plot([(x + 0.5) * bin_s for x in xs], [sum(bins[x]) / len(bins[x]) for x in xs], ".-",
+               label=f"training reward (mean per {bin_s:.0f} s)")
     if evals:
-        a.plot([e["t"] for e in evals], [e["success"] for e in evals], "o-", label="held-out success")
+        a.plot([e["t"] for e in evals], [e["success"] for e in evals], "o-", label="held-out success (sampled)")
+        a.plot([e["t"] for e in evals], [e["greedy"] for e in evals], "s--", label="held-out success (greedy)")
     a.set_xlabel("wall time (s)")
     a.set_ylabel("reward / success")
     a.set_ylim(-0.02, 1.02)
-    a.legend(loc="lower right")
+    a.legend(loc="upper left")
     a.set_title("against wall time")
     by_version = monitor.by_version()
     if by_version:
         b.plot(list(by_version), list(by_version.values()), ".-", label="training reward of rollouts by version")
     if evals:
-        b.plot([e["version"] for e in evals], [e["success"] for e in evals], "o-", label="held-out success")
+        b.plot([e["version"] for e in evals], [e["success"] for e in evals], "o-", label="held-out success (sampled)")
+        b.plot([e["version"] for e in evals], [e["greedy"] for e in evals], "s--", label="held-out success (greedy)")
     b.set_xlabel("policy version")
     b.set_ylim(-0.02, 1.02)
-    b.legend(loc="lower right")
+    b.legend(loc="upper left")
     b.set_title("against policy version")
     fig.suptitle(f"AstraFlow demo — experiment {monitor.experiment}")
     fig.tight_layout()
@@ -67,11 +71,16 @@ def write_summary(monitor: Monitor, run_dir: Path, extra: dict[str, Any]) -> dic
     warm = next((e["success"] for e in evals if e["version"] == 0), evals[0]["success"] if evals else None)
     final = evals[-1]["success"] if evals else None
     best = max((e["success"] for e in evals), default=None)
+    warm_greedy = next((e["greedy"] for e in evals if e["version"] == 0), None)
+    final_greedy = evals[-1]["greedy"] if evals else None
     summary = {
         "experiment": monitor.experiment,
         "eval_success_warm_start": warm,
         "eval_success_final": final,
         "eval_success_best": best,
+        "eval_success_greedy_warm_start": warm_greedy,
+        "eval_success_greedy_final": final_greedy,
+        "eval_protocol": "held-out problems, tool protocol of the tool_use workflow; success = sampled at T=1, 2 episodes each",
         "eval_points": len(evals),
         "versions_published": monitor.trainer_version,
         "trajectories": len(monitor.rows),

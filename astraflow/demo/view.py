@@ -26,7 +26,7 @@ def render(s: Snapshot, settings: Any, experiment: str) -> Panel:
               f"{s.train_samples} samples trained")
     t.add_row("versions per node", ", ".join(f"{k}={v}" for k, v in sorted(s.versions_by_node.items())) or "-")
     t.add_row("trajectories", f"{s.trajectories} ({s.traj_per_s:.1f}/s over 30 s)")
-    t.add_row("staleness", f"{_f(s.staleness_recent, '{:.2f}')} versions behind the trainer (last 64)")
+    t.add_row("staleness", f"{_f(s.staleness_recent, '{:.2f}')} versions behind the newest version (last 64)")
     t.add_row("consumer lag", ", ".join(f"{k}={v}" for k, v in s.lags.items()) or "-")
     t.add_row("dead letters", str(s.dlq))
     return Panel(t, title=f"AstraFlow demo — {experiment}", border_style="cyan")

@@ -11,6 +11,7 @@ demonstrations (`tasks.py`) so a freshly built tiny model follows the tool-use f
 from __future__ import annotations
 
 import math
+import random
 import re
 import time
 from collections.abc import Callable, Iterable
@@ -21,7 +22,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from astraflow.errors import ModelError
-from astraflow.models.protocol import RESULT_CLOSE, RESULT_OPEN
+from astraflow.models.protocol import RESULT_CLOSE, RESULT_OPEN, final_answer
 from astraflow.models.tasks import arithmetic_dataset, split_heldout
 from astraflow.models.tiny import load_tiny
 
@@ -168,8 +169,14 @@ def warm_start(
     out_dir: str | Path | None = None,
     seed: int = 0,
     on_step: StepCallback | None = None,
+    tool_fraction: float = 1.0,
 ) -> SftMetrics:
     """SFT on calculator demonstrations: the RL warm start of a fresh `init_tiny` model.
+
+    `tool_fraction` < 1 mixes in demonstrations that answer directly, without the tool (the
+    right number, which a 400k-parameter model cannot compute in its head): the warm-started
+    policy then calls the calculator only sometimes, and RL has a decision to learn. The demo
+    uses 0.5 with 900 steps: about 41% of sampled episodes call the tool and 14% succeed.
 
     Draws `n_examples` problems of `difficulty` and trains on those whose expression falls on
     the train side of `split_heldout(heldout_fraction)` (about 80%), so held-out problems stay
@@ -179,9 +186,11 @@ def warm_start(
     """
     problems = arithmetic_dataset(n_examples, seed=seed, difficulty=difficulty)
     train, _ = split_heldout(problems, heldout_fraction)
+    rng = random.Random(seed)
+    examples = [p.example() if rng.random() < tool_fraction else (p.prompt, final_answer(p.answer)) for p in train]
     return sft(
         model_dir,
-        [p.example() for p in train],
+        examples,
         steps=steps,
         lr=lr,
         batch_size=batch_size,
