@@ -1,0 +1,136 @@
+"""Workflows and tools without a broker: tool calls run, their output is masked, failures are recorded.
+
+The backend here is a scripted test double (it replays fixed completions through a real
+tokenizer); the workflow, tool box, sandbox and trajectory building are the real code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from astraflow.raas.backends.base import GenerateRequest, Generation
+from astraflow.raas.tools import LocalSearch, ToolBox, default_tools
+from astraflow.raas.workflows import RolloutContext, resolve_workflow
+from astraflow.records import NodeInfo, SamplingParams, TrajectoryStatus
+from astraflow.testing import make_task
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from astraflow.models.tiny import init_tiny
+
+    return Path(init_tiny(tmp_path_factory.mktemp("tiny"), seed=0))
+
+
+class ScriptedBackend:
+    """Replays `script` completions in order, with a real tokenizer and fake logprobs."""
+
+    name = "scripted"
+
+    def __init__(self, policy: str, tokenizer_dir: Path, script: list[str], version: int = 3) -> None:
+        from transformers import AutoTokenizer
+
+        self.policy, self.version, self.script = policy, version, list(script)
+        self.tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.requests: list[GenerateRequest] = []
+
+    def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_bos)
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+    async def generate(self, request: GenerateRequest) -> Generation:
+        self.requests.append(request)
+        text = self.script.pop(0)
+        ids = np.asarray(self.encode(text), np.int32)
+        return Generation(ids, np.full(len(ids), -0.5, np.float32), np.full(len(ids), self.version, np.int32), text, "stop")
+
+    def hardware(self) -> str:
+        return "test"
+
+    def update_weights(self, state_dict, version: int) -> None:
+        self.version = version
+
+    def close(self) -> None:
+        pass
+
+
+def _ctx(task, backends, tools=None) -> RolloutContext:
+    return RolloutContext(task, 0, backends, ToolBox(tools if tools is not None else default_tools(), 5.0),
+                          NodeInfo("n", "cpu", "local", "scripted"))
+
+
+def test_tool_use_runs_the_calculator_and_masks_its_output(tokenizer_dir: Path) -> None:
+    task = make_task(1)
+    task.workflow, task.sampling = "tool_use", SamplingParams(max_tokens=16, max_turns=3)
+    b = ScriptedBackend("policy", tokenizer_dir, ["<calc>37*12+5</calc>", "Answer: 449"])
+    traj = asyncio.run(resolve_workflow("tool_use")(_ctx(task, {"policy": b})))
+    assert traj.final_answer == "449" and traj.status is TrajectoryStatus.OK
+    (call,) = traj.tool_calls
+    assert (call.name, call.arguments, call.result, call.error) == ("calc", "37*12+5", "449", None)
+    roles = [s.role for s in traj.segments]
+    assert roles == ["prompt", "assistant", "tool", "assistant"]
+    tool_seg = traj.segments[2]
+    assert tool_seg.text == "<result>449</result>" and tool_seg.loss_mask.sum() == 0 and (tool_seg.versions == -1).all()
+    assert all(s.loss_mask.all() and (s.versions == 3).all() for s in traj.segments if s.role == "assistant")
+    # The second model call saw the tool's result in its context.
+    assert b.decode(b.requests[1].prompt_ids).endswith("<result>449</result>")
+
+
+def test_failing_and_unknown_tools_are_recorded_not_fatal(tokenizer_dir: Path) -> None:
+    task = make_task(2)
+    task.sampling = SamplingParams(max_tokens=16, max_turns=3)
+    b = ScriptedBackend("policy", tokenizer_dir, ["<calc>1/0</calc>", "<search>x</search>", "Answer: 3"])
+    traj = asyncio.run(resolve_workflow("tool_use")(_ctx(task, {"policy": b}, {"calc": default_tools()["calc"]})))
+    assert traj.final_answer == "3"
+    assert "CalculatorError" in traj.tool_calls[0].error
+    assert traj.tool_calls[1].error.startswith("unknown tool 'search'")
+    assert "error:" in traj.segments[2].text
+
+
+def test_slow_tool_times_out(tokenizer_dir: Path) -> None:
+    async def slow(_: str) -> str:
+        await asyncio.sleep(5)
+        return "late"
+
+    call = asyncio.run(ToolBox({"slow": slow}, timeout_s=0.2).call("slow", "", 0))
+    assert call.error == "tool slow timed out after 0s" and call.latency_s < 2
+
+
+def test_python_tool_runs_in_the_sandbox() -> None:
+    tools = default_tools()
+    call = asyncio.run(ToolBox(tools, 20).call("python", "print(sum(range(10)))", 0))
+    assert call.error is None and call.result.strip() == "45"
+    call = asyncio.run(ToolBox(tools, 20).call("python", "import os; print(os.environ.get('HOME_SECRET'))\nraise SystemExit(3)", 0))
+    assert call.error is not None and "exit code 3" in call.error
+
+
+def test_local_search_ranks_by_relevance() -> None:
+    s = LocalSearch(["Kafka is a distributed log.", "Avro is a serialization format.", "Paris is in France."], k=1)
+    assert s.search("what is avro serialization") == ["Avro is a serialization format."]
+    assert asyncio.run(s("zzz")) == "no results"
+
+
+def test_solver_verifier_uses_two_policies(tokenizer_dir: Path) -> None:
+    task = make_task(3)
+    task.workflow, task.policies = "solver_verifier", ["solver", "verifier"]
+    solver = ScriptedBackend("solver", tokenizer_dir, ["Answer: 6"], version=5)
+    verifier = ScriptedBackend("verifier", tokenizer_dir, ["yes"], version=9)
+    traj = asyncio.run(resolve_workflow("solver_verifier")(_ctx(task, {"solver": solver, "verifier": verifier})))
+    assert traj.final_answer == "6" and traj.metadata["verifier_verdict"] == "yes"
+    trained = {(s.policy, int(s.versions[0])) for s in traj.segments if s.loss_mask.any()}
+    assert trained == {("solver", 5), ("verifier", 9)}
+    assert "Proposed: 6" in verifier.decode(verifier.requests[0].prompt_ids)
+
+
+def test_workflow_by_import_path_and_unknown_name() -> None:
+    from astraflow.errors import ConfigError
+
+    assert resolve_workflow("astraflow.raas.workflows.builtin:rlvr").__name__ == "rlvr"
+    with pytest.raises(ConfigError, match="unknown workflow .nope.; registered: .*tool_use"):
+        resolve_workflow("nope")
