@@ -49,6 +49,8 @@ def node_run(kafka: KafkaSettings, model: Path, tasks: int, tokens: int, infligh
 
         async def main() -> float:
             run = asyncio.create_task(node.run())
+            while node.inflight == 0 and node.tasks_done == 0:  # group join is not throughput
+                await asyncio.sleep(0.001)
             t0 = time.perf_counter()
             while node.tasks_done < tasks:
                 await asyncio.sleep(0.005)

@@ -18,6 +18,7 @@ def serve(
     backend: str = typer.Option("torch", help="torch | vllm | openai."),
     max_inflight: int = typer.Option(8, help="Rollouts running at once; partitions pause while full."),
     max_batch: int = typer.Option(16, help="Requests decoded together (torch backend)."),
+    prefetch: int = typer.Option(16, help="Tasks fetched ahead of the running rollouts (uncommitted until done)."),
     region: str = typer.Option("local", help="Region label for metrics and trajectories."),
     node_id: str | None = typer.Option(None, help="Default: host-pid-random."),
     follow_weights: bool = typer.Option(True, help="Apply new policy versions from the weights topics."),
@@ -40,5 +41,6 @@ def serve(
 
     console.print(f"RaaS node serving {experiment}: policies {', '.join(pairs)} on {backend}, max_inflight={max_inflight}")
     serve_node(cfg, experiment, pairs, backend=backend, max_inflight=max_inflight, max_batch=max_batch, region=region,
+               prefetch=prefetch,
                node_id=node_id, follow_weights=follow_weights, search_corpus=search_corpus, threads=threads, seed=seed,
                tokenizer=tokenizer)

@@ -1,8 +1,11 @@
 """The RaaS node: pull tasks from the shared consumer group, run workflows, publish trajectories.
 
 Guarantees (DESIGN.md, "RaaS node"):
-- at most `max_inflight` rollouts run; while full, the node pauses its partitions but keeps
-  polling, so a rollout that takes minutes never costs it its group membership;
+- at most `max_inflight` rollouts run; tasks fetched beyond that wait in a small local buffer
+  (`prefetch` tasks, uncommitted, so a crash redelivers them); while that buffer is full the
+  node pauses its partitions but keeps polling, so a rollout that takes minutes never costs it
+  its group membership. (Pausing on every completion would be slow: librdkafka drops its
+  prefetched records on pause and refetches about a second after resume.)
 - a task's offset is committed only after every trajectory of that task was acknowledged by
   Kafka, and only once every earlier task of its partition is done (at-least-once);
 - trajectory ids are `<task_id>/<sample_index>`, so a redelivered task yields the same ids;
@@ -14,6 +17,7 @@ Guarantees (DESIGN.md, "RaaS node"):
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -50,6 +54,7 @@ class NodeSettings:
     region: str = "local"  # reported in trajectories and metrics
     node_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}")
     metrics_interval_s: float = 5.0  # how often metrics are published
+    prefetch: int = 16  # tasks fetched ahead of the running rollouts (not started, not committed)
     tool_timeout_s: float = 10.0  # per tool call
     group_id: str | None = None  # default: af.<experiment>.raas
 
@@ -76,6 +81,7 @@ class RaasNode:
         self.tasks_done = 0
         self._stop = asyncio.Event()
         self._paused = False
+        self._pending: collections.deque[Received[Task]] = collections.deque()  # fetched, not started
         self._running: set[asyncio.Task] = set()
 
     def _make_consumer(self) -> RecordConsumer[Task]:
@@ -83,6 +89,8 @@ class RaasNode:
             self.cfg.kafka, self.s.group_id or f"af.{self.s.experiment}.raas", [self.topics.tasks],
             component="raas", dlq=self.dlq, expect=Task, on_assign=self._on_assign,
             on_revoke=self._on_revoke,
+            # Tasks are small and a node waits on them: fetch as soon as any arrive.
+            **{"fetch.wait.max.ms": 20, "fetch.min.bytes": 1, "queued.max.messages.kbytes": 1024},
         )
 
     # ---- rebalance -----------------------------------------------------------------------------
@@ -94,6 +102,10 @@ class RaasNode:
 
     def _on_revoke(self, consumer, partitions: list[TopicPartition]) -> None:
         self._commit()  # commit what is done before losing the partitions
+        lost = {(p.topic, p.partition) for p in partitions}
+        kept = [r for r in self._pending if (r.topic, r.partition) not in lost]  # others will serve the rest
+        self._pending.clear()
+        self._pending.extend(kept)
         for p in partitions:
             self.offsets.forget(p.topic, p.partition)
 
@@ -110,9 +122,10 @@ class RaasNode:
         try:
             while not self._stop.is_set():
                 self._backpressure()
-                batch = await asyncio.to_thread(self.consumer.poll_batch, self._free_slots(), 0.2)
-                for rec in batch:
-                    self._start_task(rec)
+                room = max(1, self.s.prefetch - len(self._pending))
+                self._pending.extend(await asyncio.to_thread(self.consumer.poll_batch, room, 0.05))
+                while self._pending and self.inflight < self.s.max_inflight:
+                    self._start_task(self._pending.popleft())
                 self.producer.poll(0)
                 self._commit()
                 if time.monotonic() - last_metrics >= self.s.metrics_interval_s:
@@ -132,11 +145,8 @@ class RaasNode:
         finally:
             self.consumer.close()  # leaves the group: partitions move to the other nodes at once
 
-    def _free_slots(self) -> int:
-        return max(1, self.s.max_inflight - self.inflight)
-
     def _backpressure(self) -> None:
-        full = self.inflight >= self.s.max_inflight
+        full = len(self._pending) >= self.s.prefetch
         if full and not self._paused:
             self.consumer.pause_all()
             self._paused = True

@@ -17,6 +17,7 @@ log = logging.getLogger("astraflow.raas")
 
 def serve_node(cfg: AstraflowConfig, experiment: str, policies: dict[str, str], *, backend: str = "torch",
                max_inflight: int = 8, max_batch: int = 16, region: str = "local", node_id: str | None = None,
+               prefetch: int = 16,
                follow_weights: bool = True, search_corpus: str | None = None, threads: int | None = None,
                seed: int | None = None, tokenizer: str | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -29,7 +30,7 @@ def serve_node(cfg: AstraflowConfig, experiment: str, policies: dict[str, str], 
         opts = {"seed": seed}
     backends = {name: create_backend(backend, name, target, **opts) for name, target in policies.items()}
     kw = {"node_id": node_id} if node_id else {}
-    settings = NodeSettings(experiment, max_inflight=max_inflight, region=region, **kw)
+    settings = NodeSettings(experiment, max_inflight=max_inflight, region=region, prefetch=prefetch, **kw)
     node = RaasNode(cfg, settings, backends, default_tools(search_corpus))
     followers = []
     if follow_weights and backend == "openai":

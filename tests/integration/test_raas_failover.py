@@ -29,17 +29,17 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _node(kafka: KafkaSettings, experiment: str, model: Path, node_id: str, log: Path) -> subprocess.Popen:
     env = {**os.environ, "ASTRAFLOW__KAFKA__BOOTSTRAP_SERVERS": kafka.bootstrap_servers}
     cmd = [sys.executable, "-m", "astraflow.cli.main", "raas", "serve", "-e", experiment, "-p", f"policy={model}",
-           "--max-inflight", "4", "--node-id", node_id, "--threads", "1", "--no-follow-weights"]
+           "--max-inflight", "2", "--prefetch", "1", "--node-id", node_id, "--threads", "1", "--no-follow-weights"]
     return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
 def test_kill_minus_nine_loses_no_task(kafka: KafkaSettings, experiment: str, tiny_model: Path, tmp_path: Path) -> None:
     topics = Topics(experiment)
     producer = RecordProducer(kafka)
-    n_tasks, n_samples = 12, 2
+    n_tasks, n_samples = 16, 2
     for i in range(n_tasks):
         t = make_task(i, n_samples=n_samples)
-        t.sampling = SamplingParams(temperature=1.0, max_tokens=24)
+        t.sampling = SamplingParams(temperature=1.0, max_tokens=32)
         producer.send(topics.tasks, t, key=t.group_id)
     producer.flush()
 

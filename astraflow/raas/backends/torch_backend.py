@@ -165,8 +165,10 @@ class TorchBackend:
         reason = ["length"] * n
         max_steps = max(r.max_tokens for r in reqs)
         next_pos = pos[:, -1] + 1
+        temps = torch.tensor([r.temperature for r in reqs], device=self.device)
+        top_ps = torch.tensor([r.top_p for r in reqs], device=self.device)
         for _step in range(max_steps):
-            tokens, lps = self._sample(logits, reqs)
+            tokens, lps = self._sample(logits, temps, top_ps)
             version = self.version
             for i in range(n):
                 if done[i]:
@@ -192,13 +194,11 @@ class TorchBackend:
             logits, past = out.logits[:, -1, :].float(), out.past_key_values
             next_pos = next_pos + 1
 
-    def _sample(self, logits: torch.Tensor, reqs: list[GenerateRequest]) -> tuple[torch.Tensor, torch.Tensor]:
-        temps = torch.tensor([r.temperature for r in reqs], device=logits.device)
+    def _sample(self, logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         greedy = temps <= 0
         scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
         logp = torch.log_softmax(scaled, dim=-1)
         probs = logp.exp()
-        top_ps = torch.tensor([r.top_p for r in reqs], device=logits.device)
         if bool((top_ps < 1.0).any()):
             sorted_p, order = probs.sort(dim=-1, descending=True)
             keep = (sorted_p.cumsum(-1) - sorted_p) < top_ps[:, None]
