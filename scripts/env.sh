@@ -36,7 +36,10 @@ PYEOF
   touch "$VENV/.complete"
 fi
 if [ "$(cat "$VENV/.installed-from" 2>/dev/null)" != "$ROOT" ] || ! "$VENV/bin/python" -c "import astraflow" 2>/dev/null; then
-  "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$ROOT" >&2
+  if ! "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$ROOT" > "$VENV/editable-install.log" 2>&1; then
+    cat "$VENV/editable-install.log" >&2
+    exit 1
+  fi
   echo "$ROOT" > "$VENV/.installed-from"
 fi
 echo "$VENV"
