@@ -22,7 +22,7 @@ from astraflow.config import AstraflowConfig
 from astraflow.kafka.clients import RecordProducer
 from astraflow.kafka.topics import Topics
 from astraflow.records import Metric
-from astraflow.weights.publish import KafkaWeightFollower
+from astraflow.weights.follow import KafkaWeightFollower
 
 log = logging.getLogger("astraflow.eval")
 

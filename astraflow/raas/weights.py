@@ -1,7 +1,7 @@
 """Weight following for RaaS nodes: one thread per policy reads `<policy>.weights` and hands every
 verified new version to the policy's backend, which switches between two decoding steps.
 
-The follower (astraflow.weights.publish.KafkaWeightFollower) starts at the newest snapshot named
+The follower (astraflow.weights.follow.KafkaWeightFollower) starts at the newest snapshot named
 on the compacted `policies` topic, applies sparse deltas, verifies checksums and falls back to a
 snapshot on a gap or a failed check; only verified versions reach the backend.
 """
@@ -14,7 +14,7 @@ import threading
 from astraflow.config import AstraflowConfig
 from astraflow.raas.backends.base import InferenceBackend
 from astraflow.weights.chain import ApplyStatus
-from astraflow.weights.publish import KafkaWeightFollower
+from astraflow.weights.follow import KafkaWeightFollower
 
 log = logging.getLogger("astraflow.raas.weights")
 

@@ -1,4 +1,4 @@
-"""Publishing policy versions on Kafka, and following them on the receiving side.
+"""Publishing policy versions on Kafka (the receiving side is in `astraflow.weights.follow`).
 
 Trainer side: `VersionEncoder` (pure) turns successive state dicts into payloads in the
 published dtype: a lossless sparse delta against the previous version, or a full snapshot for
@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from astraflow.config import KafkaSettings
 from astraflow.errors import KafkaLayerError, SerdeError, WeightsError
@@ -33,10 +33,9 @@ from astraflow.kafka.topics import Topics
 from astraflow.records import Control, PolicyVersion, WeightChunk, WeightKind
 from astraflow.serde import AvroSerde
 from astraflow.weights.bits import Manifest
-from astraflow.weights.chain import ApplyResult, ApplyStatus, WeightChain
-from astraflow.weights.delta import SparseDelta, encode
+from astraflow.weights.delta import encode
 from astraflow.weights.snapshot import snapshot as snapshot_bytes
-from astraflow.weights.store import WeightStore, fetch_blob, sha256_hex
+from astraflow.weights.store import WeightStore, sha256_hex
 
 DTYPES = ("bfloat16", "float16", "float32")
 SNAPSHOT_OFFSET = "latest_snapshot_offset"  # metadata: weights-topic offset of the latest snapshot's manifest
@@ -370,262 +369,23 @@ def request_snapshot(
     producer.flush()
 
 
-# ---- receiver side ---------------------------------------------------------------------------------
+_FOLLOW = ("FollowEvent", "KafkaWeightFollower", "SnapshotHint", "WeightFollower")
 
 
-@dataclass(frozen=True)
-class SnapshotHint:
-    """The newest snapshot that would let a stuck follower advance."""
+def __getattr__(name: str) -> Any:
+    """The receiver side moved to `astraflow.weights.follow`; older imports from here keep working."""
+    if name in _FOLLOW:
+        from astraflow.weights import follow
 
-    version: int  # snapshot version
-    uri: str | None  # where the store holds it, when claim-checked
-    offset: int | None  # offset of its manifest on the weights topic, when known
-
-
-@dataclass(frozen=True)
-class FollowEvent:
-    """What happened to one announced version."""
-
-    version: int  # the version the manifest announced
-    kind: WeightKind  # SNAPSHOT or DELTA
-    result: ApplyResult  # APPLIED / STALE / SNAPSHOT_NEEDED, and why
-    offset: int | None = None  # weights-topic offset of its manifest, when read from Kafka
-
-
-BlobFetcher = Callable[[str, "str | None"], bytes]
-
-
-class WeightFollower:
-    """Pure receiver: feed records of ``<policy>.weights`` in topic order; see the module doc.
-
-    It never holds wrong weights: a payload is applied only after every chunk crc32, the
-    payload sha256 and the announced state checksum agree, and the chain itself rolls back a
-    delta that fails its own checks. Only one payload is buffered at a time.
-    """
-
-    def __init__(
-        self, policy: str, *, chain: WeightChain | None = None, fetch: BlobFetcher = fetch_blob
-    ) -> None:
-        self.policy = policy
-        self.chain = chain or WeightChain()
-        self.fetch = fetch  # (uri, sha256) -> bytes, for claim-checked payloads
-        self.snapshot_hint: SnapshotHint | None = None  # set while deltas cannot advance the chain
-        self.newest: PolicyVersion | None = None  # newest manifest seen (its snapshot fields drive hints)
-        self._pending: PolicyVersion | None = None  # manifest whose chunks are being collected
-        self._pending_offset: int | None = None
-        self._parts: list[bytes] = []
-
-    @property
-    def version(self) -> int | None:
-        return self.chain.version
-
-    @property
-    def state(self) -> Mapping[str, Any]:
-        """The current weights (read-only view; patched in place by later deltas)."""
-        return self.chain.state
-
-    def state_copy(self) -> dict[str, Any]:
-        """A copy of the current weights that later deltas will not touch (hand this to an
-        inference engine that applies it asynchronously)."""
-        return {k: v.clone() if hasattr(v, "clone") else v.copy() for k, v in self.chain.state.items()}
-
-    def feed(self, record: Any, offset: int | None = None) -> list[FollowEvent]:
-        """Take one record (PolicyVersion or WeightChunk; others are ignored); return the events
-        of the versions it completed or gave up on."""
-        if isinstance(record, PolicyVersion):
-            return self._manifest(record, offset)
-        if isinstance(record, WeightChunk):
-            return self._chunk(record)
-        return []
-
-    def load_hinted(self, hint: SnapshotHint) -> list[FollowEvent]:
-        """Fetch and load a claim-checked snapshot named by a hint."""
-        if hint.uri is None:
-            raise WeightsError(
-                "this snapshot is in-band: seek the weights topic to the hint's offset instead"
-            )
-        record = PolicyVersion(
-            self.policy, hint.version, WeightKind.SNAPSHOT, "", 0, 0, "", "", 0, 0, uri=hint.uri
-        )
-        return [self._apply(record, None, lambda: self.fetch(hint.uri, None), check_sums=False)]
-
-    def _manifest(self, m: PolicyVersion, offset: int | None) -> list[FollowEvent]:
-        if m.policy != self.policy:
-            return []
-        events = []
-        if self._pending is not None:  # the previous version never completed: a gap
-            events.append(self._give_up(self._pending, self._pending_offset, "its chunks are incomplete"))
-        if self.newest is None or m.version >= self.newest.version:
-            self.newest = m
-        have = self.chain.version
-        if have is not None and m.version <= have:
-            events.append(
-                FollowEvent(
-                    m.version, m.kind, ApplyResult(ApplyStatus.STALE, have, f"already at {have}"), offset
-                )
-            )
-        elif m.kind == WeightKind.DELTA and m.base_version != have:
-            events.append(
-                self._give_up(m, offset, f"delta {m.base_version} -> {m.version} does not apply to {have}")
-            )
-        elif m.num_chunks == 0:
-            if m.uri is None:
-                events.append(self._give_up(m, offset, "manifest has neither chunks nor a uri"))
-            else:
-                events.append(self._apply(m, offset, lambda: self.fetch(m.uri, m.sha256)))
-        else:
-            self._pending, self._pending_offset, self._parts = m, offset, []
-        return events
-
-    def _chunk(self, c: WeightChunk) -> list[FollowEvent]:
-        m = self._pending
-        if m is None or c.policy != self.policy or c.version != m.version:
-            return []  # chunks of a version we skip or gave up on
-        if c.index != len(self._parts) or c.count != m.num_chunks or zlib.crc32(c.data) != c.crc32:
-            self._pending = None
-            return [
-                self._give_up(
-                    m, self._pending_offset, f"chunk {c.index}/{c.count} is out of order or corrupt"
-                )
-            ]
-        self._parts.append(c.data)
-        if len(self._parts) < m.num_chunks:
-            return []
-        payload = b"".join(self._parts)
-        self._pending, self._parts = None, []
-        return [self._apply(m, self._pending_offset, lambda: payload)]
-
-    def _apply(
-        self, m: PolicyVersion, offset: int | None, payload_of: Callable[[], bytes], check_sums: bool = True
-    ) -> FollowEvent:
-        try:
-            payload = payload_of()
-            if check_sums and sha256_hex(payload) != m.sha256:
-                raise PayloadError(f"payload of version {m.version} does not match its sha256")
-            stream = SparseDelta.from_bytes(payload)  # splits and checks the frames (either kind)
-            if stream.header.version != m.version or (
-                check_sums and stream.trailer.checksum.hex() != m.state_checksum
-            ):
-                raise PayloadError(f"payload does not produce the announced version {m.version}")
-        except WeightsError as exc:
-            return self._give_up(m, offset, str(exc), exc)
-        if m.kind == WeightKind.SNAPSHOT:
-            result = self.chain.load_snapshot(stream.blocks)
-        else:
-            result = self.chain.apply_delta(m.version, stream)
-        if result.status == ApplyStatus.APPLIED:
-            self.snapshot_hint = None
-            return FollowEvent(m.version, m.kind, result, offset)
-        return self._give_up(m, offset, result.reason, result.error)
-
-    def _give_up(
-        self, m: PolicyVersion, offset: int | None, reason: str, error: WeightsError | None = None
-    ) -> FollowEvent:
-        """Record that `m` cannot be applied and point at the newest snapshot that would help."""
-        have = -1 if self.chain.version is None else self.chain.version
-        n = self.newest
-        if n is not None and n.latest_snapshot is not None and n.latest_snapshot > have:
-            raw = n.metadata.get(SNAPSHOT_OFFSET)
-            self.snapshot_hint = SnapshotHint(
-                n.latest_snapshot, n.latest_snapshot_uri, int(raw) if raw else None
-            )
-        result = ApplyResult(ApplyStatus.SNAPSHOT_NEEDED, self.chain.version, reason, error)
-        return FollowEvent(m.version, m.kind, result, offset)
-
-
-class KafkaWeightFollower:
-    """Follows ``<policy>.weights`` with an assigned consumer (no group) and a `WeightFollower`.
-
-    `start()` positions the reader at the newest snapshot named on the ``policies`` topic (or
-    the beginning); `poll()` feeds what arrives, seeks back to or fetches the hinted snapshot,
-    and, when stuck with no snapshot to fall back to, asks the trainer for one (once per version).
-    """
-
-    def __init__(
-        self,
-        kafka: KafkaSettings,
-        experiment: str,
-        policy: str,
-        *,
-        follower: WeightFollower | None = None,
-        request_snapshots: bool = True,
-        requester: str = "weight-follower",
-        serde: AvroSerde | None = None,
-    ) -> None:
-        self.kafka, self.topics, self.policy = kafka, Topics(experiment), policy
-        self.follower = follower or WeightFollower(policy)
-        self.serde = serde or AvroSerde()
-        self.topic = self.topics.weights(policy)
-        self._consumer = _consumer(kafka, self.serde)
-        self._acted: SnapshotHint | None = None
-        self._requests = RecordProducer(kafka) if request_snapshots else None
-        self._requested_for = -1  # newest manifest version we already asked a snapshot for
-        self.requester = requester
-
-    def start(self, offset: int | None = None, timeout_s: float = 10.0) -> None:
-        """Start reading at `offset`, else at the latest snapshot's manifest, else the beginning."""
-        if offset is None:
-            latest = latest_policy_version(self.kafka, self.topics, self.policy, timeout_s, self.serde)
-            raw = latest.metadata.get(SNAPSHOT_OFFSET) if latest is not None else None
-            offset = int(raw) if raw else OFFSET_BEGINNING
-        self._consumer.assign([TopicPartition(self.topic, 0, offset)])
-
-    def poll(self, timeout_s: float = 1.0, max_records: int = 64) -> list[FollowEvent]:
-        """Read what is available (waiting up to `timeout_s`) and return the version events."""
-        events: list[FollowEvent] = []
-        for msg in self._consumer.consume(max_records, timeout_s):
-            err = msg.error()
-            if err is not None:
-                if err.fatal():
-                    raise KafkaLayerError(f"fatal Kafka error while following {self.topic}: {err.str()}")
-                continue
-            try:
-                record = self.serde.loads(msg.value())
-            except SerdeError:
-                continue  # undecodable: the version it belongs to fails its checks instead
-            events += self.follower.feed(record, msg.offset())
-            if self._on_hint(events, msg.offset()):
-                break  # we seeked: the rest of this batch is stale
-        self._maybe_request(events)
-        return events
-
-    def _on_hint(self, events: list[FollowEvent], at: int) -> bool:
-        hint = self.follower.snapshot_hint
-        if hint is None or hint == self._acted:
-            return False
-        self._acted = hint
-        if hint.offset is not None and hint.offset < at:  # replays the snapshot and every delta after it
-            self._consumer.seek(TopicPartition(self.topic, 0, hint.offset))
-            return True
-        if hint.uri is not None:
-            events += self.follower.load_hinted(hint)
-        return False
-
-    def _maybe_request(self, events: list[FollowEvent]) -> None:
-        stuck = [e for e in events if e.result.status == ApplyStatus.SNAPSHOT_NEEDED]
-        if not stuck or self._requests is None or self.follower.snapshot_hint is not None:
-            return
-        newest = max(e.version for e in stuck)
-        if newest > self._requested_for:
-            self._requested_for = newest
-            reason = stuck[-1].result.reason[:200]
-            request_snapshot(self._requests, self.topics, self.policy, self.requester, reason)
-
-    def close(self) -> None:
-        self._consumer.close()
-        if self._requests is not None:
-            self._requests.flush()
+        return getattr(follow, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
-    "FollowEvent",
-    "KafkaWeightFollower",
     "PayloadError",
     "Publication",
     "PublishSettings",
-    "SnapshotHint",
     "VersionEncoder",
-    "WeightFollower",
     "WeightPublisher",
     "latest_policy_version",
     "published_state",
