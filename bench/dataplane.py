@@ -42,7 +42,7 @@ _common = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_common)
 machine, write_json = _common.machine, _common.write_json
 
-from confluent_kafka import Consumer, Producer  # noqa: E402
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer  # noqa: E402
 
 from astraflow.config import KafkaSettings, TopicSettings  # noqa: E402
 from astraflow.kafka.clients import RecordProducer, producer_config  # noqa: E402
@@ -93,6 +93,15 @@ def produce_all(producer: Producer, topic: str, items: list[tuple[bytes, str]]) 
     producer.flush()
 
 
+def commit(c: Consumer) -> None:
+    """Synchronous commit of what was consumed; nothing new since the last one is fine."""
+    try:
+        c.commit(asynchronous=False)
+    except KafkaException as exc:
+        if exc.args[0].code() != KafkaError._NO_OFFSET:
+            raise
+
+
 def copy_loop(kafka: KafkaSettings, src: str, dst: str, n: int, serde: AvroSerde, errors: list[BaseException],
               joined: threading.Event) -> None:
     """Bare consume -> produce of n records, committing every second after a flush (as ours does)."""
@@ -114,10 +123,10 @@ def copy_loop(kafka: KafkaSettings, src: str, dst: str, n: int, serde: AvroSerde
             producer.poll(0)
             if time.monotonic() - last_commit >= 1.0:
                 producer.flush()
-                c.commit(asynchronous=False)
+                commit(c)
                 last_commit = time.monotonic()
         producer.flush()
-        c.commit(asynchronous=False)
+        commit(c)
         c.close()
     except BaseException as exc:  # reported by the main thread
         errors.append(exc)
@@ -154,7 +163,7 @@ def raw_run(kafka: KafkaSettings, encoded: list[tuple[bytes, str]], serde: AvroS
         got, deadline = 0, t0 + timeout_s
         while got < n:
             got += sum(m.error() is None for m in sink.consume(500, 0.05))
-            if errors or time.monotonic() > deadline:
+            if got < n and (errors or time.monotonic() > deadline):
                 raise SystemExit(f"raw side stalled at {got}/{n}: {errors!r}")
         elapsed = time.monotonic() - t0
         sink.close()

@@ -84,6 +84,24 @@ class LocalSearch:
         return "\n".join(hits) if hits else "no results"
 
 
+def slow_tool(fn: ToolFn, median_s: float, sigma: float, seed: int | None = None) -> ToolFn:
+    """`fn` behind a log-normal delay (median `median_s`, log-space std `sigma`), drawn per call.
+
+    Remote tools and environments (web APIs, sandboxes, simulators) have heavy-tailed latency;
+    benchmarks use this to put that tail on a local tool. `sigma` sets the tail weight: the p99
+    delay is median * exp(2.33 * sigma) (0.5: 3.2x the median, 1.0: 10x, 1.5: 33x).
+    """
+    import random
+
+    rng = random.Random(seed)
+
+    async def slow(args: str) -> str:
+        await asyncio.sleep(rng.lognormvariate(math.log(median_s), sigma))
+        return await fn(args)
+
+    return slow
+
+
 class ToolBox:
     """The tools one rollout may use, with a timeout each; records every call."""
 
