@@ -24,6 +24,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from confluent_kafka import TopicPartition
@@ -83,6 +84,7 @@ class RaasNode:
         self._paused = False
         self._pending: collections.deque[Received[Task]] = collections.deque()  # fetched, not started
         self._running: set[asyncio.Task] = set()
+        self.metric_observers: list[Callable[[Metric], None]] = []  # e.g. a Prometheus collector's observe
 
     def _make_consumer(self) -> RecordConsumer[Task]:
         return RecordConsumer(
@@ -243,9 +245,11 @@ class RaasNode:
             "inflight": float(self.inflight),
             "rollouts_total": float(self.rollouts_done),
         }
-        for name, v in values.items():
-            self.producer.send(self.topics.metrics, Metric(name, v, "raas", self.node.node_id, labels), key=self.node.node_id)
-        for policy, b in self.backends.items():
-            self.producer.send(self.topics.metrics, Metric("policy_version", float(b.version), "raas", self.node.node_id,
-                                                           {**labels, "policy": policy}), key=self.node.node_id)
+        metrics = [Metric(name, v, "raas", self.node.node_id, labels) for name, v in values.items()]
+        metrics += [Metric("policy_version", float(b.version), "raas", self.node.node_id, {**labels, "policy": policy})
+                    for policy, b in self.backends.items()]
+        for m in metrics:
+            self.producer.send(self.topics.metrics, m, key=self.node.node_id)
+            for observe in self.metric_observers:
+                observe(m)
         return (self.rollouts_done, self.tokens_done, now)

@@ -32,6 +32,7 @@ def serve_node(cfg: AstraflowConfig, experiment: str, policies: dict[str, str], 
     kw = {"node_id": node_id} if node_id else {}
     settings = NodeSettings(experiment, max_inflight=max_inflight, region=region, prefetch=prefetch, **kw)
     node = RaasNode(cfg, settings, backends, default_tools(search_corpus))
+    prometheus = _prometheus(experiment, node)
     followers = []
     if follow_weights and backend == "openai":
         log.info("openai backend: the server manages its weights; not following the weights topics")
@@ -47,11 +48,28 @@ def serve_node(cfg: AstraflowConfig, experiment: str, policies: dict[str, str], 
     try:
         asyncio.run(main())
     finally:
+        if prometheus is not None:
+            prometheus.close()
         for f in followers:
             f.stop()
         for b in backends.values():
             b.close()
     log.info("node %s stopped after %d rollouts", settings.node_id, node.rollouts_done)
+
+
+def _prometheus(experiment: str, node: RaasNode):
+    """Opt-in /metrics endpoint (ASTRAFLOW_METRICS_PORT) serving the node's latest metrics."""
+    from prometheus_client import REGISTRY
+
+    from astraflow.metrics_export import ProcessMetrics, start_from_env
+
+    server = start_from_env()
+    if server is not None:
+        collector = ProcessMetrics(experiment)
+        REGISTRY.register(collector)
+        node.metric_observers.append(collector.observe)
+        log.info("Prometheus metrics on port %d", server.port)
+    return server
 
 
 def start_followers(cfg: AstraflowConfig, experiment: str, backends: dict) -> list:

@@ -113,3 +113,41 @@ def test_new_version_mid_run_shows_in_later_tokens(kafka: KafkaSettings, experim
     assert len(versions) > 5, "the rollout ended before the update could land"
     assert versions[0] == 0 and versions[-1] == 7 and np.all(np.diff(versions) >= 0)
     backend.close()
+
+
+def test_prometheus_endpoint_serves_node_metrics(kafka: KafkaSettings, experiment: str, tiny_model: Path) -> None:
+    """`ASTRAFLOW_METRICS_PORT` opts a node into a /metrics endpoint with its rollout figures."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    producer = RecordProducer(kafka)
+    task = make_task(0, n_samples=2)
+    task.sampling = SamplingParams(temperature=1.0, max_tokens=8)
+    producer.send(Topics(experiment).tasks, task, key=task.group_id)
+    producer.flush()
+    env = {**os.environ, "ASTRAFLOW__KAFKA__BOOTSTRAP_SERVERS": kafka.bootstrap_servers, "ASTRAFLOW_METRICS_PORT": str(port)}
+    # Metrics every second (the CLI keeps NodeSettings' 5 s default; the test waits for two rounds).
+    proc = subprocess.Popen([sys.executable, "-m", "astraflow.cli.main", "raas", "serve", "-e", experiment,
+                             "-p", f"policy={tiny_model}", "--node-id", "prom-node", "--threads", "1",
+                             "--no-follow-weights"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    body = ""
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and "astraflow_raas_rollouts_total" not in body:
+            time.sleep(1)
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+            except OSError:
+                continue
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert "astraflow_raas_rollouts_total" in body and 'node_id="prom-node"' in body, body[-2000:]
+    assert "astraflow_raas_policy_version" in body
