@@ -125,7 +125,9 @@ class RaasNode:
             while not self._stop.is_set():
                 self._backpressure()
                 room = max(1, self.s.prefetch - len(self._pending))
-                self._pending.extend(await asyncio.to_thread(self.consumer.poll_batch, room, 0.05))
+                # Short polls while rollouts run, so a freed slot is refilled at once from the buffer.
+                timeout = 0.005 if self.inflight else 0.05
+                self._pending.extend(await asyncio.to_thread(self.consumer.poll_batch, room, timeout))
                 while self._pending and self.inflight < self.s.max_inflight:
                     self._start_task(self._pending.popleft())
                 self.producer.poll(0)

@@ -43,7 +43,8 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self, policy: str, model_dir: str, *, max_batch: int = 16, device: str | None = None,
-                 version: int = 0, seed: int | None = None, threads: int | None = None) -> None:
+                 version: int = 0, seed: int | None = None, threads: int | None = None,
+                 batch_wait_s: float = 0.005) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.policy = policy
@@ -57,6 +58,7 @@ class TorchBackend:
         except (OSError, ValueError) as exc:
             raise BackendError(f"cannot load a causal LM and tokenizer from {model_dir}: {exc}") from exc
         self.max_batch = max_batch
+        self.batch_wait_s = batch_wait_s  # how long a wave waits for more requests to batch
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.eos_id = self.tokenizer.eos_token_id
         self._gen = torch.Generator(device="cpu")
@@ -130,9 +132,12 @@ class TorchBackend:
             if item is None:
                 continue
             wave = [item]
+            # Rollouts started together reach the queue a few hundred microseconds apart: wait a
+            # moment for them so they decode as one batch instead of as a wave of one.
+            deadline = time.monotonic() + self.batch_wait_s
             while len(wave) < self.max_batch:
                 try:
-                    nxt = self._queue.get_nowait()
+                    nxt = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
                     break
                 if nxt is not None:
