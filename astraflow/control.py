@@ -83,20 +83,6 @@ class ControlState:
         return out
 
 
-def watermarks(consumer: Any, topic: str, partition: int, timeout_s: float = 15.0) -> tuple[int, int]:
-    """(low, high) offsets of a partition, retrying while a new topic still elects its leader."""
-    from confluent_kafka import KafkaException, TopicPartition
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=max(1.0, timeout_s / 4))
-        except KafkaException as exc:
-            if time.monotonic() >= deadline:
-                raise KafkaLayerError(f"cannot read the offsets of {topic}[{partition}]: {exc}") from exc
-            time.sleep(0.2)
-
-
 def _consumer(kafka: KafkaSettings, max_bytes: int) -> Any:
     from confluent_kafka import Consumer
 
@@ -168,6 +154,8 @@ class CompactedReader:
     def catch_up(self, timeout_s: float = 15.0) -> None:
         """Reads until every partition reached the end offset it had when this was called."""
         from confluent_kafka import TopicPartition
+
+        from astraflow.kafka.clients import watermarks
 
         ends = {}
         for p in self._partitions:

@@ -41,8 +41,11 @@ write_json = _common.write_json
 from confluent_kafka import Consumer, Producer  # noqa: E402
 
 from astraflow.config import KafkaSettings, TopicSettings  # noqa: E402
-from astraflow.control import watermarks  # noqa: E402
-from astraflow.kafka.clients import RecordProducer, producer_config  # noqa: E402
+from astraflow.kafka.clients import (  # noqa: E402
+    RecordProducer,
+    producer_config,
+    watermarks,
+)
 from astraflow.kafka.topics import TopicAdmin, Topics, TopicSpec, topic_specs  # noqa: E402
 from astraflow.serde import AvroSerde  # noqa: E402
 from astraflow.testing import make_trajectory  # noqa: E402

@@ -133,7 +133,7 @@ class CuratorApp(AppHandler):
         log.info("curator: %d prompts, %d tasks issued so far, %d groups curated", len(self.pool), self.issued, self.curated)
 
     def _watermarks(self, topic: str) -> dict[int, tuple[int, int]]:
-        from astraflow.control import watermarks
+        from astraflow.kafka.clients import watermarks
 
         md = self._lag_consumer.list_topics(topic, timeout=10.0)
         meta = md.topics.get(topic)

@@ -9,11 +9,12 @@ and every record that cannot be decoded goes to the DLQ with the reason, without
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from astraflow.config import KafkaSettings
 from astraflow.errors import KafkaLayerError, ProduceError, RecordTooLargeError, SerdeError
@@ -262,3 +263,15 @@ class RecordConsumer(Generic[R]):
     @property
     def raw(self) -> Consumer:
         return self._consumer
+
+
+def watermarks(consumer: Consumer, topic: str, partition: int = 0, timeout_s: float = 10.0) -> tuple[int, int]:
+    """(low, high) offsets of a partition, retrying while a new topic still elects its leader."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=max(1.0, timeout_s / 4))
+        except KafkaException as exc:
+            if time.monotonic() >= deadline:
+                raise KafkaLayerError(f"cannot read the offsets of {topic}[{partition}] (does it exist?): {exc}") from exc
+            time.sleep(0.2)

@@ -24,11 +24,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from astraflow.config import KafkaSettings
 from astraflow.errors import KafkaLayerError, SerdeError, WeightsError
-from astraflow.kafka.clients import RecordProducer
+from astraflow.kafka.clients import RecordProducer, watermarks
 from astraflow.kafka.topics import Topics
 from astraflow.records import Control, PolicyVersion, WeightChunk, WeightKind
 from astraflow.serde import AvroSerde
@@ -284,18 +284,6 @@ def _consumer(kafka: KafkaSettings, serde: AvroSerde) -> Consumer:
             "fetch.message.max.bytes": serde.max_record_bytes + 64 * 1024,
         }
     )
-
-
-def watermarks(consumer: Consumer, topic: str, partition: int = 0, timeout_s: float = 10.0) -> tuple[int, int]:
-    """(low, high) offsets of a partition, retrying while a new topic still elects its leader."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=max(1.0, timeout_s / 4))
-        except KafkaException as exc:
-            if time.monotonic() >= deadline:
-                raise KafkaLayerError(f"cannot read the offsets of {topic}[{partition}] (does it exist?): {exc}") from exc
-            time.sleep(0.2)
 
 
 def _read_range(

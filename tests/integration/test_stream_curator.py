@@ -16,8 +16,7 @@ import numpy as np
 from confluent_kafka import Consumer, TopicPartition
 
 from astraflow.config import KafkaSettings
-from astraflow.control import watermarks
-from astraflow.kafka.clients import RecordProducer
+from astraflow.kafka.clients import RecordProducer, watermarks
 from astraflow.kafka.topics import Topics
 from astraflow.records import PromptStats, Task, TrainSample
 from astraflow.serde import AvroSerde

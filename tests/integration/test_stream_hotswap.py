@@ -19,8 +19,7 @@ from typer.testing import CliRunner
 
 from astraflow.cli.main import app as cli
 from astraflow.config import KafkaSettings
-from astraflow.control import watermarks
-from astraflow.kafka.clients import RecordProducer
+from astraflow.kafka.clients import RecordProducer, watermarks
 from astraflow.kafka.topics import Topics
 from astraflow.records import Trajectory
 from astraflow.serde import AvroSerde
