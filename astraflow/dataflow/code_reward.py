@@ -129,6 +129,7 @@ class CodeTests:
                 "tests_total": float(total),
                 "pass_fraction": fraction,
                 "timed_out": float(result.timed_out),
+                "killed": float(result.killed_reason is not None),  # a limit (wall, cpu, memory, ...) ended it
                 "reported": float(report is not None),
             },
         )
@@ -148,4 +149,4 @@ class CodeTests:
     def _no_code(self, trajectory: Trajectory) -> RewardResult:
         total = self.prepare(trajectory)[3]  # a bad reference is still an error
         components = {"tests_passed": 0.0, "tests_total": float(total), "pass_fraction": 0.0}
-        return RewardResult(0.0, {**components, "timed_out": 0.0, "reported": 0.0})
+        return RewardResult(0.0, {**components, "timed_out": 0.0, "killed": 0.0, "reported": 0.0})

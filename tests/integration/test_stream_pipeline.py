@@ -203,7 +203,8 @@ def test_code_rewards_run_concurrently_in_the_sandbox_without_blocking(kafka: Ka
     assert {t.trajectory_id: t.reward for t in scored} == expected
     assert all(t.lineage[-1].name == "code_tests" for t in scored)
     hung = [t for t in scored if t.final_answer and "while True" in t.final_answer]
-    assert all(t.reward_components["timed_out"] == 1.0 for t in hung)
+    # Ended by a limit: the wall-clock timeout or the CPU limit, whichever a loaded machine hits first.
+    assert hung and all(t.reward_components["killed"] == 1.0 and t.reward_components["reported"] == 0.0 for t in hung)
     assert worker.stats.inflight_peak > 1  # sandbox runs overlapped instead of queueing one by one
 
 
