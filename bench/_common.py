@@ -1,4 +1,9 @@
-"""Helpers shared by the benchmarks: machine description and JSON output."""
+"""Helpers shared by the benchmarks: machine description and JSON output.
+
+Importing this module also takes the `bench/` folder off `sys.path`: `bench/stream_apps.py` is
+named like the `stream_apps` package, and a benchmark run as `python bench/NAME.py` would
+otherwise import that script instead of the package.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,13 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 
 def machine() -> dict[str, Any]:

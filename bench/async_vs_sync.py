@@ -44,33 +44,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]  # bench/stream_apps.py shadows the package
-_spec = importlib.util.spec_from_file_location("bench_common", _HERE / "_common.py")
-assert _spec is not None and _spec.loader is not None
-_common = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_common)
+import _common  # first: it takes bench/ off sys.path (see _common.py)
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from astraflow.dataflow.advantages import grpo  # noqa: E402
-from astraflow.models.arith import answers_match, reference_answer  # noqa: E402
-from astraflow.raas.backends.torch_backend import TorchBackend  # noqa: E402
-from astraflow.raas.tools import ToolBox, calculator, slow_tool  # noqa: E402
-from astraflow.raas.workflows import RolloutContext  # noqa: E402
-from astraflow.raas.workflows.builtin import tool_use  # noqa: E402
-from astraflow.records import NodeInfo, SamplingParams, Task, Trajectory  # noqa: E402
-from astraflow.rl import PolicyLossConfig, policy_loss, sequence_logprobs  # noqa: E402
-from stream_apps.groups import train_sample  # noqa: E402
-from trainers.data import collate  # noqa: E402
+from astraflow.dataflow.advantages import grpo
+from astraflow.models.arith import answers_match, reference_answer
+from astraflow.raas.backends.torch_backend import TorchBackend
+from astraflow.raas.tools import ToolBox, calculator, slow_tool
+from astraflow.raas.workflows import RolloutContext
+from astraflow.raas.workflows.builtin import tool_use
+from astraflow.records import NodeInfo, SamplingParams, Task, Trajectory
+from astraflow.rl import PolicyLossConfig, policy_loss, sequence_logprobs
+from stream_apps.groups import train_sample
+from trainers.data import collate
 
 GROUP = 8  # samples per prompt
 PROMPTS_PER_STEP = 8  # 64 samples per optimizer step, as the demo's trainer batch

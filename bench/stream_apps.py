@@ -20,22 +20,13 @@ Usage: python bench/stream_apps.py [--quick] [--json OUT] [--records N] [--token
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
-# This file is named like the `stream_apps` package: keep its folder off sys.path so that
-# `import stream_apps` finds the package, and load the shared helpers by path.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-_spec = importlib.util.spec_from_file_location("bench_common", _HERE / "_common.py")
-assert _spec is not None and _spec.loader is not None
-_common = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_common)
+import _common  # first: it takes bench/ off sys.path (see _common.py)
+
 write_json = _common.write_json
 
 from confluent_kafka import Consumer, Producer  # noqa: E402

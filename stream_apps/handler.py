@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from astraflow.errors import AstraflowError
-from stream_apps.offsets import TP
+from astraflow.kafka.offsets import TP
 
 if TYPE_CHECKING:
     from confluent_kafka import Message

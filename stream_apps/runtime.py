@@ -46,9 +46,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from astraflow.errors import AstraflowError, KafkaLayerError, SerdeError
+from astraflow.kafka.offsets import TP, OffsetTracker
 from stream_apps.handler import AppHandler, Incoming, StrategyFailed
 from stream_apps.metrics import MetricsReporter, WorkerStats
-from stream_apps.offsets import TP, OffsetTracker
 
 if TYPE_CHECKING:
     from confluent_kafka import Message

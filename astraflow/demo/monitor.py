@@ -67,6 +67,7 @@ class Monitor:
         self._thread = threading.Thread(target=self._run, name="demo-monitor", daemon=True)
         self._admin = AdminClient(self.kafka.client_config())
         self.lags: dict[str, int] = {}
+        self._probe: Consumer | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -90,6 +91,8 @@ class Monitor:
                     last_lag = time.monotonic()
         finally:
             c.close()
+            if self._probe is not None:
+                self._probe.close()
 
     def _handle(self, topic: str, value: bytes) -> None:
         try:
@@ -126,6 +129,8 @@ class Monitor:
                 self.dlq.append(rec)
 
     def _lags(self) -> dict[str, int]:
+        if self._probe is None:  # one watermark reader for the whole run; it never joins a group
+            self._probe = Consumer({**self.kafka.client_config(), "group.id": "af-lag-probe"})
         out = {}
         for topic, group in self.groups.items():
             try:
@@ -134,12 +139,10 @@ class Monitor:
                 fut = self._admin.list_consumer_group_offsets(
                     [ConsumerGroupTopicPartitions(group, parts)])
                 committed = {tp.partition: tp.offset for tp in next(iter(fut.values())).result(timeout=5).topic_partitions}
-                probe = Consumer({**self.kafka.client_config(), "group.id": "af-lag-probe"})
                 total = 0
                 for tp in parts:
-                    _lo, hi = probe.get_watermark_offsets(tp, timeout=5)
+                    _lo, hi = self._probe.get_watermark_offsets(tp, timeout=5)
                     total += max(0, hi - max(committed.get(tp.partition, 0), 0))
-                probe.close()
                 out[topic.rsplit(".", 1)[-1] if topic.count(".") == 2 else ".".join(topic.split(".")[2:])] = total
             except Exception:  # lag display is best effort while topics and groups appear
                 continue

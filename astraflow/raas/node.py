@@ -32,9 +32,9 @@ from confluent_kafka import TopicPartition
 from astraflow.config import AstraflowConfig
 from astraflow.errors import AstraflowError
 from astraflow.kafka.clients import DeadLetterWriter, Received, RecordConsumer, RecordProducer
+from astraflow.kafka.offsets import OffsetTracker
 from astraflow.kafka.topics import Topics
 from astraflow.raas.backends.base import InferenceBackend
-from astraflow.raas.offsets import OffsetTracker
 from astraflow.raas.tools import ToolBox, ToolFn, default_tools
 from astraflow.raas.workflows import RolloutContext, resolve_workflow
 from astraflow.records import Metric, NodeInfo, Task, Trajectory, TrajectoryStatus
@@ -105,11 +105,10 @@ class RaasNode:
     def _on_revoke(self, consumer, partitions: list[TopicPartition]) -> None:
         self._commit()  # commit what is done before losing the partitions
         lost = {(p.topic, p.partition) for p in partitions}
-        kept = [r for r in self._pending if (r.topic, r.partition) not in lost]  # others will serve the rest
+        self.offsets.forget(lost)  # late finishes of their tasks are ignored; others redo them
+        kept = [r for r in self._pending if (r.topic, r.partition) not in lost]
         self._pending.clear()
         self._pending.extend(kept)
-        for p in partitions:
-            self.offsets.forget(p.topic, p.partition)
 
     # ---- main loop -----------------------------------------------------------------------------
 
@@ -159,15 +158,16 @@ class RaasNode:
             self._paused = False
 
     def _start_task(self, rec: Received[Task]) -> None:
-        self.offsets.start(rec.topic, rec.partition, rec.offset)
+        tp = (rec.topic, rec.partition)
+        epoch = self.offsets.received(tp, rec.offset)
         try:
             workflow = self._validate(rec.record)
         except AstraflowError as exc:
             self.consumer.dead_letter(rec, exc)
-            self.offsets.finish(rec.topic, rec.partition, rec.offset)
+            self.offsets.finished(tp, rec.offset, epoch)
             return
         self.inflight += rec.record.n_samples
-        t = asyncio.create_task(self._serve(rec, workflow))
+        t = asyncio.create_task(self._serve(rec, workflow, epoch))
         self._running.add(t)
         t.add_done_callback(self._running.discard)
 
@@ -187,7 +187,7 @@ class RaasNode:
         except AstraflowError as exc:
             raise InvalidTaskError(f"task {task.task_id}: {exc}") from exc
 
-    async def _serve(self, rec: Received[Task], workflow) -> None:
+    async def _serve(self, rec: Received[Task], workflow, epoch: int) -> None:
         task = rec.record
         results = await asyncio.gather(*(self._rollout(task, i, workflow) for i in range(task.n_samples)))
         acked = asyncio.get_running_loop().create_future()
@@ -209,7 +209,7 @@ class RaasNode:
         if failed:
             log.error("task %s: %d trajectories not acknowledged (%s); it will be redelivered", task.task_id, len(failed), failed[0])
             return  # offset stays uncommitted: another delivery will redo it
-        self.offsets.finish(rec.topic, rec.partition, rec.offset)
+        self.offsets.finished((rec.topic, rec.partition), rec.offset, epoch)  # ignored if revoked meanwhile
         self.tasks_done += 1
 
     async def _rollout(self, task: Task, index: int, workflow) -> Trajectory:
@@ -226,11 +226,12 @@ class RaasNode:
         return traj
 
     def _commit(self) -> None:
-        positions = self.offsets.committable()
+        positions = self.offsets.to_commit()
         if not positions:
             return
         with contextlib.suppress(Exception):  # e.g. a partition just revoked; the next commit catches up
-            self.dlq.producer.flush()
+            if self.dlq.count:  # a dead-lettered task must be durable before its offset is committed
+                self.dlq.producer.flush()
             self.consumer.raw.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in positions.items()],
                                      asynchronous=False)
             self.offsets.mark_committed(positions)

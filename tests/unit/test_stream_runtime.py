@@ -9,8 +9,8 @@ import pytest
 
 from astraflow.control import ControlState, parse_param_args
 from astraflow.errors import ConfigError, UnknownStrategyError
+from astraflow.kafka.offsets import OffsetTracker
 from astraflow.records import Control
-from stream_apps.offsets import OffsetTracker
 from stream_apps.slots import Slot, SlotDefault, parse_default
 
 TP0 = ("t", 0)

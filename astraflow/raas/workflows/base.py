@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from astraflow.raas.backends.base import GenerateRequest, Generation, InferenceBackend
 from astraflow.raas.tools import ToolBox
 from astraflow.records import NodeInfo, Segment, Task, Timings, ToolCall, Trajectory, TrajectoryStatus, now_ms
@@ -65,7 +67,7 @@ class RolloutContext:
         gen = await self.backend(policy).generate(req)
         self.generate_s += time.perf_counter() - t0
         self.segments.append(Segment(policy, "assistant", gen.token_ids, gen.logprobs,
-                                     _ones(len(gen.token_ids)), gen.versions, gen.text))
+                                     np.ones(len(gen.token_ids), np.uint8), gen.versions, gen.text))
         return gen
 
     async def call_tool(self, name: str, args: str, turn: int) -> ToolCall:
@@ -98,8 +100,3 @@ class RolloutContext:
             metadata={**t.metadata, **(metadata or {})},
         )
 
-
-def _ones(n: int):
-    import numpy as np
-
-    return np.ones(n, np.uint8)
