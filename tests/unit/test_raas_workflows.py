@@ -99,7 +99,7 @@ def test_slow_tool_times_out(tokenizer_dir: Path) -> None:
         return "late"
 
     call = asyncio.run(ToolBox({"slow": slow}, timeout_s=0.2).call("slow", "", 0))
-    assert call.error == "tool slow timed out after 0s" and call.latency_s < 2
+    assert call.error == "tool slow timed out after 0s" and call.result == ""
 
 
 def test_python_tool_runs_in_the_sandbox() -> None:
