@@ -26,6 +26,8 @@ def serve(
     threads: int | None = typer.Option(None, help="torch CPU threads."),
     seed: int | None = typer.Option(None, help="Sampling seed (torch backend)."),
     tokenizer: str | None = typer.Option(None, help="Local tokenizer directory (openai backend)."),
+    tool_latency: list[str] = typer.Option([], help="NAME=MEDIAN_S:SIGMA: put a tool behind a log-normal delay per "
+                                           "call (benchmarks of slow remote tools), e.g. calc=0.2:1.5; repeatable."),
 ) -> None:
     """Join the experiment's task consumer group and serve rollouts until SIGTERM / Ctrl-C."""
     from astraflow.errors import ConfigError
@@ -36,6 +38,9 @@ def serve(
         if not sep or not name or not target:
             raise ConfigError(f"--policy {item!r} must look like NAME=MODEL_DIR")
         pairs[name] = target
+    from astraflow.raas.tools import parse_tool_latency
+
+    latency = parse_tool_latency(tool_latency)
     cfg = load(ctx)
     from astraflow.raas.serve import serve_node
 
@@ -43,4 +48,4 @@ def serve(
     serve_node(cfg, experiment, pairs, backend=backend, max_inflight=max_inflight, max_batch=max_batch, region=region,
                prefetch=prefetch,
                node_id=node_id, follow_weights=follow_weights, search_corpus=search_corpus, threads=threads, seed=seed,
-               tokenizer=tokenizer)
+               tokenizer=tokenizer, tool_latency=latency)

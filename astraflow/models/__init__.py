@@ -4,36 +4,28 @@ Nothing here downloads anything: `init_tiny` trains a tokenizer and initialises 
 locally, `warm_start` fine-tunes it on synthetic calculator demonstrations, and
 `evaluate_tool_use` runs the multi-turn calculator protocol of `protocol.py`. The calculator
 and answer checking (`arith.py`) are pure and shared with the RaaS workflows.
+
+Exports load lazily (PEP 562): the calculator in `arith` is used by RaaS tools and must not
+import torch and transformers.
 """
 
-from astraflow.models.arith import answers_match, calculate, extract_calc_call, parse_answer, score_answer
-from astraflow.models.evaluate import EvalItem, EvalReport, evaluate_tool_use, run_tool_use
-from astraflow.models.protocol import format_prompt
-from astraflow.models.sft import SftMetrics, encode_example, sft, warm_start
-from astraflow.models.tasks import ArithProblem, arithmetic_dataset, as_eval_items, split_heldout
-from astraflow.models.tiny import TinySpec, init_tiny, load_tiny, train_tokenizer
+import importlib
+from typing import Any
 
-__all__ = [
-    "ArithProblem",
-    "EvalItem",
-    "EvalReport",
-    "SftMetrics",
-    "TinySpec",
-    "answers_match",
-    "arithmetic_dataset",
-    "as_eval_items",
-    "calculate",
-    "encode_example",
-    "evaluate_tool_use",
-    "extract_calc_call",
-    "format_prompt",
-    "init_tiny",
-    "load_tiny",
-    "parse_answer",
-    "run_tool_use",
-    "score_answer",
-    "sft",
-    "split_heldout",
-    "train_tokenizer",
-    "warm_start",
-]
+_WHERE = {
+    "answers_match": "arith", "calculate": "arith", "extract_calc_call": "arith", "parse_answer": "arith",
+    "score_answer": "arith",
+    "EvalItem": "evaluate", "EvalReport": "evaluate", "evaluate_tool_use": "evaluate", "run_tool_use": "evaluate",
+    "format_prompt": "protocol",
+    "SftMetrics": "sft", "encode_example": "sft", "sft": "sft", "warm_start": "sft",
+    "ArithProblem": "tasks", "arithmetic_dataset": "tasks", "as_eval_items": "tasks", "split_heldout": "tasks",
+    "TinySpec": "tiny", "init_tiny": "tiny", "load_tiny": "tiny", "train_tokenizer": "tiny",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'astraflow.models' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"astraflow.models.{_WHERE[name]}"), name)

@@ -19,7 +19,8 @@ def serve_node(cfg: AstraflowConfig, experiment: str, policies: dict[str, str], 
                max_inflight: int = 8, max_batch: int = 16, region: str = "local", node_id: str | None = None,
                prefetch: int = 16,
                follow_weights: bool = True, search_corpus: str | None = None, threads: int | None = None,
-               seed: int | None = None, tokenizer: str | None = None) -> None:
+               seed: int | None = None, tokenizer: str | None = None,
+               tool_latency: dict[str, tuple[float, float]] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     opts: dict[str, Any] = {}
     if backend == "torch":
@@ -31,7 +32,7 @@ def serve_node(cfg: AstraflowConfig, experiment: str, policies: dict[str, str], 
     backends = {name: create_backend(backend, name, target, **opts) for name, target in policies.items()}
     kw = {"node_id": node_id} if node_id else {}
     settings = NodeSettings(experiment, max_inflight=max_inflight, region=region, prefetch=prefetch, **kw)
-    node = RaasNode(cfg, settings, backends, default_tools(search_corpus))
+    node = RaasNode(cfg, settings, backends, default_tools(search_corpus, tool_latency, seed))
     prometheus = _prometheus(experiment, node)
     followers = []
     if follow_weights and backend == "openai":

@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from astraflow.errors import ConfigError
 from astraflow.records import ToolCall
 
 ToolFn = Callable[[str], Awaitable[str]]
@@ -125,8 +126,32 @@ class ToolBox:
         return ToolCall(turn, name, args, result, time.perf_counter() - t0, error)
 
 
-def default_tools(search_corpus: str | Path | list[str] | None = None) -> dict[str, ToolFn]:
+def default_tools(search_corpus: str | Path | list[str] | None = None,
+                  latency: dict[str, tuple[float, float]] | None = None, seed: int | None = None) -> dict[str, ToolFn]:
+    """The node's tools; `latency` puts named tools behind `slow_tool` (name -> (median_s, sigma))."""
     tools: dict[str, ToolFn] = {"calc": calculator, "python": python_exec}
     if search_corpus is not None:
         tools["search"] = LocalSearch(search_corpus)
+    for name, (median_s, sigma) in (latency or {}).items():
+        if name not in tools:
+            raise ConfigError(f"--tool-latency names the tool {name!r}, which this node does not have; "
+                              f"its tools are: {', '.join(sorted(tools))}")
+        tools[name] = slow_tool(tools[name], median_s, sigma, seed=seed)
     return tools
+
+
+def parse_tool_latency(items: list[str]) -> dict[str, tuple[float, float]]:
+    """`["calc=0.2:1.5"]` -> `{"calc": (0.2, 1.5)}` (NAME=MEDIAN_SECONDS:SIGMA, as `raas serve --tool-latency`)."""
+    out: dict[str, tuple[float, float]] = {}
+    for item in items:
+        name, eq, spec = item.partition("=")
+        median, colon, sigma = spec.partition(":")
+        try:
+            m, s = float(median), float(sigma)
+        except ValueError:
+            m = s = -1.0
+        if not eq or not name.strip() or not colon or m <= 0 or s < 0:
+            raise ConfigError(f"--tool-latency {item!r} must look like NAME=MEDIAN_SECONDS:SIGMA with a positive "
+                              "median and a sigma >= 0, e.g. calc=0.2:1.5 (log-normal delay per call)")
+        out[name.strip()] = (m, s)
+    return out

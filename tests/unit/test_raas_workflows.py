@@ -134,3 +134,19 @@ def test_workflow_by_import_path_and_unknown_name() -> None:
     assert resolve_workflow("astraflow.raas.workflows.builtin:rlvr").__name__ == "rlvr"
     with pytest.raises(ConfigError, match="unknown workflow .nope.; registered: .*tool_use"):
         resolve_workflow("nope")
+
+
+def test_tool_latency_option_parses_and_wraps_the_named_tool() -> None:
+    from astraflow.errors import ConfigError
+    from astraflow.raas.tools import calculator, parse_tool_latency
+
+    assert parse_tool_latency(["calc=0.2:1.5", "python=1:0"]) == {"calc": (0.2, 1.5), "python": (1.0, 0.0)}
+    for bad in ("calc", "calc=0.2", "calc=x:1", "calc=0:1", "calc=0.2:-1", "=0.2:1"):
+        with pytest.raises(ConfigError, match="NAME=MEDIAN_SECONDS:SIGMA"):
+            parse_tool_latency([bad])
+    tools = default_tools(latency={"calc": (0.01, 0.0)})
+    assert tools["calc"] is not calculator and tools["python"] is default_tools()["python"]
+    call = asyncio.run(ToolBox(tools, 5).call("calc", "2+3", 0))
+    assert call.error is None and call.result == asyncio.run(calculator("2+3"))
+    with pytest.raises(ConfigError, match="does not have; its tools are: calc, python"):
+        default_tools(latency={"web": (0.2, 1.0)})
