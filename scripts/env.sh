@@ -28,7 +28,7 @@ if [ ! -f "$VENV/.complete" ]; then
   DEPS=$("$PY" - "$ROOT/pyproject.toml" <<'PYEOF'
 import sys, tomllib
 p = tomllib.load(open(sys.argv[1], "rb"))["project"]
-print("\n".join(p["dependencies"] + p["optional-dependencies"]["dev"]))
+print("\n".join(p["dependencies"] + p["optional-dependencies"]["dev"] + p["optional-dependencies"]["bench"]))
 PYEOF
 )
   echo "$DEPS" > "$VENV/requirements.txt"
