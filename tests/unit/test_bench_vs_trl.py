@@ -1,0 +1,54 @@
+"""bench/vs_trl.py's TRL rollout runs AstraFlow's `tool_use` protocol: turns, tool replies, loss mask."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))  # last: its scripts shadow nothing
+# At collection, not inside a test: importing `_rl` imports lightning, which sets an environment
+# variable, and the leak guard would blame the test.
+import _rl
+from vs_trl import ToolRollout
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    from astraflow.models.tiny import init_tiny, load_tiny
+
+    return load_tiny(init_tiny(tmp_path_factory.mktemp("tiny"), vocab_size=512, hidden=32, layers=1, heads=2,
+                               kv_heads=1, intermediate=64))[1]
+
+
+def test_tool_rollout_runs_the_protocol_and_masks_tool_replies(tokenizer) -> None:
+    from astraflow.raas.tools import ToolBox, calculator
+
+    enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    eos = [tokenizer.eos_token_id]
+    script = [  # per turn, the continuation of each active row
+        [enc("<calc>2+3</calc>"), enc("Answer: 7") + eos, enc("<calc>1+"), enc("<calc>4*4</calc>")],
+        [enc("Answer: 5") + eos, enc("<calc>16+1</calc>")],
+    ]
+    seen: list[list[list[int]]] = []
+
+    def generate(rows: list[list[int]]) -> list[list[int]]:
+        seen.append(rows)
+        return script[len(seen) - 1]
+
+    rollout = ToolRollout(ToolBox({"calc": calculator}), max_tokens=24, max_turns=2, temperature=1.0)
+    out = rollout.run(["Q: What is 2+3?\nA:"] * 4, tokenizer, generate)
+
+    text = [tokenizer.decode(c, skip_special_tokens=True) for c in out["completion_ids"]]
+    assert text == ["<calc>2+3</calc><result>5</result>Answer: 5", "Answer: 7", "<calc>1+",
+                    "<calc>4*4</calc><result>16</result><calc>16+1</calc><result>17</result>"]
+    assert len(seen) == 2 and len(seen[1]) == 2  # only the rows that called go on, and no third turn
+    assert seen[1][0] == out["prompt_ids"][0] + enc("<calc>2+3</calc><result>5</result>")
+    assert out["prompt_ids"][0][0] == tokenizer.bos_token_id
+    reply = enc("<result>5</result>")
+    assert out["env_mask"][0] == [1] * len(enc("<calc>2+3</calc>")) + [0] * len(reply) + [1] * (len(enc("Answer: 5")) + 1)
+    assert all(m == [1] * len(c) for m, c in zip(out["env_mask"][1:3], out["completion_ids"][1:3], strict=True))
+    assert [_rl.reward_of("b", t, '{"answer": "5"}') for t in text] == [1.0, 0.0, 0.0, 0.0]
