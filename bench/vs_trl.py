@@ -227,14 +227,14 @@ def main() -> None:
     ap.add_argument("--sigmas", default="1.0", help="workload b: log-normal sigmas of the tool delay")
     ap.add_argument("--median-s", type=float, default=0.2, help="workload b: median tool delay (s)")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps of 64 samples (default 16, quick 4)")
-    ap.add_argument("--eval-every", type=int, default=None, help="steps between snapshots (default 4, quick 2)")
+    ap.add_argument("--eval-every", type=int, default=None, help="steps between snapshots (default 2)")
     ap.add_argument("--staleness", type=int, default=1, help="AstraFlow: versions a group may start ahead")
     ap.add_argument("--target-gain", type=float, default=0.05, help="target = warm-start success + this")
     ap.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL run (AstraFlow: 1 per role)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     args.steps = args.steps or (4 if args.quick else 16)
-    args.eval_every = args.eval_every or (2 if args.quick else 4)
+    args.eval_every = args.eval_every or 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach a hub
     try:
         import trl
