@@ -126,6 +126,7 @@ class PublishWeights(L.Callback):
     def __init__(self, publisher: WeightPublisher, every: int = 1, requests: SnapshotRequests | None = None) -> None:
         self.publisher, self.every, self.requests = publisher, every, requests
         self._published_step = -1
+        self._started = False  # the starting snapshot is out
 
     def _publish(self, trainer: L.Trainer, module: L.LightningModule, snapshot: bool = False) -> None:
         state = trainer.strategy.lightning_module_state_dict()  # full state on rank 0 (FSDP gathers)
@@ -143,11 +144,24 @@ class PublishWeights(L.Callback):
         module.policy_version = int(version)
         self._published_step = trainer.global_step
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # After any restore: receivers get this process's weights as a snapshot to start from.
+    def _start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Receivers get this process's weights as a snapshot to start from.
         if trainer.is_global_zero:
             self.publisher.start()
         self._publish(trainer, pl_module, snapshot=True)
+        self._started = True
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # A fresh run publishes its starting weights before Lightning waits for the first batch
+        # (it prefetches one before on_train_start), so followers have version 0 at once.
+        # A resumed run waits for on_train_start: only then are the step counters restored.
+        self._started = False
+        if trainer.ckpt_path is None:
+            self._start(trainer, pl_module)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._started:
+            self._start(trainer, pl_module)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if trainer.global_step % self.every == 0 and trainer.global_step != self._published_step:

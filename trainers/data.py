@@ -270,6 +270,8 @@ class TrainStream(IterableDataset):
                 if it.sample is not None:
                     n, longest = n + 1, max(longest, it.size)
                     first_at = first_at or time.monotonic()
+                    if n >= self.limits.batch_size:  # full: train it now, not when the next sample shows up
+                        return items
             now = time.monotonic()
             if n >= self.min_samples and (self._stop or now - (first_at or now) >= self.max_wait_s):
                 return items
@@ -298,6 +300,17 @@ class TrainStream(IterableDataset):
                     raise KafkaLayerError(f"rank could not read the planned records of {self.topic} in 120 s")
                 self._fill(0.5)
         return [got[k] for k in plan]
+
+    def __len__(self) -> int:
+        """A stream has no length; this bound exists so that Lightning does not prefetch.
+
+        Without a length, Lightning's fetcher reads batch N+1 before it trains on batch N (to know
+        whether N is the last). On a stream that means waiting for a whole batch of rollouts that
+        may only be issued once batch N is trained: with a curator keeping one batch ahead, that
+        wait lasts until `max_wait_s`. With a length Lightning fetches a batch when it trains it.
+        The stream still ends when it stops (idle, deadline, SIGTERM), as before.
+        """
+        return 2**31 - 1
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         dist = _distributed()

@@ -69,6 +69,56 @@ def _watermarks(kafka: KafkaSettings, topic: str, partitions: int) -> dict[int, 
         c.close()
 
 
+def test_a_full_batch_trains_without_waiting_for_the_next_one(
+    kafka: KafkaSettings, experiment: str, tmp_path: Path, one_thread: None
+) -> None:
+    """A curator one batch ahead writes batch N+1 only once batch N is trained (its version is out).
+
+    So the trainer must train a full batch at once: neither wait for one more sample to close it,
+    nor read batch N+1 before training batch N (Lightning prefetches one batch of an unsized
+    loader). Either would stall here until max_wait_s (600 s) and the follower would not see
+    version 1 within its 60 s.
+    """
+    import threading
+
+    topics = Topics(experiment)
+    model_dir = init_tiny(tmp_path / "tiny", vocab_size=512, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
+    initial, _ = load_tiny(model_dir)
+    producer = RecordProducer(kafka)
+    batches = [make_samples(initial, prompts=1, group_size=8, policy="policy", seed=i) for i in range(2)]
+    cfg = TrainRunConfig.model_validate({
+        "experiment": experiment, "run_dir": str(tmp_path / "runs"), "kafka": kafka.model_dump(),
+        "topics": {"partitions": 2},
+        "trainer": {"model_dir": str(model_dir), "batch_size": 8, "max_wait_s": 600, "max_steps": 2,
+                    "max_time_s": 150, "logger": "none", "progress_bar": False},
+    })
+    seen: list[int | None] = []
+
+    def curator() -> None:  # the next batch only once the previous one is trained, as the curator does
+        follower = KafkaWeightFollower(kafka, experiment, "policy", request_snapshots=False)
+        follower.start(offset=0)
+        try:
+            for version, batch in enumerate(batches):
+                _follow(follower, version, timeout_s=60)
+                seen.append(follower.follower.version)
+                if follower.follower.version != version:
+                    return
+                for s in batch:
+                    producer.send(topics.train("policy"), s, key=s.group_id)
+                producer.flush()
+            _follow(follower, 2, timeout_s=60)
+            seen.append(follower.follower.version)
+        finally:
+            follower.close()
+
+    feeder = threading.Thread(target=curator)
+    feeder.start()
+    summary = run_training(cfg)  # signal handlers: the main thread
+    feeder.join(timeout=120)
+    assert seen == [0, 1, 2]
+    assert summary.stopped_by == "max_steps" and summary.trained_samples == 16
+
+
 def test_training_on_a_train_topic_publishes_versions_a_follower_reproduces(
     kafka: KafkaSettings, experiment: str, tmp_path: Path, one_thread: None
 ) -> None:
