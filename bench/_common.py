@@ -1,8 +1,7 @@
 """Helpers shared by the benchmarks: machine description and JSON output.
 
-Importing this module also takes the `bench/` folder off `sys.path`: `bench/stream_apps.py` is
-named like the `stream_apps` package, and a benchmark run as `python bench/NAME.py` would
-otherwise import that script instead of the package.
+A benchmark runs as `python bench/NAME.py`, so `bench/` comes first on `sys.path`: no file here
+may be named like a package the benchmarks import (`stream_apps`, `trainers`, `astraflow`).
 """
 
 from __future__ import annotations
@@ -11,13 +10,9 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 
 def machine() -> dict[str, Any]:

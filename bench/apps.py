@@ -14,7 +14,7 @@ record consumed until the broker holds all its outputs (end offsets polled every
 Records/s through the pipeline = N / (stage 1 time + stage 2 time), with each stage's best
 time over `--repeats` fresh experiments (shared machines are noisy).
 
-Usage: python bench/stream_apps.py [--quick] [--json OUT] [--records N] [--tokens 4096]
+Usage: python bench/apps.py [--quick] [--json OUT] [--records N] [--tokens 4096]
 """
 
 from __future__ import annotations
@@ -25,23 +25,22 @@ import time
 import uuid
 from typing import Any
 
-import _common  # first: it takes bench/ off sys.path (see _common.py)
+import _common
+from confluent_kafka import Consumer, Producer
 
-write_json = _common.write_json
-
-from confluent_kafka import Consumer, Producer  # noqa: E402
-
-from astraflow.config import KafkaSettings, TopicSettings  # noqa: E402
-from astraflow.kafka.clients import (  # noqa: E402
+from astraflow.config import KafkaSettings, TopicSettings
+from astraflow.kafka.clients import (
     RecordProducer,
     producer_config,
     watermarks,
 )
-from astraflow.kafka.topics import TopicAdmin, Topics, TopicSpec, topic_specs  # noqa: E402
-from astraflow.serde import AvroSerde  # noqa: E402
-from astraflow.testing import make_trajectory  # noqa: E402
-from stream_apps.launch import AppOptions, build_worker  # noqa: E402
-from stream_apps.runtime import WorkerSettings  # noqa: E402
+from astraflow.kafka.topics import TopicAdmin, Topics, TopicSpec, topic_specs
+from astraflow.serde import AvroSerde
+from astraflow.testing import make_trajectory
+from stream_apps.launch import AppOptions, build_worker
+from stream_apps.runtime import WorkerSettings
+
+write_json = _common.write_json
 
 PARTITIONS = 2
 

@@ -29,7 +29,7 @@ import time
 import uuid
 from typing import Any
 
-import _common  # first: it takes bench/ off sys.path (see _common.py)
+import _common
 
 machine, write_json = _common.machine, _common.write_json
 

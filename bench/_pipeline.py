@@ -1,0 +1,201 @@
+"""The real AstraFlow pipeline as a benchmark subject: the demo's roles as separate processes on Kafka.
+
+`run_pipeline` runs one experiment on its own topics: `astraflow app run curator` (the tasks of
+`_rl.make_tasks`, in a dataset file), `app run reward`, `app run curate`, `astraflow train`
+(batches of exactly 64 samples: `trainer.max_wait_s` is long, so no partial batch) and one
+`astraflow raas serve` node (64 rollouts in flight, decode batches of 64, one torch thread, the
+calculator behind `--tool-latency calc=MEDIAN:SIGMA`). Nothing is simulated: tasks, trajectories,
+scored trajectories, train samples and weights all go through Kafka, in Avro.
+
+Two modes differ ONLY in the curator's `--max-ahead` (tasks between the curator and the
+trainer, counted until the trainer has consumed their samples):
+
+* **sync**: max-ahead 8 = one trainer batch. The curator issues 8 prompts, and only when the
+  trainer has consumed their samples (it has trained on them) does it issue the next 8: the
+  trainer-centred barrier, run on the same processes. One difference from a textbook sync loop,
+  in its favour: the node may start the next batch a moment before it applies the new weights
+  (staleness at most 1).
+* **dataflow**: max-ahead 8 x (1 + staleness): the curator keeps `staleness` batches in flight
+  beyond the one being trained, so rollouts, tools and training overlap.
+
+The benchmark process pauses the curator (control topic) while the roles start, waits until the
+node, reward, curate and trainer have joined their consumer groups, then resumes it. The clock
+starts at the first task's Kafka timestamp and stops when the weights of version `steps` arrive
+at the benchmark's own `KafkaWeightFollower`, which also keeps a copy of the weights every
+`eval_every` versions; `_rl.score_snapshots` scores them after the run (no evaluation cost
+during it). The curate app runs with its defaults, so groups whose 8 rewards are all equal
+(zero variance: no gradient) are dropped and more rollouts than trained samples are made; the
+rollout count is reported.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+
+import _rl
+import torch
+from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from astraflow.config import AstraflowConfig, TopicSettings
+from astraflow.control import ControlWriter
+from astraflow.demo.run import PY
+from astraflow.demo.supervisor import Role, Supervisor
+from astraflow.kafka.topics import TopicAdmin, Topics, topic_specs
+from astraflow.records import Task
+from astraflow.weights.follow import KafkaWeightFollower
+
+READY_TIMEOUT_S = 180.0
+
+
+def _dataset(tasks: list[Task], path: Path) -> Path:
+    path.write_text("".join(json.dumps({"id": t.prompt_id, "prompt": t.prompt, "reference": t.reference,
+                                        "dataset": t.dataset}) + "\n" for t in tasks))
+    return path
+
+
+def _roles(exp: str, mode: str, workload: str, sigma: float, *, staleness: int, median_s: float, seed: int,
+           model_dir: str, dataset: Path, run_dir: Path, bootstrap: str) -> list[Role]:
+    w = _rl.WORKLOADS[workload]
+    ahead = _rl.PROMPTS_PER_STEP * (1 if mode == "sync" else 1 + staleness)
+    env = {"ASTRAFLOW__KAFKA__BOOTSTRAP_SERVERS": bootstrap, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    return [
+        Role("curator", [*PY, "app", "run", "curator", "-e", exp, "--policy", "policy", "--dataset", str(dataset),
+                         "--workflow", w["workflow"], "--n-samples", str(_rl.GROUP), "--max-ahead", str(ahead),
+                         "--temperature", "1.0", "--max-tokens", str(w["max_tokens"]),
+                         "--max-turns", str(w["max_turns"])], env),
+        Role("reward", [*PY, "app", "run", "reward", "-e", exp], env),
+        Role("curate", [*PY, "app", "run", "curate", "-e", exp, "--policy", "policy"], env),
+        Role("trainer", [*PY, "train", "-e", exp, "-p", "policy", "-m", model_dir, "--set", f"run_dir={run_dir}",
+                         "--set", f"trainer.lr={_rl.LR}", "--set", f"trainer.batch_size={_rl.SLOTS}",
+                         "--set", "trainer.max_wait_s=600", "--set", "trainer.progress_bar=false",
+                         "--set", "trainer.publish_dtype=float32"], env),
+        Role("raas", [*PY, "raas", "serve", "-e", exp, "-p", f"policy={model_dir}", "--max-inflight", str(_rl.SLOTS),
+                      "--max-batch", str(_rl.SLOTS), "--prefetch", str(ahead), "--threads", "1", "--seed", str(seed),
+                      "--node-id", "raas-1", "--tool-latency", f"calc={median_s}:{sigma}"], env),
+    ]
+
+
+def _wait_ready(admin: AdminClient, groups: list[str], probe: Consumer, weights: str, sup: Supervisor,
+                timeout_s: float) -> None:
+    """Until every group has a member (those roles have loaded their models and subscribed) and the
+    trainer (which reads assigned partitions, without a group) has published its version 0."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        sup.check()
+        done = {g: f.result() for g, f in admin.describe_consumer_groups(groups, request_timeout=10).items()}
+        missing = [g for g, d in done.items() if not d.members]
+        if probe.get_watermark_offsets(TopicPartition(weights, 0), timeout=10)[1] == 0:
+            missing.append("the trainer's version 0")
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"roles not ready after {timeout_s:.0f}s: waiting for {missing}; see the role logs")
+        time.sleep(0.5)
+
+
+def _first_timestamp_s(consumer: Consumer, topic: str, partitions: int) -> float | None:
+    """Kafka timestamp (seconds) of the earliest record over the topic's partitions."""
+    first = []
+    for p in range(partitions):
+        low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+        if high > low:
+            consumer.assign([TopicPartition(topic, p, low)])
+            msg = consumer.poll(10)
+            if msg is not None and msg.error() is None:
+                first.append(msg.timestamp()[1] / 1000)
+    return min(first) if first else None
+
+
+def _end_offsets(consumer: Consumer, topic: str, partitions: int) -> int:
+    return sum(consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(partitions))
+
+
+def _staleness(consumer: Consumer, topic: str, partitions: int) -> float | None:
+    """Mean of the trainer's `staleness_mean` metric over its steps (versions behind per sample)."""
+    from astraflow.serde import AvroSerde
+
+    serde, values = AvroSerde(), []
+    for p in range(partitions):
+        low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+        consumer.assign([TopicPartition(topic, p, low)])
+        pos = low
+        while pos < high:
+            msg = consumer.poll(5)
+            if msg is None:
+                break
+            pos = msg.offset() + 1
+            if msg.error() is None:
+                rec = serde.loads(msg.value())
+                if getattr(rec, "component", None) == "trainer" and rec.name.endswith("staleness_mean"):
+                    values.append(rec.value)
+    return sum(values) / len(values) if values else None
+
+
+def run_pipeline(cfg: AstraflowConfig, mode: str, workload: str, sigma: float, *, steps: int, eval_every: int,
+                 staleness: int, seed: int, median_s: float, model_dir: str, tasks: list[Task],
+                 heldout: list[tuple[str, str]], work_dir: Path, timeout_s: float = 1800.0) -> _rl.Run:
+    """One run of the multi-process pipeline (see the module doc); returns it scored."""
+    from astraflow.models.tiny import load_tiny
+
+    exp = f"bench-{mode}-{uuid.uuid4().hex[:8]}"
+    run_dir = work_dir / exp
+    run_dir.mkdir(parents=True, exist_ok=True)
+    settings = TopicSettings(partitions=cfg.topics.partitions)
+    specs = topic_specs(exp, ["policy"], settings)
+    topic_admin = TopicAdmin(cfg.kafka)
+    topic_admin.create(specs, cfg.topics.replication_factor)
+    topics = Topics(exp)
+    ControlWriter(cfg.kafka, exp).set("curator", "pause", "on", issued_by="bench")
+    sup = Supervisor(run_dir / "logs")
+    follower = KafkaWeightFollower(cfg.kafka, exp, "policy", request_snapshots=False, requester="bench")
+    probe = Consumer({**cfg.kafka.client_config(), "group.id": f"{exp}-probe", "enable.auto.commit": False})
+    run = _rl.Run(f"pipeline-{mode}", workload, sigma)
+    base, tokenizer = load_tiny(model_dir)
+    try:
+        for role in _roles(exp, mode, workload, sigma, staleness=staleness, median_s=median_s, seed=seed,
+                           model_dir=model_dir, dataset=_dataset(tasks, run_dir / "train.jsonl"), run_dir=run_dir,
+                           bootstrap=cfg.kafka.bootstrap_servers):
+            sup.start(role)
+        admin = AdminClient(cfg.kafka.client_config())
+        _wait_ready(admin, [f"af.{exp}.raas", f"af.{exp}.reward", f"af.{exp}.curate"], probe, topics.weights("policy"),
+                    sup, READY_TIMEOUT_S)
+        follower.start()
+        run.snapshots.append((0, 0.0, {k: v.detach().clone() for k, v in base.state_dict().items()}))
+        ControlWriter(cfg.kafka, exp).set("curator", "pause", "off", issued_by="bench")
+        arrivals: list[tuple[int, float, dict[str, torch.Tensor]]] = []
+        next_mark = eval_every
+        deadline = time.monotonic() + timeout_s
+        while True:
+            follower.poll(timeout_s=0.2)
+            version = follower.follower.version or 0
+            if version >= min(next_mark, steps):
+                state = {k: v.detach().clone().float() for k, v in follower.follower.state.items()}
+                arrivals.append((version, time.time(), state))
+                next_mark = (version // eval_every + 1) * eval_every
+            if version >= steps:
+                break
+            sup.check()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"version {steps} not published within {timeout_s:.0f}s (at {version}); logs in "
+                                   f"{run_dir / 'logs'}")
+        parts = cfg.topics.partitions
+        t0 = _first_timestamp_s(probe, topics.tasks, parts)
+        assert t0 is not None, "no task was issued"
+        run.wall_s = arrivals[-1][1] - t0
+        run.snapshots += [(v, t - t0, s) for v, t, s in arrivals]
+        run.trained = steps * _rl.SLOTS
+        run.trajectories = _end_offsets(probe, topics.rollouts, parts)
+        run.notes["tasks_issued"] = float(_end_offsets(probe, topics.tasks, parts))
+        run.notes["staleness_mean"] = _staleness(probe, topics.metrics, 1)
+    finally:
+        sup.stop_all()
+        follower.close()
+        probe.close()
+        topic_admin.delete([s.name for s in specs])
+    _rl.score_snapshots(run, base, tokenizer, heldout)
+    return run
