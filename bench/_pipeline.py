@@ -23,9 +23,10 @@ node, reward, curate and trainer have joined their consumer groups, then resumes
 starts at the first task's Kafka timestamp and stops when the weights of version `steps` arrive
 at the benchmark's own `KafkaWeightFollower`, which also keeps a copy of the weights every
 `eval_every` versions; `_rl.score_snapshots` scores them after the run (no evaluation cost
-during it). The curate app runs with its defaults, so groups whose 8 rewards are all equal
-(zero variance: no gradient) are dropped and more rollouts than trained samples are made; the
-rollout count is reported.
+during it). The curate app's zero-variance filter is switched off on the control topic (`curate
+filter.zero_variance off`), so that every group is trained, as in the in-process modes and in
+TRL, and a step costs the same 64 rollouts everywhere (`zero_variance_filter=True` keeps the
+product default: groups whose 8 rewards are equal are dropped, more rollouts per step).
 """
 
 from __future__ import annotations
@@ -115,30 +116,31 @@ def _end_offsets(consumer: Consumer, topic: str, partitions: int) -> int:
     return sum(consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(partitions))
 
 
-def _staleness(consumer: Consumer, topic: str, partitions: int) -> float | None:
-    """Mean of the trainer's `staleness_mean` metric over its steps (versions behind per sample)."""
+def _trainer_metrics(consumer: Consumer, topic: str) -> dict[str, list[float]]:
+    """The trainer's per-step metrics on the metrics topic (one partition), by name, in step order."""
+    from astraflow.records import Metric
     from astraflow.serde import AvroSerde
 
-    serde, values = AvroSerde(), []
-    for p in range(partitions):
-        low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-        consumer.assign([TopicPartition(topic, p, low)])
-        pos = low
-        while pos < high:
-            msg = consumer.poll(5)
-            if msg is None:
-                break
-            pos = msg.offset() + 1
-            if msg.error() is None:
-                rec = serde.loads(msg.value())
-                if getattr(rec, "component", None) == "trainer" and rec.name.endswith("staleness_mean"):
-                    values.append(rec.value)
-    return sum(values) / len(values) if values else None
+    serde, out = AvroSerde(), {}
+    low, high = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)
+    consumer.assign([TopicPartition(topic, 0, low)])
+    pos = low
+    while pos < high:
+        msg = consumer.poll(5)
+        if msg is None:
+            break
+        pos = msg.offset() + 1
+        if msg.error() is None:
+            rec = serde.loads(msg.value())
+            if isinstance(rec, Metric) and rec.component == "trainer" and "bucket" not in rec.labels:
+                out.setdefault(rec.name.removeprefix("trainer."), []).append(rec.value)
+    return out
 
 
 def run_pipeline(cfg: AstraflowConfig, mode: str, workload: str, sigma: float, *, steps: int, eval_every: int,
                  staleness: int, seed: int, median_s: float, model_dir: str, tasks: list[Task],
-                 heldout: list[tuple[str, str]], work_dir: Path, timeout_s: float = 1800.0) -> _rl.Run:
+                 heldout: list[tuple[str, str]], work_dir: Path, timeout_s: float = 1800.0,
+                 zero_variance_filter: bool = False) -> _rl.Run:
     """One run of the multi-process pipeline (see the module doc); returns it scored."""
     from astraflow.models.tiny import load_tiny
 
@@ -150,7 +152,10 @@ def run_pipeline(cfg: AstraflowConfig, mode: str, workload: str, sigma: float, *
     topic_admin = TopicAdmin(cfg.kafka)
     topic_admin.create(specs, cfg.topics.replication_factor)
     topics = Topics(exp)
-    ControlWriter(cfg.kafka, exp).set("curator", "pause", "on", issued_by="bench")
+    control = ControlWriter(cfg.kafka, exp)
+    control.set("curator", "pause", "on", issued_by="bench")
+    if not zero_variance_filter:
+        control.set("curate", "filter.zero_variance", "off", issued_by="bench")
     sup = Supervisor(run_dir / "logs")
     follower = KafkaWeightFollower(cfg.kafka, exp, "policy", request_snapshots=False, requester="bench")
     probe = Consumer({**cfg.kafka.client_config(), "group.id": f"{exp}-probe", "enable.auto.commit": False})
@@ -166,7 +171,7 @@ def run_pipeline(cfg: AstraflowConfig, mode: str, workload: str, sigma: float, *
                     sup, READY_TIMEOUT_S)
         follower.start()
         run.snapshots.append((0, 0.0, {k: v.detach().clone() for k, v in base.state_dict().items()}))
-        ControlWriter(cfg.kafka, exp).set("curator", "pause", "off", issued_by="bench")
+        control.set("curator", "pause", "off", issued_by="bench")
         arrivals: list[tuple[int, float, dict[str, torch.Tensor]]] = []
         next_mark = eval_every
         deadline = time.monotonic() + timeout_s
@@ -191,7 +196,10 @@ def run_pipeline(cfg: AstraflowConfig, mode: str, workload: str, sigma: float, *
         run.trained = steps * _rl.SLOTS
         run.trajectories = _end_offsets(probe, topics.rollouts, parts)
         run.notes["tasks_issued"] = float(_end_offsets(probe, topics.tasks, parts))
-        run.notes["staleness_mean"] = _staleness(probe, topics.metrics, 1)
+        metrics = _trainer_metrics(probe, topics.metrics)
+        run.train_reward = metrics.get("reward", [])[:steps]
+        stale = metrics.get("staleness_mean", [])[:steps]
+        run.notes["staleness_mean"] = sum(stale) / len(stale) if stale else None
     finally:
         sup.stop_all()
         follower.close()

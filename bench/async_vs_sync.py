@@ -77,13 +77,13 @@ def main() -> None:
     ap.add_argument("--modes", default=None, help=f"subset of {','.join(MODES)} (default all; quick: in-process)")
     ap.add_argument("--median-s", type=float, default=0.2, help="median tool delay (s)")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps of 64 samples (default 16, quick 6)")
-    ap.add_argument("--eval-every", type=int, default=None, help="steps between snapshots (default 4, quick 3)")
+    ap.add_argument("--eval-every", type=int, default=None, help="steps between snapshots (default 2, quick 3)")
     ap.add_argument("--staleness", type=int, default=1, help="dataflow: batches a group may start ahead of training")
     ap.add_argument("--target-gain", type=float, default=0.05, help="target = warm-start success + this")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     args.steps = args.steps or (6 if args.quick else 16)
-    args.eval_every = args.eval_every or (3 if args.quick else 4)
+    args.eval_every = args.eval_every or (3 if args.quick else 2)
     args.workloads = args.workloads or ("b" if args.quick else "a,b")
     args.sigmas = args.sigmas or ("1.0" if args.quick else "0.5,1.0,1.5")
     modes = (args.modes or ("sync,dataflow" if args.quick else ",".join(MODES))).split(",")
@@ -123,7 +123,7 @@ def main() -> None:
             s, d = got["sync"], got["dataflow"]
             tt = (f", time to target {s['time_to_target_s'] / d['time_to_target_s']:.2f}x"
                   if s["time_to_target_s"] and d["time_to_target_s"] else ", time to target: not reached by both")
-            headline.append(f"{name} {prefix or 'in-process '}samples/s {d['trained_per_s'] / s['trained_per_s']:.2f}x{tt}")
+            headline.append(f"{name} ({prefix.rstrip('-') or 'in-process'}) samples/s {d['trained_per_s'] / s['trained_per_s']:.2f}x{tt}")
     print("dataflow vs sync: " + "; ".join(headline))
     _common.write_json(args.json, "async_vs_sync", {
         "workloads": {w: _rl.WORKLOADS[w]["label"] for w in args.workloads.split(",")}, "median_s": args.median_s,

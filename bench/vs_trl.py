@@ -29,9 +29,12 @@ tool text is not trained, as in AstraFlow. No sampling logprobs are returned (TR
 path returns none either; with one step per generation batch it takes the old policy to be the
 current one, exactly on-policy).
 
-AstraFlow side: `_rl.one_run("dataflow", ...)`: AstraFlow's scheduling in one process (64
-rollout slots on a `TorchBackend`, groups trained as they complete, the trainer in its own thread,
-at most `--staleness` versions ahead), minus Kafka and serde (bench/dataplane.py measures those).
+AstraFlow sides (`--sides`): `astraflow` = `_rl.one_run("dataflow", ...)`, AstraFlow's
+scheduling in one process (64 rollout slots on a `TorchBackend`, groups trained as they
+complete, the trainer in its own thread, at most `--staleness` versions ahead), minus Kafka and
+serde; `pipeline` = `_pipeline.run_pipeline(..., "dataflow", ...)`, the real multi-process
+pipeline on the local Kafka (curator, RaaS node, reward, curate, Lightning trainer as separate
+processes; its curate drops zero-variance groups, so it rolls out more than it trains).
 
 Threads (2-core machine): AstraFlow uses 1 torch thread per role, the backend's decode thread and
 the trainer thread, so up to 2 cores while they overlap. TRL runs generation and training one after
@@ -62,9 +65,10 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-import _common  # first, as in every benchmark (see _common.py)
+import _common
 import _rl
 import torch
 
@@ -206,15 +210,6 @@ def trl_run(workload: str, sigma: float, *, steps: int, eval_every: int, seed: i
     return run
 
 
-def _tt(rows: list[dict[str, Any]], case: str) -> str:
-    """The time-to-target ratio of a case, or which side missed the target."""
-    t, a = (next(x["time_to_target_s"] for x in rows if x["case"] == case and x["side"] == s) for s in ("trl", "astraflow"))
-    if t and a:
-        return f"{t / a:.2f}x"
-    missed = [name for name, v in (("TRL", t), ("AstraFlow", a)) if not v]
-    return f"target not reached by {' and '.join(missed)}"
-
-
 def _clone(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -231,6 +226,8 @@ def main() -> None:
     ap.add_argument("--staleness", type=int, default=1, help="AstraFlow: versions a group may start ahead")
     ap.add_argument("--target-gain", type=float, default=0.05, help="target = warm-start success + this")
     ap.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL run (AstraFlow: 1 per role)")
+    ap.add_argument("--sides", default="trl,astraflow,pipeline",
+                    help="trl, astraflow (in-process scheduling) and/or pipeline (the real Kafka pipeline)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     args.steps = args.steps or (4 if args.quick else 16)
@@ -249,15 +246,26 @@ def main() -> None:
         tasks, heldout = _rl.make_tasks(args.steps * _rl.PROMPTS_PER_STEP, args.seed, workload)
         label = f"{workload}" + (f" (sigma {sigma})" if workload == "b" else "")
         runs: dict[str, _rl.Run] = {}
-        for side in ("trl", "astraflow"):
+        for side in ["trl", *(x for x in args.sides.split(",") if x != "trl")]:
             print(f"{label}: {side} ({args.steps} steps x {_rl.SLOTS} samples) ...", flush=True)
             common = dict(steps=args.steps, eval_every=args.eval_every, seed=args.seed, median_s=args.median_s,
                           model_dir=model_dir, tasks=tasks, heldout=heldout)
             if side == "trl":
                 r = trl_run(workload, sigma, threads=args.trl_threads, **common)
-            else:
+            elif side == "astraflow":
                 torch.set_num_threads(1)
                 r = _rl.one_run("dataflow", workload, sigma, staleness=args.staleness, **common)
+            elif side == "pipeline":
+                import _pipeline
+
+                from astraflow.config import load_config
+
+                torch.set_num_threads(1)
+                work = Path(tempfile.gettempdir()) / "astraflow-bench"  # role logs stay there
+                r = _pipeline.run_pipeline(load_config(), "dataflow", workload, sigma, staleness=args.staleness,
+                                           work_dir=work, **common)
+            else:
+                ap.error(f"unknown side {side!r}: choose from trl, astraflow, pipeline")
             runs[side] = r
             print(f"  {r.wall_s:.1f}s, {r.trained / r.wall_s:.1f} samples/s, success "
                   + " ".join(f"{s:.3f}@{t:.0f}s" for _, t, s in r.success), flush=True)
@@ -275,12 +283,15 @@ def main() -> None:
               f"{rw[0]:>9.3f}->{rw[-1]:.3f} {x['start_success']:>13.3f}->{x['final_success']:.3f} {tt:>10}")
     ratios = {}
     for case in dict.fromkeys(x["case"] for x in rows):
-        t, a = (next(x for x in rows if x["case"] == case and x["side"] == s) for s in ("trl", "astraflow"))
-        tt = t["time_to_target_s"] / a["time_to_target_s"] if t["time_to_target_s"] and a["time_to_target_s"] else None
-        ratios[case] = {"wall_trl_over_astraflow": t["wall_s"] / a["wall_s"],
-                        "samples_per_s_astraflow_over_trl": a["trained_per_s"] / t["trained_per_s"],
-                        "time_to_target_trl_over_astraflow": tt}
-    print("time to target, TRL / AstraFlow: " + "; ".join(f"{c}: {_tt(rows, c)}" for c in ratios))
+        t = next(x for x in rows if x["case"] == case and x["side"] == "trl")
+        for a in (x for x in rows if x["case"] == case and x["side"] != "trl"):
+            tt = t["time_to_target_s"] / a["time_to_target_s"] if t["time_to_target_s"] and a["time_to_target_s"] else None
+            ratios[f"{case} {a['side']}"] = {"wall_trl_over_astraflow": t["wall_s"] / a["wall_s"],
+                                             "samples_per_s_astraflow_over_trl": a["trained_per_s"] / t["trained_per_s"],
+                                             "time_to_target_trl_over_astraflow": tt}
+    print("time to target, TRL / AstraFlow: " + "; ".join(
+        f"{c}: " + (f"{r['time_to_target_trl_over_astraflow']:.2f}x" if r["time_to_target_trl_over_astraflow"]
+                    else "not reached by both") for c, r in ratios.items()))
     _common.write_json(args.json, "vs_trl", {
         "trl_version": trl.__version__, "steps": args.steps, "samples_per_step": _rl.SLOTS, "lr": _rl.LR,
         "group": _rl.GROUP, "median_s": args.median_s, "staleness": args.staleness,
