@@ -19,14 +19,16 @@ trainer, counted until the trainer has consumed their samples):
   beyond the one being trained, so rollouts, tools and training overlap.
 
 The benchmark process pauses the curator (control topic) while the roles start, waits until the
-node, reward, curate and trainer have joined their consumer groups, then resumes it. The clock
+node, reward and curate have joined their consumer groups and the trainer has published its
+version 0, then resumes it. The clock
 starts at the first task's Kafka timestamp and stops when the weights of version `steps` arrive
 at the benchmark's own `KafkaWeightFollower`, which also keeps a copy of the weights every
 `eval_every` versions; `_rl.score_snapshots` scores them after the run (no evaluation cost
-during it). The curate app's zero-variance filter is switched off on the control topic (`curate
-filter.zero_variance off`), so that every group is trained, as in the in-process modes and in
-TRL, and a step costs the same 64 rollouts everywhere (`zero_variance_filter=True` keeps the
-product default: groups whose 8 rewards are equal are dropped, more rollouts per step).
+during it). Curate's two filters that drop trajectories the other modes train are switched off
+on the control topic: `filter.zero_variance` (groups whose 8 rewards are equal) and
+`filter.length` (rollouts that hit the token limit). So every group is trained, as in the
+in-process modes and in TRL, and a step costs the same 64 rollouts everywhere;
+`product_filters=True` keeps curate's defaults (more rollouts per trained sample).
 """
 
 from __future__ import annotations
@@ -140,7 +142,7 @@ def _trainer_metrics(consumer: Consumer, topic: str) -> dict[str, list[float]]:
 def run_pipeline(cfg: AstraflowConfig, mode: str, workload: str, sigma: float, *, steps: int, eval_every: int,
                  staleness: int, seed: int, median_s: float, model_dir: str, tasks: list[Task],
                  heldout: list[tuple[str, str]], work_dir: Path, timeout_s: float = 1800.0,
-                 zero_variance_filter: bool = False) -> _rl.Run:
+                 product_filters: bool = False) -> _rl.Run:
     """One run of the multi-process pipeline (see the module doc); returns it scored."""
     from astraflow.models.tiny import load_tiny
 
@@ -154,8 +156,9 @@ def run_pipeline(cfg: AstraflowConfig, mode: str, workload: str, sigma: float, *
     topics = Topics(exp)
     control = ControlWriter(cfg.kafka, exp)
     control.set("curator", "pause", "on", issued_by="bench")
-    if not zero_variance_filter:
-        control.set("curate", "filter.zero_variance", "off", issued_by="bench")
+    if not product_filters:
+        for slot in ("filter.zero_variance", "filter.length"):
+            control.set("curate", slot, "off", issued_by="bench")
     sup = Supervisor(run_dir / "logs")
     follower = KafkaWeightFollower(cfg.kafka, exp, "policy", request_snapshots=False, requester="bench")
     probe = Consumer({**cfg.kafka.client_config(), "group.id": f"{exp}-probe", "enable.auto.commit": False})
