@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,8 +133,10 @@ class TrainStream(IterableDataset):
         deadline: float | None = None,
         group_id: str | None = None,
         dlq: DeadLetterWriter | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> None:
         super().__init__()
+        self.should_stop = should_stop  # polled while waiting for samples (e.g. "SIGTERM received")
         self.kafka, self.topic, self.policy, self.limits, self.pad_id = kafka, topic, policy, limits, pad_id
         self.max_wait_s, self.start, self.stop_when_idle_s, self.deadline = max_wait_s, start, stop_when_idle_s, deadline
         self.group_id = group_id or f"{topic}.trainer"
@@ -188,6 +190,11 @@ class TrainStream(IterableDataset):
             self._consumer = None
         self._buffers.clear()
         self._buffered = 0
+
+    @property
+    def stopping(self) -> bool:
+        """Whether to end the iteration: asked to, or `should_stop` says so."""
+        return self._stop or (self.should_stop is not None and self.should_stop())
 
     def request_stop(self) -> None:
         """End the iteration after the current batch (e.g. on SIGTERM)."""
@@ -273,9 +280,9 @@ class TrainStream(IterableDataset):
                     if n >= self.limits.batch_size:  # full: train it now, not when the next sample shows up
                         return items
             now = time.monotonic()
-            if n >= self.min_samples and (self._stop or now - (first_at or now) >= self.max_wait_s):
+            if n >= self.min_samples and (self.stopping or now - (first_at or now) >= self.max_wait_s):
                 return items
-            if self._stop or (self.deadline is not None and now >= self.deadline):
+            if self.stopping or (self.deadline is not None and now >= self.deadline):
                 return items if n >= self.min_samples else None
             if self.stop_when_idle_s is not None and not n and now - idle_since >= self.stop_when_idle_s:
                 return None
@@ -381,7 +388,10 @@ class KafkaTrainData(L.LightningDataModule):
                 self._producer = RecordProducer(self.stream_kwargs["kafka"])
                 dlq = DeadLetterWriter(self._producer, self.dlq_topic, component="trainer")
             resume = dict(self.resumed_from) if self.resumed_from is not None else None
-            self.stream = TrainStream(**self.stream_kwargs, resume_offsets=resume, dlq=dlq)
+            # Lightning's SIGTERM handler only flags the trainer and acts between batches; the
+            # stream polls the flag so that a trainer waiting for samples stops too.
+            self.stream = TrainStream(**self.stream_kwargs, resume_offsets=resume, dlq=dlq,
+                                      should_stop=lambda: bool(getattr(self.trainer, "received_sigterm", False)))
         # batch_size=None: the stream yields whole batches; one process reads Kafka (no workers).
         return DataLoader(self.stream, batch_size=None, num_workers=0)
 

@@ -193,6 +193,8 @@ def run_training(config: TrainRunConfig) -> TrainSummary:
         stopped_by["value"] = "sigterm"
     finally:
         signal.signal(signal.SIGINT, previous)
+    if not stopped_by["value"] and trainer.received_sigterm:  # SIGTERM while waiting for samples: the stream ended
+        stopped_by["value"] = "sigterm"
     if not stopped_by["value"]:
         if tc.max_steps >= 0 and trainer.global_step >= tc.max_steps:
             stopped_by["value"] = "max_steps"

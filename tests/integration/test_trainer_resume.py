@@ -120,3 +120,27 @@ def test_kill_9_and_restart_trains_every_record_exactly_once(kafka: KafkaSetting
     assert final["KafkaTrainData"]["trained_samples"] == N_SAMPLES
     print(f"\nkilled after checkpoint step {ckpt_step} (offsets {ckpt_offsets}, run 1 logged {len(run1)} steps); "
           f"run 2 trained {len(run2)} steps to {ends}")
+
+
+def test_sigterm_stops_a_trainer_that_waits_for_samples(kafka: KafkaSettings, experiment: str, tmp_path: Path) -> None:
+    """Lightning acts on SIGTERM only between batches; a trainer on an empty topic has none."""
+    from astraflow.weights.follow import KafkaWeightFollower
+
+    model = init_tiny(tmp_path / "tiny", vocab_size=512, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64)
+    proc = _train(kafka, experiment, model, tmp_path / "runs", tmp_path / "trained.jsonl", "trainer.max_wait_s=600")
+    follower = KafkaWeightFollower(kafka, experiment, "policy", request_snapshots=False)
+    follower.start(offset=0)
+    try:
+        deadline = time.monotonic() + 120
+        while follower.follower.version is None and time.monotonic() < deadline and proc.poll() is None:
+            follower.poll(0.5)  # version 0 is out: the trainer now waits for its first batch
+        assert follower.follower.version == 0
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        follower.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out[-2000:]
+    assert "stopped by sigterm" in out
