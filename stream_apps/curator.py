@@ -76,7 +76,7 @@ class CuratorOptions:
     max_tasks: int = 0  # stop after issuing this many (0: never)
     batch: int = 64  # most tasks issued per tick
     trainer_group: str | None = None  # consumer group of the first policy's trainer; "none" to ignore it
-    lag_interval_s: float = 1.0  # how often the trainer's backlog is measured
+    lag_interval_s: float = 0.2  # how often the trainer's backlog is measured (every tick)
 
 
 class CuratorApp(AppHandler):
@@ -108,6 +108,7 @@ class CuratorApp(AppHandler):
         self._zv = [0, 0, 0]  # zero-variance groups seen since the last observe(): easy, hard, total
         self._run = uuid.uuid4().hex[:6]
         self._lag_due = 0.0
+        self._curated_at_lag = 0  # `curated` when the backlog was last measured
         self._lag_consumer: Any = None
 
     def bind(self, worker: Any) -> None:
@@ -171,13 +172,18 @@ class CuratorApp(AppHandler):
         self._observe()
         if now >= self._lag_due:
             self._lag_due = now + self.options.lag_interval_s
+            curated = self.curated  # read BEFORE the backlog: see below the measurement
             try:
                 self.backlog = self.measure_backlog()
-            except (KafkaException, AstraflowError) as exc:  # a slow broker: keep the last figure, retry next tick
+                self._curated_at_lag = curated
+            except (KafkaException, AstraflowError) as exc:  # a slow broker: keep the last figures, retry next tick
                 log.warning("could not measure the trainer's backlog (%s); using the last value", exc)
         control = self.worker.control.get("pause")
         self.paused = control is not None and control.strategy.lower() in PAUSE_ON
-        self.ahead = tasks_ahead(self.issued, self.curated, self.backlog, self.options.n_samples)
+        # Groups curated since the backlog was measured are in `curated` but their samples are not
+        # in `backlog` yet: counting them as done would issue more than max-ahead. So `curated` is
+        # the count taken just before that measurement (a group counts as ahead a little longer).
+        self.ahead = tasks_ahead(self.issued, self._curated_at_lag, self.backlog, self.options.n_samples)
         room = self.options.max_ahead - self.ahead
         if self.options.max_tasks:
             room = min(room, self.options.max_tasks - self.issued_here)
@@ -196,7 +202,7 @@ class CuratorApp(AppHandler):
             self.worker.send(self.tasks_topic, task, task.group_id)
             self.issued += 1
             self.issued_here += 1
-        self.ahead = tasks_ahead(self.issued, self.curated, self.backlog, self.options.n_samples)
+        self.ahead = tasks_ahead(self.issued, self._curated_at_lag, self.backlog, self.options.n_samples)
 
     def _task(self, row: DatasetRow, ref: Any) -> Task:
         task_id = f"{self._run}-{self.issued_here}"
