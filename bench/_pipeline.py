@@ -186,6 +186,7 @@ def run_pipeline(cfg: AstraflowConfig, mode: str, workload: str, sigma: float, *
                 arrivals.append((version, time.time(), state))
                 next_mark = (version // eval_every + 1) * eval_every
             if version >= steps:
+                rolled_out = _end_offsets(probe, topics.rollouts, cfg.topics.partitions)  # first: the pipeline goes on
                 break
             sup.check()
             if time.monotonic() > deadline:
@@ -197,7 +198,7 @@ def run_pipeline(cfg: AstraflowConfig, mode: str, workload: str, sigma: float, *
         run.wall_s = arrivals[-1][1] - t0
         run.snapshots += [(v, t - t0, s) for v, t, s in arrivals]
         run.trained = steps * _rl.SLOTS
-        run.trajectories = _end_offsets(probe, topics.rollouts, parts)
+        run.trajectories = rolled_out
         run.notes["tasks_issued"] = float(_end_offsets(probe, topics.tasks, parts))
         metrics = _trainer_metrics(probe, topics.metrics)
         run.train_reward = metrics.get("reward", [])[:steps]
