@@ -6,7 +6,8 @@ locally, `warm_start` fine-tunes it on synthetic calculator demonstrations, and
 and answer checking (`arith.py`) are pure and shared with the RaaS workflows.
 
 Exports load lazily (PEP 562): the calculator in `arith` is used by RaaS tools and must not
-import torch and transformers.
+import torch and transformers. The `sft` function is not exported here: once its submodule is
+imported, `astraflow.models.sft` names the module; import it from `astraflow.models.sft`.
 """
 
 import importlib
@@ -17,7 +18,7 @@ _WHERE = {
     "score_answer": "arith",
     "EvalItem": "evaluate", "EvalReport": "evaluate", "evaluate_tool_use": "evaluate", "run_tool_use": "evaluate",
     "format_prompt": "protocol",
-    "SftMetrics": "sft", "encode_example": "sft", "sft": "sft", "warm_start": "sft",
+    "SftMetrics": "sft", "encode_example": "sft", "warm_start": "sft",
     "ArithProblem": "tasks", "arithmetic_dataset": "tasks", "as_eval_items": "tasks", "split_heldout": "tasks",
     "TinySpec": "tiny", "init_tiny": "tiny", "load_tiny": "tiny", "train_tokenizer": "tiny",
 }

@@ -19,12 +19,12 @@ from astraflow.models import (
     init_tiny,
     load_tiny,
     run_tool_use,
-    sft,
     split_heldout,
     warm_start,
 )
 from astraflow.models.arith import parse_answer
 from astraflow.models.corpus import synthetic_corpus
+from astraflow.models.sft import sft
 
 pytestmark = pytest.mark.unit
 
