@@ -87,7 +87,7 @@ class ToolRollout:
         self.rollout_s = 0.0  # time inside rollouts (generation and tools)
 
     def __call__(self, prompts: list[str], trainer: Any) -> dict[str, Any]:
-        from astraflow.models.evaluate import _generate  # the evaluator's left-padded batched generate
+        from astraflow.models.evaluate import generate_batch  # the evaluator's left-padded batched generate
         from astraflow.models.protocol import CALC_CLOSE
 
         t0 = time.monotonic()
@@ -96,7 +96,7 @@ class ToolRollout:
         training = model.training
         model.eval()
         try:
-            out = self.run(prompts, tok, lambda rows: _generate(model, rows, stop_ids, tok.pad_token_id,
+            out = self.run(prompts, tok, lambda rows: generate_batch(model, rows, stop_ids, tok.pad_token_id,
                                                                 self.max_tokens, self.temperature))
         finally:
             model.train(training)
@@ -105,7 +105,7 @@ class ToolRollout:
 
     def run(self, prompts: list[str], tok: Any, generate: Callable[[list[list[int]]], list[list[int]]]) -> dict[str, Any]:
         """The protocol on one batch; `generate` continues each row by one turn (a batch in, a batch out)."""
-        from astraflow.raas.workflows.builtin import _CALL  # the workflow's own call pattern
+        from astraflow.raas.workflows.builtin import TOOL_CALL  # the workflow's own call pattern
 
         prompt_ids = [tok.encode(p, add_special_tokens=True) for p in prompts]  # <bos> first, as add_bos
         completion: list[list[int]] = [[] for _ in prompts]
@@ -120,7 +120,7 @@ class ToolRollout:
                 completion[i] += ids
                 env_mask[i] += [1] * len(ids)
                 # The pattern needs the turn to END with the closing tag, i.e. generation stopped on it.
-                call = _CALL.search(tok.decode(ids, skip_special_tokens=True))
+                call = TOOL_CALL.search(tok.decode(ids, skip_special_tokens=True))
                 if call is not None:
                     calls.append((i, call.group(1), call.group(2).strip()))
             records = asyncio.run(self._call_all(calls, turn))  # every call of the batch at once

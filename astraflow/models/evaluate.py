@@ -46,7 +46,7 @@ class EvalReport:
     items: list[EvalItem]
 
 
-def _generate(
+def generate_batch(
     model: PreTrainedModel,
     rows: list[list[int]],
     stop_ids: list[int],
@@ -111,7 +111,7 @@ def run_tool_use(
     for _turn in range(max_calls + 1):
         if not active:
             break
-        new = _generate(
+        new = generate_batch(
             model, [rows[i] for i in active], stop_ids, tokenizer.pad_token_id, max_turn_tokens, temperature
         )
         still: list[int] = []

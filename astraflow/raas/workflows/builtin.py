@@ -13,7 +13,7 @@ import re
 from astraflow.raas.workflows.base import RolloutContext
 from astraflow.records import Trajectory, TrajectoryStatus
 
-_CALL = re.compile(r"<(\w+)>(.*?)</\1>\s*$", re.S)
+TOOL_CALL = re.compile(r"<(\w+)>(.*?)</\1>\s*$", re.S)
 _ANSWER = re.compile(r"Answer:\s*(.+?)\s*$", re.S)
 
 
@@ -45,7 +45,7 @@ async def tool_use(ctx: RolloutContext) -> Trajectory:
     for turn in range(max(1, ctx.task.sampling.max_turns)):
         gen = await ctx.generate(policy, stop=stops + list(ctx.task.sampling.stop))
         text += gen.text
-        call = _CALL.search(gen.text)
+        call = TOOL_CALL.search(gen.text)
         if call is None or gen.finish_reason == "length":
             status = TrajectoryStatus.TRUNCATED if gen.finish_reason == "length" else TrajectoryStatus.OK
             break
