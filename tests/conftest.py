@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -104,4 +105,10 @@ def _no_leaks() -> Iterator[None]:
     leaked_env.discard("PYTEST_CURRENT_TEST")
     assert not leaked_env, f"test changed environment variables: {sorted(leaked_env)}"
     alive = [t for t in threading.enumerate() if t not in threads and t.is_alive() and not t.daemon]
+    # Threads already on their way out are not leaks: transformers loads weights in a thread pool
+    # it shuts down with wait=False, so its workers may need a moment to exit.
+    deadline = time.monotonic() + 5.0
+    for t in alive:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    alive = [t for t in alive if t.is_alive()]
     assert not alive, f"test left threads running: {alive}"
