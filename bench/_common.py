@@ -37,3 +37,44 @@ def write_json(path: str | None, name: str, figures: dict[str, Any]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"benchmark": name, "machine": machine(), **figures}, indent=2) + "\n")
     print(f"wrote {out}")
+
+
+def trajectories(n: int, tokens: int, group_size: int) -> list[Any]:
+    """n distinct Trajectories in groups of `group_size` (own random tokens each, so compression
+    sees realistic data), half of them with the right answer so curate keeps every group."""
+    from astraflow.testing import make_trajectory
+
+    out = []
+    for i in range(n):
+        g = i // group_size
+        t = make_trajectory(tokens, task_id=f"t{g}", sample_index=i % group_size, group_size=group_size, seed=i)
+        t.group_id, t.prompt_id, t.reference = f"g{g}", f"p{g % 97}", '{"answer": "4"}'
+        t.final_answer = "4" if i % 2 == 0 else "5"
+        out.append(t)
+    return out
+
+
+def stream_args(ap: Any, name: str, what: str) -> tuple[Any, int, int, Any]:
+    """The options of the Kafka throughput benchmarks; returns (args, records, repeats, KafkaSettings)."""
+    from astraflow.config import KafkaSettings
+
+    ap.add_argument("--quick", action="store_true", help=f"512 {what} instead of 2,048, one repeat")
+    ap.add_argument("--json", default=None, help=f"where to write the figures (default bench/results/{name}.json)")
+    ap.add_argument("--records", type=int, default=None)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=None, help="runs of each side, best counts (default 3, quick 1)")
+    ap.add_argument("--bootstrap", default=None, help="Kafka bootstrap servers (default: the local broker)")
+    args = ap.parse_args()
+    n = args.records or (512 if args.quick else 2048)
+    n -= n % args.group_size
+    repeats = args.repeats or (1 if args.quick else 3)
+    kafka = KafkaSettings(bootstrap_servers=args.bootstrap) if args.bootstrap else KafkaSettings()
+    return args, n, repeats, kafka
+
+
+def print_rows(rows: list[tuple[str, Any]]) -> None:
+    """A two-column table: label, figure."""
+    w = max(len(r[0]) for r in rows)
+    for k, v in rows:
+        print(f"{k:<{w}}  {v}")

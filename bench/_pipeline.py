@@ -34,6 +34,7 @@ in-process modes and in TRL, and a step costs the same 64 rollouts everywhere;
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -43,10 +44,11 @@ import torch
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from astraflow.config import AstraflowConfig, TopicSettings
+from astraflow.config import AstraflowConfig, load_config
 from astraflow.control import ControlWriter
-from astraflow.demo.run import PY
+from astraflow.demo.run import PY, role_env
 from astraflow.demo.supervisor import Role, Supervisor
+from astraflow.kafka.clients import watermarks
 from astraflow.kafka.topics import TopicAdmin, Topics, topic_specs
 from astraflow.records import Task
 from astraflow.weights.follow import KafkaWeightFollower
@@ -64,8 +66,7 @@ def _roles(exp: str, mode: str, workload: str, sigma: float, *, staleness: int, 
            model_dir: str, dataset: Path, run_dir: Path, bootstrap: str) -> list[Role]:
     w = _rl.WORKLOADS[workload]
     ahead = _rl.PROMPTS_PER_STEP * (1 if mode == "sync" else 1 + staleness)
-    env = {"ASTRAFLOW__KAFKA__BOOTSTRAP_SERVERS": bootstrap, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    env = role_env(bootstrap)
     return [
         Role("curator", [*PY, "app", "run", "curator", "-e", exp, "--policy", "policy", "--dataset", str(dataset),
                          "--workflow", w["workflow"], "--n-samples", str(_rl.GROUP), "--max-ahead", str(ahead),
@@ -92,7 +93,7 @@ def _wait_ready(admin: AdminClient, groups: list[str], probe: Consumer, weights:
         sup.check()
         done = {g: f.result() for g, f in admin.describe_consumer_groups(groups, request_timeout=10).items()}
         missing = [g for g, d in done.items() if not d.members]
-        if probe.get_watermark_offsets(TopicPartition(weights, 0), timeout=10)[1] == 0:
+        if watermarks(probe, weights)[1] == 0:
             missing.append("the trainer's version 0")
         if not missing:
             return
@@ -105,7 +106,7 @@ def _first_timestamp_s(consumer: Consumer, topic: str, partitions: int) -> float
     """Kafka timestamp (seconds) of the earliest record over the topic's partitions."""
     first = []
     for p in range(partitions):
-        low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+        low, high = watermarks(consumer, topic, p)
         if high > low:
             consumer.assign([TopicPartition(topic, p, low)])
             msg = consumer.poll(10)
@@ -115,7 +116,7 @@ def _first_timestamp_s(consumer: Consumer, topic: str, partitions: int) -> float
 
 
 def _end_offsets(consumer: Consumer, topic: str, partitions: int) -> int:
-    return sum(consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(partitions))
+    return sum(watermarks(consumer, topic, p)[1] for p in range(partitions))
 
 
 def _trainer_metrics(consumer: Consumer, topic: str) -> dict[str, list[float]]:
@@ -124,7 +125,7 @@ def _trainer_metrics(consumer: Consumer, topic: str) -> dict[str, list[float]]:
     from astraflow.serde import AvroSerde
 
     serde, out = AvroSerde(), {}
-    low, high = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)
+    low, high = watermarks(consumer, topic)
     consumer.assign([TopicPartition(topic, 0, low)])
     pos = low
     while pos < high:
@@ -139,18 +140,21 @@ def _trainer_metrics(consumer: Consumer, topic: str) -> dict[str, list[float]]:
     return out
 
 
-def run_pipeline(cfg: AstraflowConfig, mode: str, workload: str, sigma: float, *, steps: int, eval_every: int,
+def run_pipeline(mode: str, workload: str, sigma: float, *, steps: int, eval_every: int,
                  staleness: int, seed: int, median_s: float, model_dir: str, tasks: list[Task],
-                 heldout: list[tuple[str, str]], work_dir: Path, timeout_s: float = 1800.0,
+                 heldout: list[tuple[str, str]], cfg: AstraflowConfig | None = None,
+                 work_dir: Path = Path(tempfile.gettempdir()) / "astraflow-bench", timeout_s: float = 1800.0,
                  product_filters: bool = False) -> _rl.Run:
-    """One run of the multi-process pipeline (see the module doc); returns it scored."""
+    """One run of the multi-process pipeline (see the module doc); returns it scored.
+
+    `cfg` defaults to the environment's config (the local broker); role logs stay under `work_dir`."""
     from astraflow.models.tiny import load_tiny
 
+    cfg = cfg or load_config()
     exp = f"bench-{mode}-{uuid.uuid4().hex[:8]}"
     run_dir = work_dir / exp
     run_dir.mkdir(parents=True, exist_ok=True)
-    settings = TopicSettings(partitions=cfg.topics.partitions)
-    specs = topic_specs(exp, ["policy"], settings)
+    specs = topic_specs(exp, ["policy"], cfg.topics)
     topic_admin = TopicAdmin(cfg.kafka)
     topic_admin.create(specs, cfg.topics.replication_factor)
     topics = Topics(exp)

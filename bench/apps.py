@@ -36,7 +36,6 @@ from astraflow.kafka.clients import (
 )
 from astraflow.kafka.topics import TopicAdmin, Topics, TopicSpec, topic_specs
 from astraflow.serde import AvroSerde
-from astraflow.testing import make_trajectory
 from stream_apps.launch import AppOptions, build_worker
 from stream_apps.runtime import WorkerSettings
 
@@ -124,14 +123,10 @@ def our_stage(kafka: KafkaSettings, app: str, experiment: str, out_topic: str, n
 
 
 def fill(kafka: KafkaSettings, topic: str, n: int, tokens: int, group_size: int) -> int:
-    """n distinct trajectories (own random tokens each, so compression sees realistic data)."""
+    """Produces `_common.trajectories` to `topic`; returns the encoded size of one."""
     producer = RecordProducer(kafka)
     size = 0
-    for i in range(n):
-        g = i // group_size
-        t = make_trajectory(tokens, task_id=f"t{g}", sample_index=i % group_size, group_size=group_size, seed=i)
-        t.group_id, t.prompt_id, t.reference = f"g{g}", f"p{g % 97}", '{"answer": "4"}'
-        t.final_answer = "4" if i % 2 == 0 else "5"
+    for t in _common.trajectories(n, tokens, group_size):
         data = producer.serde.dumps(t)
         size = len(data)
         producer.send_raw(topic, data, key=t.group_id)
@@ -141,18 +136,7 @@ def fill(kafka: KafkaSettings, topic: str, n: int, tokens: int, group_size: int)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="512 records instead of 2,048")
-    ap.add_argument("--json", default=None, help="where to write the figures (default bench/results/stream_apps.json)")
-    ap.add_argument("--records", type=int, default=None)
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=None, help="runs of every stage, best counts (default 3, quick 1)")
-    ap.add_argument("--bootstrap", default=None, help="Kafka bootstrap servers (default: the local broker)")
-    args = ap.parse_args()
-    n = args.records or (512 if args.quick else 2048)
-    n -= n % args.group_size
-    repeats = args.repeats or (1 if args.quick else 3)
-    kafka = KafkaSettings(bootstrap_servers=args.bootstrap) if args.bootstrap else KafkaSettings()
+    args, n, repeats, kafka = _common.stream_args(ap, "stream_apps", "records")
     serde = AvroSerde()
     times: dict[str, list[float]] = {"p1": [], "o1": [], "p2": [], "o2": []}
     size = 0
@@ -187,9 +171,7 @@ def main() -> None:
         ("reward + curate /s", f"{ours_rate:,.0f}"),
         ("reward + curate vs plain loop (1.0 = as fast)", f"{ours_rate / plain_rate:.2f}x"),
     ]
-    w = max(len(r[0]) for r in rows)
-    for k, v in rows:
-        print(f"{k:<{w}}  {v}")
+    _common.print_rows(rows)
     write_json(args.json, "stream_apps", {
         "records": n, "tokens": args.tokens, "bytes": size, "partitions": PARTITIONS, "repeats": repeats,
         "stage_seconds": times,

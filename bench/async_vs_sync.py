@@ -36,8 +36,6 @@ Usage: python bench/async_vs_sync.py [--quick] [--json OUT] [--workloads a,b] [-
 from __future__ import annotations
 
 import argparse
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import _common
@@ -55,10 +53,7 @@ def run_one(mode: str, workload: str, sigma: float, args: argparse.Namespace, mo
         return _rl.one_run(mode, workload, sigma, **kw)
     import _pipeline
 
-    from astraflow.config import load_config
-
-    work = Path(tempfile.gettempdir()) / "astraflow-bench"  # role logs stay there for a post-mortem
-    return _pipeline.run_pipeline(load_config(), mode.removeprefix("pipeline-"), workload, sigma, work_dir=work, **kw)
+    return _pipeline.run_pipeline(mode.removeprefix("pipeline-"), workload, sigma, **kw)
 
 
 def cases(args: argparse.Namespace) -> list[tuple[str, float]]:

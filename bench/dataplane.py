@@ -30,35 +30,21 @@ import uuid
 from typing import Any
 
 import _common
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 
-machine, write_json = _common.machine, _common.write_json
+from astraflow.config import KafkaSettings, TopicSettings
+from astraflow.kafka.clients import RecordProducer, producer_config
+from astraflow.kafka.topics import TopicAdmin, Topics, TopicSpec, topic_specs
+from astraflow.records import Trajectory
+from astraflow.serde import AvroSerde
+from stream_apps.launch import AppOptions, build_worker
+from stream_apps.runtime import WorkerSettings
+from trainers.data import BatchLimits, TrainStream
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer  # noqa: E402
-
-from astraflow.config import KafkaSettings, TopicSettings  # noqa: E402
-from astraflow.kafka.clients import RecordProducer, producer_config  # noqa: E402
-from astraflow.kafka.topics import TopicAdmin, Topics, TopicSpec, topic_specs  # noqa: E402
-from astraflow.records import Trajectory  # noqa: E402
-from astraflow.serde import AvroSerde  # noqa: E402
-from astraflow.testing import make_trajectory  # noqa: E402
-from stream_apps.launch import AppOptions, build_worker  # noqa: E402
-from stream_apps.runtime import WorkerSettings  # noqa: E402
-from trainers.data import BatchLimits, TrainStream  # noqa: E402
+machine, write_json, trajectories = _common.machine, _common.write_json, _common.trajectories
 
 PARTITIONS = 2
 BATCH = 32
-
-
-def trajectories(n: int, tokens: int, group_size: int) -> list[Trajectory]:
-    """n distinct trajectories (own random tokens each, so compression sees realistic data)."""
-    out = []
-    for i in range(n):
-        g = i // group_size
-        t = make_trajectory(tokens, task_id=f"t{g}", sample_index=i % group_size, group_size=group_size, seed=i)
-        t.group_id, t.prompt_id, t.reference = f"g{g}", f"p{g % 97}", '{"answer": "4"}'
-        t.final_answer = "4" if i % 2 == 0 else "5"
-        out.append(t)
-    return out
 
 
 def consumer(kafka: KafkaSettings, topic: str, serde: AvroSerde, joined: threading.Event | None = None) -> Consumer:
@@ -215,18 +201,7 @@ def ours_run(kafka: KafkaSettings, trajs: list[Trajectory], timeout_s: float) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="512 trajectories instead of 2,048, one repeat")
-    ap.add_argument("--json", default=None, help="where to write the figures (default bench/results/dataplane.json)")
-    ap.add_argument("--records", type=int, default=None)
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=None, help="runs of each side, best counts (default 3, quick 1)")
-    ap.add_argument("--bootstrap", default=None, help="Kafka bootstrap servers (default: the local broker)")
-    args = ap.parse_args()
-    n = args.records or (512 if args.quick else 2048)
-    n -= n % args.group_size
-    repeats = args.repeats or (1 if args.quick else 3)
-    kafka = KafkaSettings(bootstrap_servers=args.bootstrap) if args.bootstrap else KafkaSettings()
+    args, n, repeats, kafka = _common.stream_args(ap, "dataplane", "trajectories")
     serde = AvroSerde()
     print(f"making {n:,} trajectories of {args.tokens:,} tokens ...", flush=True)
     trajs = trajectories(n, args.tokens, args.group_size)
@@ -252,9 +227,7 @@ def main() -> None:
         ("ours: serde + reward + curate + TrainStream /s", f"{ours_rate:,.0f}  ({batches} batches of {BATCH})"),
         ("ours vs raw Kafka (1.0 = as fast)", f"{ours_rate / raw_rate:.2f}x"),
     ]
-    w = max(len(r[0]) for r in rows)
-    for k, v in rows:
-        print(f"{k:<{w}}  {v}")
+    _common.print_rows(rows)
     write_json(args.json, "dataplane", {
         "records": n, "tokens": args.tokens, "bytes": size, "partitions": PARTITIONS, "repeats": repeats,
         "batch_size": BATCH, "raw_seconds": raw_s, "ours_seconds": ours_s,

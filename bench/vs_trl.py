@@ -65,7 +65,6 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import _common
@@ -258,12 +257,8 @@ def main() -> None:
             elif side == "pipeline":
                 import _pipeline
 
-                from astraflow.config import load_config
-
                 torch.set_num_threads(1)
-                work = Path(tempfile.gettempdir()) / "astraflow-bench"  # role logs stay there
-                r = _pipeline.run_pipeline(load_config(), "dataflow", workload, sigma, staleness=args.staleness,
-                                           work_dir=work, **common)
+                r = _pipeline.run_pipeline("dataflow", workload, sigma, staleness=args.staleness, **common)
             else:
                 ap.error(f"unknown side {side!r}: choose from trl, astraflow, pipeline")
             runs[side] = r

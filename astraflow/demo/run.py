@@ -93,10 +93,15 @@ def write_datasets(settings: DemoSettings, data_dir: Path) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
+def role_env(bootstrap_servers: str) -> dict[str, str]:
+    """Environment of every role process: the cluster, one torch thread, nothing from a hub."""
+    return {"ASTRAFLOW__KAFKA__BOOTSTRAP_SERVERS": bootstrap_servers, "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+
 def roles(cfg: AstraflowConfig, s: DemoSettings, exp: str, model: Path, train: Path, heldout: Path, run_dir: Path) -> list[Role]:
-    env = {"ASTRAFLOW__KAFKA__BOOTSTRAP_SERVERS": cfg.kafka.bootstrap_servers, "OMP_NUM_THREADS": "1",
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    env = role_env(cfg.kafka.bootstrap_servers)
     out = [
         Role("curator", [*PY, "app", "run", "curator", "-e", exp, "--policy", "policy", "--dataset", str(train),
                          "--workflow", "tool_use", "--n-samples", str(s.n_samples), "--max-ahead", str(s.max_ahead),
