@@ -78,3 +78,13 @@ def print_rows(rows: list[tuple[str, Any]]) -> None:
     w = max(len(r[0]) for r in rows)
     for k, v in rows:
         print(f"{k:<{w}}  {v}")
+
+
+def produce_blocking(producer: Any, topic: str, value: bytes, key: Any) -> None:
+    """`producer.produce`, waiting for room while librdkafka's queue is full."""
+    while True:
+        try:
+            producer.produce(topic, value, key)
+            return
+        except BufferError:
+            producer.poll(0.05)

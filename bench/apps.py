@@ -87,12 +87,7 @@ def plain_stage(kafka: KafkaSettings, src: str, dst: str, n: int, serde: AvroSer
                 continue
             if first is None:
                 first = time.monotonic()
-            while True:
-                try:
-                    producer.produce(dst, m.value(), m.key())
-                    break
-                except BufferError:
-                    producer.poll(0.05)
+            _common.produce_blocking(producer, dst, m.value(), m.key())
             copied += 1
         producer.poll(0)
         if time.monotonic() - last_commit >= 1.0:  # same commit rule as ours: flush, then commit

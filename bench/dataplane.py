@@ -60,12 +60,7 @@ def consumer(kafka: KafkaSettings, topic: str, serde: AvroSerde, joined: threadi
 
 def produce_all(producer: Producer, topic: str, items: list[tuple[bytes, str]]) -> None:
     for value, key in items:
-        while True:
-            try:
-                producer.produce(topic, value, key)
-                break
-            except BufferError:
-                producer.poll(0.05)
+        _common.produce_blocking(producer, topic, value, key)
         producer.poll(0)
     producer.flush()
 
@@ -90,12 +85,7 @@ def copy_loop(kafka: KafkaSettings, src: str, dst: str, n: int, serde: AvroSerde
             for m in c.consume(256, 0.05):
                 if m.error() is not None:
                     continue
-                while True:
-                    try:
-                        producer.produce(dst, m.value(), m.key())
-                        break
-                    except BufferError:
-                        producer.poll(0.05)
+                _common.produce_blocking(producer, dst, m.value(), m.key())
                 copied += 1
             producer.poll(0)
             if time.monotonic() - last_commit >= 1.0:
