@@ -113,6 +113,43 @@ class TopicSettings(_Frozen):
     """`max.message.bytes` of the weights topics (chunks); keep managed-cluster limits in mind."""
 
 
+class RaasSettings(_Frozen):
+    """What a RaaS node accepts from the tasks topic, and how long one rollout may run.
+
+    Every Task is checked against these limits before any work; a task outside them goes to
+    the DLQ with the field and the limit.
+    """
+
+    workflow_modules: list[str] = Field(default_factory=list)
+    """Modules whose workflows tasks may name as `module:function` (a listed module or any of its
+    submodules). Empty: only registered workflows (the built-ins rlvr, tool_use, solver_verifier)."""
+    rollout_timeout_s: float = Field(600.0, gt=0)
+    """Deadline of one rollout (one sample of a task); past it the sample becomes an ERROR trajectory."""
+    max_n_samples: int = Field(256, ge=1)
+    """Largest `Task.n_samples` served."""
+    max_tokens: int = Field(8192, ge=1)
+    """Largest `sampling.max_tokens` (new tokens per model call)."""
+    max_turns: int = Field(32, ge=1)
+    """Largest `sampling.max_turns` of multi-turn workflows."""
+    max_prompt_chars: int = Field(200_000, ge=1)
+    """Longest `Task.prompt`, in characters."""
+    max_stop_strings: int = Field(16, ge=0)
+    """Most `sampling.stop` strings, each at most `max_stop_chars` long."""
+    max_stop_chars: int = Field(256, ge=1)
+    """Longest stop string."""
+
+
+class WeightFollowSettings(_Frozen):
+    """What a weight follower (a RaaS node, the evaluator) accepts from a weights topic."""
+
+    allowed_uri_prefixes: list[str] = Field(default_factory=list)
+    """Locations claim-checked payloads may be read from (e.g. `s3://bucket/weights/`,
+    `file:///data/store/`). Empty: only in-band payloads are applied; a manifest naming any URI
+    is refused."""
+    max_payload_bytes: int = Field(16 * 1024**3, ge=1024)
+    """Largest payload (delta or snapshot, as sent) a follower buffers or reads from the store."""
+
+
 class AstraflowConfig(_Frozen):
     """Root configuration shared by every role."""
 
@@ -123,6 +160,8 @@ class AstraflowConfig(_Frozen):
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     local_kafka: LocalKafkaSettings = Field(default_factory=LocalKafkaSettings)
     topics: TopicSettings = Field(default_factory=TopicSettings)
+    raas: RaasSettings = Field(default_factory=RaasSettings)
+    weights: WeightFollowSettings = Field(default_factory=WeightFollowSettings)
 
 
 def _read_file(path: Path) -> dict[str, Any]:
