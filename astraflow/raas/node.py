@@ -9,8 +9,13 @@ Guarantees (DESIGN.md, "RaaS node"):
 - a task's offset is committed only after every trajectory of that task was acknowledged by
   Kafka, and only once every earlier task of its partition is done (at-least-once);
 - trajectory ids are `<task_id>/<sample_index>`, so a redelivered task yields the same ids;
-- a malformed task goes to the DLQ with its reason; a failing workflow yields an ERROR
-  trajectory (so its group still completes) and the node keeps serving;
+- every task is checked before any work (`astraflow.raas.admission`: values within the
+  `raas.*` limits, served policies, an allowed workflow); one that fails goes to the DLQ with
+  its reason and is committed like any other;
+- whatever a workflow does (raises anything, hangs past `raas.rollout_timeout_s`, returns
+  something else than its Trajectory), its sample becomes an ERROR trajectory
+  (`astraflow.raas.guard`), so its group still completes and the node keeps serving; a
+  trajectory that cannot be encoded is replaced by an ERROR trajectory without segments;
 - on SIGTERM it stops taking work, drains what is in flight, commits and leaves the group.
 """
 
@@ -30,20 +35,18 @@ from dataclasses import dataclass, field
 from confluent_kafka import TopicPartition
 
 from astraflow.config import AstraflowConfig
-from astraflow.errors import AstraflowError
+from astraflow.errors import SerdeError
 from astraflow.kafka.clients import DeadLetterWriter, Received, RecordConsumer, RecordProducer
 from astraflow.kafka.offsets import OffsetTracker
 from astraflow.kafka.topics import Topics
+from astraflow.raas.admission import InvalidTaskError, admit
 from astraflow.raas.backends.base import InferenceBackend
+from astraflow.raas.guard import error_trajectory, run_workflow
 from astraflow.raas.tools import ToolBox, ToolFn, default_tools
-from astraflow.raas.workflows import RolloutContext, resolve_workflow
-from astraflow.records import Metric, NodeInfo, Task, Trajectory, TrajectoryStatus
+from astraflow.raas.workflows import RolloutContext, Workflow
+from astraflow.records import Metric, NodeInfo, Task, Trajectory
 
 log = logging.getLogger("astraflow.raas")
-
-
-class InvalidTaskError(AstraflowError):
-    """Raised (and the task dead-lettered) when a task cannot be served: unknown workflow or policy, bad n_samples."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,8 @@ class RaasNode:
         self.rollouts_done = 0
         self.tokens_done = 0
         self.tasks_done = 0
+        self.tasks_refused = 0  # dead-lettered by admission
+        self.rollouts_failed = 0  # ERROR trajectories (workflow raised, timed out or returned garbage)
         self._stop = asyncio.Event()
         self._paused = False
         self._pending: collections.deque[Received[Task]] = collections.deque()  # fetched, not started
@@ -161,35 +166,22 @@ class RaasNode:
         tp = (rec.topic, rec.partition)
         epoch = self.offsets.received(tp, rec.offset)
         try:
-            workflow = self._validate(rec.record)
-        except AstraflowError as exc:
+            workflow = admit(rec.record, self.cfg.raas, self.backends).workflow
+        except InvalidTaskError as exc:
+            log.warning("task refused: %s", exc)
             self.consumer.dead_letter(rec, exc)
             self.offsets.finished(tp, rec.offset, epoch)
+            self.tasks_refused += 1
             return
         self.inflight += rec.record.n_samples
         t = asyncio.create_task(self._serve(rec, workflow, epoch))
         self._running.add(t)
         t.add_done_callback(self._running.discard)
 
-    def _validate(self, task: Task):
-        if task.n_samples < 1 or task.n_samples > 1024:
-            raise InvalidTaskError(f"task {task.task_id}: n_samples={task.n_samples} must be between 1 and 1024")
-        if not task.policies:
-            raise InvalidTaskError(f"task {task.task_id} names no policy; set Task.policies")
-        missing = [p for p in task.policies if p not in self.backends]
-        if missing:
-            raise InvalidTaskError(
-                f"task {task.task_id} needs policies {missing} but this node serves {sorted(self.backends)}; "
-                "start a node with --policy NAME=MODEL_DIR for each"
-            )
-        try:
-            return resolve_workflow(task.workflow)
-        except AstraflowError as exc:
-            raise InvalidTaskError(f"task {task.task_id}: {exc}") from exc
-
-    async def _serve(self, rec: Received[Task], workflow, epoch: int) -> None:
+    async def _serve(self, rec: Received[Task], workflow: Workflow, epoch: int) -> None:
         task = rec.record
-        results = await asyncio.gather(*(self._rollout(task, i, workflow) for i in range(task.n_samples)))
+        contexts = [RolloutContext(task, i, self.backends, self.tools, self.node) for i in range(task.n_samples)]
+        results = await asyncio.gather(*(self._rollout(ctx, workflow) for ctx in contexts))
         acked = asyncio.get_running_loop().create_future()
         remaining = [len(results)]
         failed: list[str] = []
@@ -201,8 +193,16 @@ class RaasNode:
             if remaining[0] == 0 and not acked.done():
                 acked.set_result(None)
 
-        for traj in results:
-            self.producer.send(self.topics.rollouts, traj, key=task.group_id, on_delivery=on_delivery)
+        for ctx, traj in zip(contexts, results, strict=True):
+            try:
+                self.producer.send(self.topics.rollouts, traj, key=task.group_id, on_delivery=on_delivery)
+            except SerdeError as exc:  # e.g. a workflow put non-string metadata or too many tokens in it
+                log.error("task %s/%d: trajectory cannot be encoded (%s); sending an ERROR trajectory", task.task_id,
+                          ctx.sample_index, exc)
+                self.rollouts_failed += traj.error is None  # not counted yet
+                bare = error_trajectory(ctx, f"trajectory cannot be encoded: {exc}", keep_segments=False)
+                bare.metadata = {k: v for k, v in task.metadata.items() if isinstance(k, str) and isinstance(v, str)}
+                self.producer.send(self.topics.rollouts, bare, key=task.group_id, on_delivery=on_delivery)
         while not acked.done():
             self.producer.poll(0)
             await asyncio.sleep(0.01)
@@ -212,16 +212,13 @@ class RaasNode:
         self.offsets.finished((rec.topic, rec.partition), rec.offset, epoch)  # ignored if revoked meanwhile
         self.tasks_done += 1
 
-    async def _rollout(self, task: Task, index: int, workflow) -> Trajectory:
-        ctx = RolloutContext(task, index, self.backends, self.tools, self.node)
+    async def _rollout(self, ctx: RolloutContext, workflow: Workflow) -> Trajectory:
         try:
-            traj = await workflow(ctx)
-        except Exception as exc:  # a workflow bug must not kill the node: emit an ERROR trajectory
-            log.exception("workflow %s failed on %s/%d", task.workflow, task.task_id, index)
-            traj = ctx.finish(None, TrajectoryStatus.ERROR, f"{type(exc).__name__}: {exc}")
+            traj = await run_workflow(workflow, ctx, self.cfg.raas.rollout_timeout_s)
         finally:
             self.inflight -= 1
         self.rollouts_done += 1
+        self.rollouts_failed += traj.error is not None
         self.tokens_done += traj.num_tokens
         return traj
 
@@ -247,6 +244,8 @@ class RaasNode:
             "tokens_per_s": (self.tokens_done - k0) / dt,
             "inflight": float(self.inflight),
             "rollouts_total": float(self.rollouts_done),
+            "rollouts_failed_total": float(self.rollouts_failed),
+            "tasks_refused_total": float(self.tasks_refused),
         }
         metrics = [Metric(name, v, "raas", self.node.node_id, labels) for name, v in values.items()]
         metrics += [Metric("policy_version", float(b.version), "raas", self.node.node_id, {**labels, "policy": policy})

@@ -47,7 +47,7 @@ def serve_node(cfg: AstraflowConfig, experiment: str, policies: dict[str, str], 
         await node.run()
 
     try:
-        asyncio.run(main())
+        _run_until_stopped(main)
     finally:
         if prometheus is not None:
             prometheus.close()
@@ -56,6 +56,28 @@ def serve_node(cfg: AstraflowConfig, experiment: str, policies: dict[str, str], 
         for b in backends.values():
             b.close()
     log.info("node %s stopped after %d rollouts", settings.node_id, node.rollouts_done)
+
+
+def _run_until_stopped(main, grace_s: float = 5.0) -> None:
+    """`asyncio.run`, except that rollouts still running when the node stops (a workflow that
+    ignored its cancellation at the deadline) get `grace_s` to end instead of holding the exit."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(main())
+    finally:
+        leftovers = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for t in leftovers:
+            t.cancel()
+        if leftovers:
+            loop.run_until_complete(asyncio.wait(leftovers, timeout=grace_s))
+            stuck = [t for t in leftovers if not t.done()]
+            if stuck:
+                log.warning("%d abandoned rollouts did not end within %.0f s of the stop; exiting anyway",
+                            len(stuck), grace_s)
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        asyncio.set_event_loop(None)
+        loop.close()
 
 
 def _prometheus(experiment: str, node: RaasNode):

@@ -128,14 +128,6 @@ def test_solver_verifier_uses_two_policies(tokenizer_dir: Path) -> None:
     assert "Proposed: 6" in verifier.decode(verifier.requests[0].prompt_ids)
 
 
-def test_workflow_by_import_path_and_unknown_name() -> None:
-    from astraflow.errors import ConfigError
-
-    assert resolve_workflow("astraflow.raas.workflows.builtin:rlvr").__name__ == "rlvr"
-    with pytest.raises(ConfigError, match="unknown workflow .nope.; registered: .*tool_use"):
-        resolve_workflow("nope")
-
-
 def test_tool_latency_option_parses_and_wraps_the_named_tool() -> None:
     from astraflow.errors import ConfigError
     from astraflow.raas.tools import calculator, parse_tool_latency
