@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from astraflow.errors import ConfigError
+from astraflow.sandbox.settings import SandboxSettings
 
 ENV_PREFIX = "ASTRAFLOW__"
 
@@ -162,6 +163,7 @@ class AstraflowConfig(_Frozen):
     topics: TopicSettings = Field(default_factory=TopicSettings)
     raas: RaasSettings = Field(default_factory=RaasSettings)
     weights: WeightFollowSettings = Field(default_factory=WeightFollowSettings)
+    sandbox: SandboxSettings = Field(default_factory=SandboxSettings)
 
 
 def _read_file(path: Path) -> dict[str, Any]:

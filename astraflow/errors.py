@@ -133,3 +133,9 @@ class RewardError(StrategyError):
 class SandboxError(AstraflowError):
     """Raised when the sandbox itself cannot run code (setup failed, isolation demanded but not
     available); what the untrusted code does is reported in the result, never raised."""
+
+
+class SandboxUnavailableError(SandboxError):
+    """Raised when the isolation the sandbox needs (bubblewrap with user namespaces, seccomp,
+    cgroups) is missing here and the operator has not allowed weaker isolation; the message
+    says what to install or which setting accepts the weaker mode."""

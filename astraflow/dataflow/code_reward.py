@@ -1,55 +1,63 @@
-"""Code reward: the model's code runs against the reference's unit tests in the sandbox.
+"""Code reward: the model's code runs against the reference's unit tests, in two sandboxes.
 
 Reference JSON: {"tests": ["assert add(1, 2) == 3", ...], "setup": "optional code run first"}
 ("tests" may also be one string: a single test). The model's code is `final_answer`, or the last
-fenced block in it. A harness loads the solution, runs every test in its namespace, and prints a
-report line tagged with a random nonce; no valid report (the solution exited, crashed the
-interpreter, or ran out of time) means nothing passed, so `sys.exit(0)` in the solution earns
-nothing. The nonce stops accidental and simple forgeries; a policy that deliberately inspects the
-harness's frames could still forge one, so watch the pass rate for jumps that the tests cannot
-explain.
+fenced block in it.
 
-Scoring is slow (a process per trajectory): use `await reward.score_async(t)` in stream apps;
-`reward(t)` blocks and suits worker threads.
+The solution and the tests never share an interpreter (`astraflow.sandbox.split`): the solution
+runs in one sandbox and answers calls; the tests run in another, where the solution's top-level
+names are proxies and every value they get back is plain data rebuilt by the tests' own
+interpreter. So a solution that patches builtins, `sys.modules`, `unittest` or `json`, returns an
+object whose `__eq__` always says yes, prints a fake report, exits early or with code 0 from an
+atexit hook, changes nothing in the process that counts passes: only the test sandbox's report
+(its stdout) is read. The setup code runs before the tests, in the tests' namespace.
+
+Scoring is slow (two processes per trajectory): use `await reward.score_async(t)` in stream
+apps; `reward(t)` blocks and suits worker threads.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
-import secrets
 from dataclasses import dataclass
 
 from astraflow.dataflow.registry import register
 from astraflow.dataflow.rewards import RewardResult, load_reference
 from astraflow.errors import RewardError
 from astraflow.records import Trajectory
-from astraflow.sandbox import SandboxLimits, SandboxResult, run_python, run_python_async
+from astraflow.sandbox import SandboxLimits, SandboxResult
+from astraflow.sandbox.split import run_split_async
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 
-_HARNESS = """\
+# The test sandbox's main.py. Its stdout carries only the report; what the tests print goes to stderr.
+HARNESS = """\
 import json
+import os
 import sys
 
-NONCE = {nonce!r}
-TESTS = json.loads({tests!r})
-SETUP = {setup!r}
+report_out = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+spec = json.load(open("tests.json"))
+TESTS, SETUP = spec["tests"], spec["setup"]
 
 
 def report(passed, failures):
-    print("\\n" + NONCE + json.dumps({{"passed": passed, "total": len(TESTS), "failures": failures}}), flush=True)
+    report_out.write(json.dumps({"passed": passed, "total": len(TESTS), "failures": failures}) + "\\n")
+    report_out.flush()
 
 
-namespace = {{"__name__": "solution"}}
+from _astraflow_remote import SolutionGone, connect
+
 try:
-    with open("solution.py") as f:
-        exec(compile(f.read(), "solution.py", "exec"), namespace)
-    if SETUP:
-        exec(compile(SETUP, "setup", "exec"), namespace)
-except BaseException as exc:  # SystemExit too: the solution must not end the harness
-    report(0, ["solution failed to load: %s: %s" % (type(exc).__name__, exc)])
-    sys.exit(1)
+    namespace = {"__name__": "tests", **connect(int(sys.argv[1]), int(sys.argv[2]))}
+except SolutionGone as exc:
+    report(0, [str(exc)[:300]])
+    sys.exit(0)
+if SETUP:
+    exec(compile(SETUP, "setup", "exec"), namespace)
 passed, failures = 0, []
 for i, test in enumerate(TESTS):
     try:
@@ -70,21 +78,22 @@ def extract_code(text: str) -> str:
     return (python or [body for _, body in blocks])[-1]
 
 
-def build_harness(tests: list[str], setup: str, nonce: str) -> str:
-    """Source of the harness main.py that runs `tests` against solution.py."""
-    return _HARNESS.format(nonce=nonce, tests=json.dumps(tests), setup=setup)
-
-
-def parse_report(result: SandboxResult, nonce: str) -> dict | None:
-    """The harness's report from the run's stdout, or None if it never printed a valid one."""
-    for line in reversed(result.stdout.splitlines()):
-        if line.startswith(nonce):
-            try:
-                report = json.loads(line[len(nonce) :])
-            except json.JSONDecodeError:
-                return None
-            return report if isinstance(report, dict) else None
-    return None
+def parse_report(result: SandboxResult, total: int) -> dict | None:
+    """The test sandbox's report, or None unless it is one well-formed line for `total` tests."""
+    lines = result.stdout.splitlines()
+    if result.exit_code != 0 or len(lines) != 1:
+        return None
+    try:
+        report = json.loads(lines[0])
+    except json.JSONDecodeError:
+        return None
+    ok = (
+        isinstance(report, dict)
+        and report.get("total") == total
+        and type(report.get("passed")) is int
+        and 0 <= report["passed"] <= total
+    )
+    return report if ok else None
 
 
 @register("reward", "code_tests", version=1)
@@ -95,14 +104,14 @@ class CodeTests:
     partial_credit: bool = False  # reward = fraction of tests passed instead of all-or-nothing
     timeout_s: float = 10.0  # wall-clock limit of the whole run
     cpu_s: int = 5  # CPU seconds per process
-    memory_mb: int = 512  # address-space limit per process
+    memory_mb: int = 512  # memory of each of the two runs (cgroup), and RLIMIT_AS of each process
 
     @property
     def limits(self) -> SandboxLimits:
         return SandboxLimits(wall_s=self.timeout_s, cpu_s=self.cpu_s, memory_mb=self.memory_mb)
 
-    def prepare(self, trajectory: Trajectory) -> tuple[str, dict[str, str], str, int]:
-        """(harness source, files, nonce, number of tests) for one trajectory."""
+    def prepare(self, trajectory: Trajectory) -> tuple[str, str, int]:
+        """(solution source, tests.json content, number of tests) for one trajectory."""
         ref = load_reference(trajectory)
         tests = ref.get("tests")
         if isinstance(tests, str):
@@ -112,41 +121,48 @@ class CodeTests:
                 f"trajectory {trajectory.trajectory_id}: code reference needs 'tests', a non-empty list of code strings"
             )
         setup = ref.get("setup") or ""
-        nonce = "@@astraflow-report-" + secrets.token_hex(16) + "@@"
+        if not isinstance(setup, str):
+            raise RewardError(f"trajectory {trajectory.trajectory_id}: code reference 'setup' must be a string")
         code = extract_code(trajectory.final_answer or "")
-        return build_harness(tests, str(setup), nonce), {"solution.py": code}, nonce, len(tests)
+        return code, json.dumps({"tests": tests, "setup": setup}), len(tests)
 
-    def score(self, result: SandboxResult, nonce: str, total: int) -> RewardResult:
-        """Reward from a finished run."""
-        report = parse_report(result, nonce)
-        passed = int(report["passed"]) if report and report.get("total") == total else 0
+    def score(self, solution: SandboxResult | None, tests: SandboxResult, total: int) -> RewardResult:
+        """Reward from the finished runs (the solution's is None when it was cancelled at the end)."""
+        report = parse_report(tests, total)
+        passed = int(report["passed"]) if report else 0
         fraction = passed / total
         reward = fraction if self.partial_credit else float(passed == total)
+        runs = [r for r in (solution, tests) if r is not None]
         return RewardResult(
             reward,
             {
                 "tests_passed": float(passed),
                 "tests_total": float(total),
                 "pass_fraction": fraction,
-                "timed_out": float(result.timed_out),
-                "killed": float(result.killed_reason is not None),  # a limit (wall, cpu, memory, ...) ended it
+                "timed_out": float(any(r.timed_out for r in runs)),
+                # a limit (wall, cpu, memory, ...) ended the solution or the tests
+                "killed": float(any(r.killed_reason is not None for r in runs)),
                 "reported": float(report is not None),
             },
         )
 
     def __call__(self, trajectory: Trajectory) -> RewardResult:
-        if not (trajectory.final_answer or "").strip():
-            return self._no_code(trajectory)
-        main, files, nonce, total = self.prepare(trajectory)
-        return self.score(run_python(main, files=files, limits=self.limits), nonce, total)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.score_async(trajectory))
+        raise RewardError("CodeTests() was called inside a running event loop; await reward.score_async(t) instead")
 
     async def score_async(self, trajectory: Trajectory) -> RewardResult:
         if not (trajectory.final_answer or "").strip():
             return self._no_code(trajectory)
-        main, files, nonce, total = self.prepare(trajectory)
-        return self.score(await run_python_async(main, files=files, limits=self.limits), nonce, total)
+        code, tests, total = self.prepare(trajectory)
+        solution, harness = await run_split_async(
+            code, HARNESS, driver_files={"tests.json": tests}, limits=self.limits
+        )
+        return self.score(solution, harness, total)
 
     def _no_code(self, trajectory: Trajectory) -> RewardResult:
-        total = self.prepare(trajectory)[3]  # a bad reference is still an error
+        total = self.prepare(trajectory)[2]  # a bad reference is still an error
         components = {"tests_passed": 0.0, "tests_total": float(total), "pass_fraction": 0.0}
         return RewardResult(0.0, {**components, "timed_out": 0.0, "killed": 0.0, "reported": 0.0})

@@ -1,15 +1,18 @@
-"""How a sandbox run is launched: which isolation this machine allows, and the command for each.
+"""How a sandbox run is launched: which isolation this machine allows, and the command for it.
 
-Two modes:
+Two modes (`SandboxResult.isolation` says which one ran):
 
-* **namespaces** (root and a working `unshare`): fresh mount, network, pid, ipc and uts
-  namespaces; the init script (`_nsinit.py`) makes the filesystem read-only, gives the run a
-  private size-capped tmpfs as /tmp, and drops to a uid of its own before the untrusted code
-  runs. Killing `unshare`'s process group kills the namespace's init, and with it every process
-  of the run, whatever sessions or groups they made.
-* **process** (anywhere else): a new session, the resource limits, an empty environment and a
-  socket-refusing audit hook; the uid is dropped only when running as root and the interpreter
-  is reachable by other users. See `astraflow.sandbox` for what each mode guarantees.
+* **bwrap** (required unless the operator allows weak isolation): bubblewrap starts the code in
+  fresh user, pid, network, ipc, uts and cgroup namespaces on a new root holding only /usr, the
+  interpreter's installation (read-only) and a private size-capped /tmp; `--disable-userns`, the
+  seccomp filter of `astraflow.sandbox.seccomp`, and the run's memory and pids cgroups
+  (`astraflow.sandbox.cgroups`) surround it.
+* **process** (only with `allow_weak_isolation`, where bwrap cannot run): a new session, the
+  resource limits, an empty environment and a socket-refusing audit hook; the uid is dropped
+  only when running as root and the interpreter is reachable by other users.
+
+Where bwrap is demanded but cannot run, `resolve_mode` raises `SandboxUnavailableError` with the
+reason and the two ways out (install it, or allow the weak mode).
 """
 
 from __future__ import annotations
@@ -24,15 +27,29 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from astraflow.errors import SandboxError
+from astraflow.errors import SandboxUnavailableError
+from astraflow.sandbox import cgroups, seccomp
+from astraflow.sandbox.settings import SandboxSettings
 from astraflow.sandbox.types import SandboxLimits
 
 _HERE = Path(__file__).parent
 PRELUDE_SOURCE = (_HERE / "_prelude.py").read_text()
-NSINIT_SOURCE = (_HERE / "_nsinit.py").read_text()
-UNSHARE_FLAGS = ("--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child")
-SANDBOX_UIDS = (1_000_000, 2_000_000)  # each run gets its own uid from this range (no passwd entry)
+SANDBOX_UIDS = (1_000_000, 2_000_000)  # process mode as root: a uid of its own per run
+SANDBOX_UID = 1000  # the uid the code sees inside the user namespace
 MAIN_SCRIPT = "main.py"
+WORKDIR = "/tmp"  # the run's private working directory inside bwrap
+# bwrap's namespaces and process handling; the filesystem and limits are added per run
+BWRAP_FLAGS = (
+    "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+    "--unshare-cgroup-try", "--disable-userns", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+    "--hostname", "sandbox", "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv",
+)  # fmt: skip
+HOW_TO_FIX = (
+    "install bubblewrap (`bash scripts/system-deps.sh` as root, or `apt-get install bubblewrap`) "
+    "on Linux with user namespaces, seccomp and the cgroup v1 memory and pids controllers, and run "
+    "as root; or set ASTRAFLOW__SANDBOX__ALLOW_WEAK_ISOLATION=true (config sandbox.allow_weak_isolation) "
+    "to accept resource limits without namespaces, seccomp or cgroups"
+)
 
 
 @dataclass(slots=True)
@@ -42,46 +59,104 @@ class Launch:
     argv: list[str]  # command line
     env: dict[str, str]  # the whole environment of the launched process
     cwd: str  # working directory of the launched process
-    mode: str  # "namespaces" or "process"
+    mode: str  # "bwrap" or "process"
     user: int | None = None  # uid/gid to switch to before exec (process mode as root)
-    pass_fds: tuple[int, ...] = field(default=())  # the status pipe (namespace mode)
-
-
-@functools.cache
-def namespaces_available() -> bool:
-    """Whether this process may create the namespaces the strict mode needs (probed once)."""
-    unshare = shutil.which("unshare")
-    if sys.platform != "linux" or os.geteuid() != 0 or unshare is None:
-        return False
-    try:
-        probe = subprocess.run(
-            [unshare, *UNSHARE_FLAGS, "--", "true"], env={}, capture_output=True, timeout=10, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return probe.returncode == 0
-
-
-def resolve_mode(limits: SandboxLimits) -> str:
-    """The isolation a run with `limits` gets here; raises if `namespaces` is demanded but missing."""
-    if limits.isolation == "process":
-        return "process"
-    if namespaces_available():
-        return "namespaces"
-    if limits.isolation == "namespaces":
-        raise SandboxError(
-            "namespace isolation is not available here (it needs Linux, root and a working `unshare`); "
-            "run as root, or set isolation='process' to accept weaker containment"
-        )
-    return "process"
+    pass_fds: tuple[int, ...] = field(default=())  # descriptors the launched process keeps
 
 
 def interpreter(limits: SandboxLimits) -> tuple[str, str]:
     """(interpreter path, installation prefix to expose) for the untrusted code."""
     if limits.python is None:
-        return os.path.realpath(sys._base_executable), sys.base_prefix  # type: ignore[attr-defined]
+        return os.path.realpath(sys._base_executable), os.path.realpath(sys.base_prefix)  # type: ignore[attr-defined]
     real = os.path.realpath(limits.python)
     return real, str(Path(real).parent.parent)
+
+
+def root_binds(prefix: str) -> list[str]:
+    """bwrap arguments that build the read-only root: /usr, its links, the interpreter's prefix."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    if os.path.exists("/etc/ld.so.cache"):
+        args += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    if not prefix.startswith("/usr/"):
+        args += ["--ro-bind", prefix, prefix]
+    return args + ["--proc", "/proc", "--dev", "/dev"]
+
+
+def bwrap_path(settings: SandboxSettings) -> str | None:
+    return shutil.which(settings.bwrap)
+
+
+def bwrap_argv(
+    bwrap: str, limits: SandboxLimits, inner: list[str], *, seccomp_fd: int, status_fd: int, files: list[str]
+) -> list[str]:
+    """The bwrap command line that runs `inner` under `limits`; `files` are `--file FD DEST` pairs."""
+    _python, prefix = interpreter(limits)
+    argv = [bwrap, *BWRAP_FLAGS, *root_binds(prefix)]
+    argv += ["--size", str(limits.disk_mb * 1024 * 1024), "--tmpfs", WORKDIR]
+    argv += ["--size", str(1024 * 1024), "--tmpfs", "/dev/shm"]
+    for var, value in sandbox_env(WORKDIR).items():
+        argv += ["--setenv", var, value]
+    argv += files
+    argv += ["--chdir", WORKDIR, "--seccomp", str(seccomp_fd), "--json-status-fd", str(status_fd), "--"]
+    return argv + inner
+
+
+def _probe(bwrap: str, python: str, prefix: str) -> str | None:
+    """Why bwrap cannot run a sandboxed `python -c pass` here, or None when it can."""
+    r, w = os.pipe()
+    try:
+        os.write(w, seccomp.build_filter())
+        os.close(w)
+        w = -1
+        limits = SandboxLimits(python=python)
+        argv = bwrap_argv(bwrap, limits, [python, "-I", "-c", "pass"], seccomp_fd=r, status_fd=2, files=[])
+        try:
+            done = subprocess.run(argv, env={}, capture_output=True, timeout=20, check=False, pass_fds=(r,))
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"{bwrap} did not run: {exc}"
+        if done.returncode != 0:
+            detail = done.stderr.decode(errors="replace").strip().splitlines()
+            return f"{bwrap} failed ({done.returncode}): {detail[0] if detail else 'no message'}"
+        return None
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+
+
+@functools.cache
+def _bwrap_unavailable(bwrap: str | None, python: str, prefix: str) -> str | None:
+    if sys.platform != "linux":
+        return "bubblewrap needs Linux"
+    if bwrap is None:
+        return "bubblewrap (bwrap) is not installed"
+    if not seccomp.supported():
+        return f"no seccomp filter for this architecture ({', '.join(seccomp.ARCHES)} have one)"
+    reason = cgroups.unavailable()
+    if reason is not None:
+        return reason
+    return _probe(bwrap, python, prefix)
+
+
+def unavailable_reason(settings: SandboxSettings, limits: SandboxLimits | None = None) -> str | None:
+    """Why the bwrap mode cannot run here (probed once per binary and interpreter), or None."""
+    python, prefix = interpreter(limits or SandboxLimits())
+    return _bwrap_unavailable(bwrap_path(settings), python, prefix)
+
+
+def resolve_mode(settings: SandboxSettings, limits: SandboxLimits | None = None) -> str:
+    """"bwrap", or "process" where bwrap cannot run and weak isolation is allowed; else raises."""
+    reason = unavailable_reason(settings, limits)
+    if reason is None:
+        return "bwrap"
+    if settings.allow_weak_isolation:
+        return "process"
+    raise SandboxUnavailableError(f"the sandbox refuses to run untrusted code: {reason}. To fix: {HOW_TO_FIX}")
 
 
 def rlimits(limits: SandboxLimits) -> list[tuple[str, int, int]]:
@@ -103,7 +178,7 @@ def sandbox_env(home: str) -> dict[str, str]:
         "PATH": "/usr/local/bin:/usr/bin:/bin",
         "HOME": home,
         "LANG": "C.UTF-8",
-        # thread pools count against RLIMIT_NPROC: keep numeric libraries single-threaded
+        # thread pools count against the process limit: keep numeric libraries single-threaded
         "OMP_NUM_THREADS": "1",
         "OPENBLAS_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
@@ -129,28 +204,55 @@ def new_uid() -> int:
     return low + secrets.randbelow(high - low)
 
 
-def build_launch(limits: SandboxLimits, workdir: str, args: list[str], status_fd: int | None) -> Launch:
-    """The command that runs `workdir/main.py` under `limits` with the mode this machine allows."""
-    mode = resolve_mode(limits)
+def process_launch(limits: SandboxLimits, workdir: str, args: list[str], pass_fds: tuple[int, ...]) -> Launch:
+    """The weak mode's command: the interpreter in `workdir`, under a uid of its own where possible."""
     python, prefix = interpreter(limits)
-    if mode == "namespaces":
-        if status_fd is None:
-            raise SandboxError("namespace mode needs a status pipe")
-        uid = new_uid()
-        cfg = {
-            "uid": uid,
-            "workdir": workdir,
-            "disk_mb": limits.disk_mb,
-            "expose": [prefix],
-            "python": python,
-            "argv": user_argv(python, limits, args),
-            "env": sandbox_env("/tmp"),
-            "status_fd": status_fd,
-        }
-        unshare = shutil.which("unshare") or "unshare"
-        argv = [unshare, *UNSHARE_FLAGS, "--", python, "-I", "-S", "-c", NSINIT_SOURCE, json.dumps(cfg)]
-        return Launch(argv, {}, "/", mode, pass_fds=(status_fd,))
     user = None
     if os.geteuid() == 0 and others_can_reach(python) and others_can_reach(prefix):
         user = new_uid()
-    return Launch(user_argv(python, limits, args), sandbox_env(workdir), workdir, mode, user=user)
+    argv = user_argv(python, limits, args)
+    return Launch(argv, sandbox_env(workdir), workdir, "process", user=user, pass_fds=pass_fds)
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, 0)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def bwrap_launch(
+    settings: SandboxSettings,
+    limits: SandboxLimits,
+    files: dict[str, bytes],
+    args: list[str],
+    status_fd: int,
+    cgroup: cgroups.RunCgroup,
+    pass_fds: tuple[int, ...],
+) -> tuple[Launch, list[int]]:
+    """The bwrap mode's command, and the descriptors to close once it has started.
+
+    `files` (relative path -> content, already checked) are copied into the private /tmp by
+    bwrap itself from memory files, so nothing of the run ever touches the host's disk.
+    """
+    python, _prefix = interpreter(limits)
+    bwrap = bwrap_path(settings) or settings.bwrap
+    owned: list[int] = []
+    file_args: list[str] = []
+    made: set[str] = set()
+    for rel, content in files.items():
+        parts = rel.split("/")
+        for i in range(1, len(parts)):
+            d = "/".join(parts[:i])
+            if d not in made:
+                made.add(d)
+                file_args += ["--dir", f"{WORKDIR}/{d}"]
+        fd = _memfd("sandbox-file", content)
+        owned.append(fd)
+        file_args += ["--perms", "0644", "--file", str(fd), f"{WORKDIR}/{rel}"]
+    seccomp_fd = _memfd("sandbox-seccomp", seccomp.build_filter())
+    owned.append(seccomp_fd)
+    inner = user_argv(python, limits, args)
+    argv = bwrap_argv(bwrap, limits, inner, seccomp_fd=seccomp_fd, status_fd=status_fd, files=file_args)
+    launch = Launch(cgroups.enter_argv(cgroup, argv), {}, "/", "bwrap", pass_fds=(*owned, status_fd, *pass_fds))
+    return launch, owned

@@ -4,24 +4,20 @@ from __future__ import annotations
 
 import signal as _signal
 from dataclasses import dataclass
-from typing import Literal
-
-Isolation = Literal["auto", "namespaces", "process"]
 
 
 @dataclass(frozen=True, slots=True)
 class SandboxLimits:
-    """Resource limits and isolation settings of one run; the defaults suit a unit-test reward."""
+    """Resource limits of one run; the defaults suit a unit-test reward (isolation is the operator's: `SandboxSettings`)."""
 
     wall_s: float = 10.0  # wall-clock timeout; then the whole process tree is killed
     cpu_s: int = 5  # RLIMIT_CPU per process (SIGXCPU at the limit, SIGKILL one second later)
-    memory_mb: int = 512  # RLIMIT_AS (address space) per process
+    memory_mb: int = 512  # memory of the whole run (cgroup), and RLIMIT_AS of each process
     file_size_mb: int = 16  # RLIMIT_FSIZE: largest file a process may write
-    disk_mb: int = 64  # size of the private /tmp working directory (namespace mode only)
-    nproc: int = 32  # RLIMIT_NPROC: processes and threads of the sandbox user
+    disk_mb: int = 64  # size of the private /tmp working directory (bwrap mode; counts as memory)
+    nproc: int = 32  # processes and threads of the run (pids cgroup; RLIMIT_NPROC in process mode)
     nofile: int = 256  # RLIMIT_NOFILE: open file descriptors per process
     max_output_bytes: int = 64 * 1024  # stdout and stderr are each cut to this (head and tail kept)
-    isolation: Isolation = "auto"  # namespaces where available (root + unshare), else process
     python: str | None = None  # interpreter for the untrusted code; None = this one's base interpreter
 
 
@@ -39,7 +35,7 @@ class SandboxResult:
     timed_out: bool  # the wall-clock timeout fired
     killed_reason: str | None  # timeout | cpu | memory | file_size | signal:<NAME>; None if none applies
     duration_s: float  # wall-clock seconds from spawn to exit
-    isolation: str  # "namespaces" or "process": what actually contained this run
+    isolation: str  # "bwrap" or "process": what actually contained this run
 
 
 def killed_reason(

@@ -1,0 +1,37 @@
+"""Operator settings of the sandbox (`sandbox` section of the config), the same for every run.
+
+They live in the config, not in `SandboxLimits`, because they decide how much a run is trusted:
+a reward's parameters (which a control record may set) can tighten a run's limits but can never
+weaken its isolation. Processes read them from the environment (`ASTRAFLOW__SANDBOX__FIELD`),
+which is also how a config file's `sandbox` section reaches them.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SandboxSettings(BaseModel):
+    """How sandbox runs are isolated on this machine."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    allow_weak_isolation: bool = False
+    """Run untrusted code with resource limits only (no namespaces, seccomp or cgroups) where
+    bubblewrap, user namespaces, seccomp or the cgroup controllers are missing. Off by default:
+    without it such a machine refuses to run the code at all."""
+    bwrap: str = "bwrap"
+    """The bubblewrap binary (a name looked up on PATH, or a path)."""
+    total_memory_mb: int = Field(default=8192, ge=64)
+    """Memory of all sandbox runs on this machine together (a cgroup above every run's own)."""
+
+
+def current_settings(env: dict[str, str] | None = None) -> SandboxSettings:
+    """The settings given by `ASTRAFLOW__SANDBOX__*` variables of `env` (default: this process)."""
+    from astraflow.config import load_config
+
+    env = os.environ if env is None else env
+    ours = {k: v for k, v in env.items() if k.upper().startswith("ASTRAFLOW__SANDBOX__")}
+    return load_config(env=ours).sandbox
