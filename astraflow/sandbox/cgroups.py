@@ -3,6 +3,7 @@
 Layout, in the memory and the pids hierarchies under /sys/fs/cgroup:
 
     astraflow-sandbox/             memory: `total_memory_mb` for all runs of this machine
+                                   (`SandboxSettings.cgroup_parent` names it)
         <pid>-<n>-<random>/        one per run: memory `memory_mb` (swap included), pids `nproc`
 
 A run's processes enter its cgroup before the sandbox starts (`enter_argv` puts a shell in front
@@ -106,10 +107,12 @@ class RunCgroup:
             await asyncio.sleep(0.01)
 
 
-def create(memory_mb: int, nproc: int, total_memory_mb: int, root: Path = ROOT) -> RunCgroup:
-    """A fresh cgroup pair for one run, under the shared parent (whose total limit is set too)."""
+def create(
+    memory_mb: int, nproc: int, total_memory_mb: int, parent: str = PARENT, root: Path = ROOT
+) -> RunCgroup:
+    """A fresh cgroup pair for one run, under `parent` (whose total limit is set too)."""
     name = f"{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
-    parents = {c: root / c / PARENT for c in ("memory", "pids")}
+    parents = {c: root / c / parent for c in ("memory", "pids")}
     for directory in parents.values():
         directory.mkdir(exist_ok=True)
     current = (parents["memory"] / "memory.limit_in_bytes").read_text().strip()

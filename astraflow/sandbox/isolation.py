@@ -84,7 +84,7 @@ def root_binds(prefix: str) -> list[str]:
         args += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
     if not prefix.startswith("/usr/"):
         args += ["--ro-bind", prefix, prefix]
-    return args + ["--proc", "/proc", "--dev", "/dev"]
+    return [*args, "--proc", "/proc", "--dev", "/dev"]
 
 
 def bwrap_path(settings: SandboxSettings) -> str | None:

@@ -180,7 +180,9 @@ async def run_python_async(
     proc = None
     try:
         if mode == "bwrap":
-            cgroup = cgroups.create(limits.memory_mb, limits.nproc, settings.total_memory_mb)
+            cgroup = cgroups.create(
+                limits.memory_mb, limits.nproc, settings.total_memory_mb, settings.cgroup_parent
+            )
             status_r, status_w = os.pipe()
             owned.append(status_w)
             launch, files_fds = bwrap_launch(

@@ -26,6 +26,8 @@ class SandboxSettings(BaseModel):
     """The bubblewrap binary (a name looked up on PATH, or a path)."""
     total_memory_mb: int = Field(default=8192, ge=64)
     """Memory of all sandbox runs on this machine together (a cgroup above every run's own)."""
+    cgroup_parent: str = Field(default="astraflow-sandbox", pattern=r"^[A-Za-z0-9_.-]+$")
+    """Name of that cgroup (in the memory and pids hierarchies); runs sharing it share the total."""
 
 
 def current_settings(env: dict[str, str] | None = None) -> SandboxSettings:

@@ -1,14 +1,17 @@
 """The sandbox contains what untrusted code tries: loops, fork bombs, memory hogs, network,
-writes outside its directory, reading the parent's secrets. Every case ends as a failed result
-within seconds. Limits are kept small so a containment failure cannot hurt a shared machine;
-the fork bomb also arms `alarm()` in every process as a second safety net.
+writes outside its directory, reading the parent's secrets, forbidden system calls. Every case
+ends as a failed result within seconds. Limits are kept small so a containment failure cannot
+hurt a shared machine; the fork bomb also arms `alarm()` in every process as a second safety net.
+Cases run in both modes: bwrap (where this machine has it) and the opted-in weak process mode.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import platform
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -16,15 +19,25 @@ from pathlib import Path
 
 import pytest
 
-from astraflow.errors import SandboxError
-from astraflow.sandbox import SandboxLimits, namespaces_available, run_python, run_python_async
+from astraflow.errors import SandboxError, SandboxUnavailableError
+from astraflow.sandbox import (
+    SandboxLimits,
+    SandboxSettings,
+    current_settings,
+    run_python,
+    run_python_async,
+    unavailable_reason,
+)
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 SMALL = SandboxLimits(wall_s=5, cpu_s=2, memory_mb=192, nproc=8, file_size_mb=1, disk_mb=8)
-PROCESS = SandboxLimits(wall_s=5, cpu_s=2, memory_mb=192, nproc=8, file_size_mb=1, isolation="process")
-needs_namespaces = pytest.mark.skipif(not namespaces_available(), reason="needs root and a working unshare")
-MODES = [pytest.param(SMALL, id="auto"), pytest.param(PROCESS, id="process")]
+STRICT = SandboxSettings()
+WEAK = SandboxSettings(allow_weak_isolation=True, bwrap="/nonexistent/bwrap")
+BWRAP_MISSING = unavailable_reason(STRICT)
+needs_bwrap = pytest.mark.skipif(BWRAP_MISSING is not None, reason=f"bwrap mode unavailable: {BWRAP_MISSING}")
+MODES = [pytest.param(STRICT, id="bwrap", marks=needs_bwrap), pytest.param(WEAK, id="process")]
+BEST = STRICT if BWRAP_MISSING is None else WEAK  # for cases that do not depend on the mode
 
 
 def _with(limits: SandboxLimits, **changes: object) -> SandboxLimits:
@@ -44,51 +57,51 @@ def _processes_with(marker: str) -> int:
     return n
 
 
-@pytest.mark.parametrize("limits", MODES)
-def test_runs_code_with_files_and_args(limits: SandboxLimits) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_runs_code_with_files_and_args(mode: SandboxSettings) -> None:
     code = "import sys, helper\nprint(helper.double(int(sys.argv[1])), sys.stdin.read() == '')"
     r = run_python(
-        code, files={"helper.py": "def double(x):\n    return 2 * x\n"}, args=["21"], limits=limits
+        code, files={"helper.py": "def double(x):\n    return 2 * x\n"}, args=["21"], limits=SMALL, settings=mode
     )
     assert r.ok and r.exit_code == 0 and r.signal is None and not r.timed_out
     assert r.stdout == "42 True\n"
     assert r.killed_reason is None
 
 
-@pytest.mark.parametrize("limits", MODES)
-def test_exception_and_exit_code_are_reported(limits: SandboxLimits) -> None:
-    r = run_python("raise ValueError('boom')", limits=limits)
+@pytest.mark.parametrize("mode", MODES)
+def test_exception_and_exit_code_are_reported(mode: SandboxSettings) -> None:
+    r = run_python("raise ValueError('boom')", limits=SMALL, settings=mode)
     assert not r.ok and r.exit_code == 1 and "ValueError: boom" in r.stderr
-    assert run_python("import sys; sys.exit(3)", limits=limits).exit_code == 3
+    assert run_python("import sys; sys.exit(3)", limits=SMALL, settings=mode).exit_code == 3
 
 
-@pytest.mark.parametrize("limits", MODES)
-def test_infinite_loop_hits_cpu_limit(limits: SandboxLimits) -> None:
-    r = run_python("while True:\n    pass", limits=_with(limits, cpu_s=1, wall_s=10))
+@pytest.mark.parametrize("mode", MODES)
+def test_infinite_loop_hits_cpu_limit(mode: SandboxSettings) -> None:
+    r = run_python("while True:\n    pass", limits=_with(SMALL, cpu_s=1, wall_s=10), settings=mode)
     assert not r.ok and r.killed_reason == "cpu"  # the CPU limit, not the 10 s wall timeout
 
 
-@pytest.mark.parametrize("limits", MODES)
-def test_sleeping_code_hits_wall_timeout(limits: SandboxLimits) -> None:
-    r = run_python("import time\ntime.sleep(60)", limits=_with(limits, wall_s=1))
+@pytest.mark.parametrize("mode", MODES)
+def test_sleeping_code_hits_wall_timeout(mode: SandboxSettings) -> None:
+    r = run_python("import time\ntime.sleep(60)", limits=_with(SMALL, wall_s=1), settings=mode)
     assert not r.ok and r.timed_out and r.killed_reason == "timeout" and r.exit_code is None
 
 
-@pytest.mark.parametrize("limits", MODES)
-def test_memory_hog_fails(limits: SandboxLimits) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_memory_hog_fails(mode: SandboxSettings) -> None:
     code = "chunks = []\nwhile True:\n    chunks.append(bytearray(16 * 1024 * 1024))"
-    r = run_python(code, limits=limits)
+    r = run_python(code, limits=SMALL, settings=mode)
     assert not r.ok and r.killed_reason == "memory"
 
 
-@pytest.mark.parametrize("limits", MODES)
-def test_file_size_limit(limits: SandboxLimits) -> None:
-    r = run_python("open('big', 'wb').write(b'x' * 4 * 1024 * 1024)", limits=limits)
+@pytest.mark.parametrize("mode", MODES)
+def test_file_size_limit(mode: SandboxSettings) -> None:
+    r = run_python("open('big', 'wb').write(b'x' * 4 * 1024 * 1024)", limits=SMALL, settings=mode)
     assert not r.ok and r.killed_reason == "file_size"
 
 
-@pytest.mark.parametrize("limits", MODES)
-def test_socket_connect_is_refused(limits: SandboxLimits) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_socket_connect_is_refused(mode: SandboxSettings) -> None:
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen(1)
@@ -99,22 +112,22 @@ def test_socket_connect_is_refused(limits: SandboxLimits) -> None:
             f"s = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
             "print('CONNECTED')\n"
         )
-        r = run_python(code, limits=limits)
+        r = run_python(code, limits=SMALL, settings=mode)
         assert not r.ok and "CONNECTED" not in r.stdout
         assert "PermissionError" in r.stderr or "Network is unreachable" in r.stderr
         with pytest.raises(BlockingIOError):
             server.accept()
 
 
-@pytest.mark.parametrize("limits", MODES)
-def test_parent_environment_is_not_inherited(limits: SandboxLimits, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_parent_environment_is_not_inherited(mode: SandboxSettings, monkeypatch: pytest.MonkeyPatch) -> None:
     secret = f"s3cr3t-{uuid.uuid4().hex}"
     monkeypatch.setenv("ASTRAFLOW_FAKE_SECRET", secret)
-    r = run_python("import os\nprint(dict(os.environ))", limits=limits)
+    r = run_python("import os\nprint(dict(os.environ))", limits=SMALL, settings=mode)
     assert r.ok and secret not in r.stdout and "ASTRAFLOW_FAKE_SECRET" not in r.stdout
 
 
-@needs_namespaces
+@needs_bwrap
 def test_other_processes_environments_are_invisible(monkeypatch: pytest.MonkeyPatch) -> None:
     secret = f"s3cr3t-{uuid.uuid4().hex}"
     monkeypatch.setenv("ASTRAFLOW_FAKE_SECRET", secret)
@@ -128,12 +141,12 @@ def test_other_processes_environments_are_invisible(monkeypatch: pytest.MonkeyPa
         "        print(p, 'unreadable', e.errno)\n"
         "print('pids', len(pids))\n"
     )
-    r = run_python(code, limits=SMALL)
+    r = run_python(code, limits=SMALL, settings=STRICT)
     assert r.ok and secret not in r.stdout
-    assert r.isolation == "namespaces"
+    assert r.isolation == "bwrap"
 
 
-@needs_namespaces
+@needs_bwrap
 def test_writes_outside_the_work_directory_are_confined_or_fail() -> None:
     name = f"astraflow-escape-{uuid.uuid4().hex}"
     repo = Path(__file__).resolve().parents[2]
@@ -143,7 +156,7 @@ def test_writes_outside_the_work_directory_are_confined_or_fail() -> None:
         "        print('wrote', path)\n    except OSError as e:\n        print('refused', path, e.errno)\n"
     )
     try:
-        r = run_python(code, args=[str(t) for t in targets], limits=SMALL)
+        r = run_python(code, args=[str(t) for t in targets], limits=SMALL, settings=STRICT)
         assert r.ok, r.stderr
         assert f"wrote /tmp/{name}" in r.stdout  # its own private /tmp ...
         for target in targets:
@@ -154,7 +167,7 @@ def test_writes_outside_the_work_directory_are_confined_or_fail() -> None:
             target.unlink(missing_ok=True)
 
 
-@needs_namespaces
+@needs_bwrap
 def test_fork_bomb_is_contained() -> None:
     marker = f"bomb-{uuid.uuid4().hex}"
     code = (
@@ -179,13 +192,13 @@ def test_fork_bomb_is_contained() -> None:
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        r = run_python(code, args=[marker], limits=_with(SMALL, wall_s=2))
+        r = run_python(code, args=[marker], limits=_with(SMALL, wall_s=2), settings=STRICT)
     finally:
         stop.set()
         watcher.join()
     assert not r.ok and r.timed_out
-    assert "refused 11" in r.stdout  # EAGAIN: RLIMIT_NPROC stopped it
-    assert peak[0] <= SMALL.nproc + 2  # the user's processes, plus unshare and the init
+    assert "refused 11" in r.stdout  # EAGAIN: the pids cgroup stopped it
+    assert peak[0] <= SMALL.nproc + 2  # the run's processes, plus bwrap and its pid-1 reaper
     assert _processes_with(marker) == 0  # the whole tree is gone, setsid() or not
 
 
@@ -193,9 +206,9 @@ def test_async_runs_concurrently_and_cancellation_kills_the_run() -> None:
     marker = f"cancel-{uuid.uuid4().hex}"
 
     async def scenario() -> list[str]:
-        outs = await asyncio.gather(*(run_python_async(f"print({i} * 2)", limits=SMALL) for i in range(3)))
+        outs = await asyncio.gather(*(run_python_async(f"print({i} * 2)", limits=SMALL, settings=BEST) for i in range(3)))
         slow = asyncio.ensure_future(
-            run_python_async("import time\ntime.sleep(30)", args=[marker], limits=SMALL)
+            run_python_async("import time\ntime.sleep(30)", args=[marker], limits=SMALL, settings=BEST)
         )
         await asyncio.sleep(1.0)
         slow.cancel()
@@ -212,17 +225,136 @@ def test_async_runs_concurrently_and_cancellation_kills_the_run() -> None:
 
 def test_output_is_bounded_head_and_tail() -> None:
     code = "print('START' + 'x' * 300000)\nprint('END')"
-    r = run_python(code, limits=_with(SMALL, max_output_bytes=1000))
+    r = run_python(code, limits=_with(SMALL, max_output_bytes=1000), settings=BEST)
     assert r.ok and r.stdout_truncated
     assert r.stdout.startswith("START") and r.stdout.rstrip().endswith("END") and len(r.stdout) < 6000
 
 
 def test_bad_file_names_and_event_loop_misuse_raise() -> None:
     with pytest.raises(SandboxError, match="relative path"):
-        run_python("pass", files={"../evil.py": "x"})
+        run_python("pass", files={"../evil.py": "x"}, settings=BEST)
 
     async def inside_loop() -> None:
-        run_python("pass")
+        run_python("pass", settings=BEST)
 
     with pytest.raises(SandboxError, match="run_python_async"):
         asyncio.run(inside_loop())
+
+
+def test_missing_isolation_refuses_unless_the_operator_allows_weak_isolation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    missing = SandboxSettings(bwrap="/nonexistent/bwrap")
+    with pytest.raises(SandboxUnavailableError, match="bubblewrap .* not installed.*ALLOW_WEAK_ISOLATION"):
+        run_python("print('ran')", limits=SMALL, settings=missing)
+    monkeypatch.setenv("ASTRAFLOW__SANDBOX__BWRAP", "/nonexistent/bwrap")
+    assert current_settings() == missing  # the operator's settings come from the environment
+    with pytest.raises(SandboxUnavailableError, match="scripts/system-deps.sh"):
+        run_python("print('ran')", limits=SMALL)
+    monkeypatch.setenv("ASTRAFLOW__SANDBOX__ALLOW_WEAK_ISOLATION", "true")
+    r = run_python("print('ran')", limits=SMALL)
+    assert r.ok and r.stdout == "ran\n" and r.isolation == "process"
+
+
+@needs_bwrap
+def test_bwrap_filesystem_holds_only_the_interpreter_and_a_private_tmp() -> None:
+    secret_dir = Path.home()  # /root here: the venv, caches and credentials live below it
+    code = (
+        "import os, sys\n"
+        "for path in sys.argv[1:]:\n"
+        "    print(path, os.path.exists(path))\n"
+        "print('root', sorted(os.listdir('/')))\n"
+        "print('etc', sorted(os.listdir('/etc')))\n"
+        "print('uid', os.getuid(), 'pids', sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+        "try:\n"
+        "    open('/usr/astraflow-escape', 'w')\n"
+        "except OSError as e:\n"
+        "    print('usr read-only', e.errno)\n"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    probes = [str(repo), str(secret_dir / ".cache"), sys.prefix, "/etc/passwd", "/var", "/home"]
+    r = run_python(code, args=probes, limits=SMALL, settings=STRICT)
+    assert r.ok, r.stderr
+    for probe in probes:
+        assert f"{probe} False" in r.stdout  # no repository, no venv, no caches, no /etc files
+    assert "etc ['ld.so.cache']" in r.stdout
+    assert "uid 1000 pids [1, 2]" in r.stdout  # bwrap's reaper and the run itself, nothing else
+    assert "usr read-only 30" in r.stdout  # EROFS
+
+
+SYSCALLS = """\
+import ctypes, errno, socket
+libc = ctypes.CDLL(None, use_errno=True)
+def attempt(name, *args):
+    rc = libc.syscall(*args)
+    print(name, rc, errno.errorcode.get(ctypes.get_errno(), '-') if rc < 0 else 'ok', flush=True)
+attempt('ptrace', 101, 0, 0, 0, 0)                 # PTRACE_TRACEME
+attempt('mount', 165, b'none', b'/tmp', b'tmpfs', 0, 0)
+attempt('unshare', 272, 0x10000000)                # CLONE_NEWUSER
+attempt('setns', 308, 0, 0)
+attempt('keyctl', 250, 0, 0, 0)
+attempt('bpf', 321, 0, 0, 0)
+attempt('perf_event_open', 298, 0, 0, -1, -1, 0)
+attempt('kexec_load', 246, 0, 0, 0, 0)
+attempt('init_module', 175, 0, 0, 0)
+attempt('io_uring_setup', 425, 1, 0)
+attempt('inet', 41, socket.AF_INET, socket.SOCK_STREAM, 0)
+attempt('netlink', 41, socket.AF_NETLINK, socket.SOCK_RAW, 0)
+attempt('unix', 41, socket.AF_UNIX, socket.SOCK_STREAM, 0)
+"""
+
+
+@needs_bwrap
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the probe uses x86_64 system call numbers")
+def test_seccomp_refuses_dangerous_system_calls() -> None:
+    r = run_python(SYSCALLS, limits=SMALL, settings=STRICT)
+    assert r.ok, r.stderr
+    got = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+    for name in ("ptrace", "mount", "unshare", "setns", "keyctl", "bpf", "perf_event_open", "kexec_load",
+                 "init_module", "io_uring_setup"):  # fmt: skip
+        assert got[name] == "-1 EPERM", (name, got[name])
+    assert got["inet"] == got["netlink"] == "-1 EAFNOSUPPORT"
+    assert got["unix"].endswith("ok")  # local sockets still work (multiprocessing needs them)
+
+
+@needs_bwrap
+def test_memory_is_bounded_per_run_across_processes_and_tmp() -> None:
+    # each process stays under its RLIMIT_AS; together (four processes, or files in /tmp) they exceed the run's memory
+    forks = (
+        "import os, time\n"
+        "kids = []\n"
+        "for _ in range(4):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        block = b'x' * (60 * 1024 * 1024)\n"
+        "        time.sleep(3)\n"
+        "        os._exit(0)\n"
+        "    kids.append(pid)\n"
+        "codes = [os.waitpid(k, 0)[1] for k in kids]\n"
+        "raise SystemExit(1 if any(os.WIFSIGNALED(c) for c in codes) else 0)\n"
+    )
+    r = run_python(forks, limits=_with(SMALL, memory_mb=128, wall_s=8), settings=STRICT)
+    assert not r.ok and r.killed_reason == "memory" and not r.timed_out
+    tmp_fill = (
+        "with open('/tmp/fill', 'wb') as f:\n"
+        "    for _ in range(150):\n"
+        "        f.write(b'x' * 1024 * 1024)\n"
+        "print('written')\n"
+    )
+    big_disk = _with(SMALL, memory_mb=128, disk_mb=512, file_size_mb=512)
+    r = run_python(tmp_fill, limits=big_disk, settings=STRICT)
+    assert not r.ok and r.killed_reason == "memory" and "written" not in r.stdout
+
+
+@needs_bwrap
+def test_memory_is_bounded_in_total() -> None:
+    parent = f"astraflow-sandbox-test-{uuid.uuid4().hex[:8]}"
+    settings = SandboxSettings(total_memory_mb=96, cgroup_parent=parent)
+    code = "block = b'x' * (150 * 1024 * 1024)\nprint('allocated')"
+    try:
+        r = run_python(code, limits=_with(SMALL, memory_mb=256), settings=settings)
+        assert not r.ok and r.killed_reason == "memory" and "allocated" not in r.stdout
+        assert run_python(code, limits=_with(SMALL, memory_mb=256), settings=STRICT).ok  # the run's own bound allows it
+    finally:
+        for controller in ("memory", "pids"):
+            Path(f"/sys/fs/cgroup/{controller}/{parent}").rmdir()

@@ -1,0 +1,154 @@
+"""A solution cannot pass the code reward's tests by attacking the process that runs them.
+
+Each attack below beats a harness that runs the tests in the solution's own interpreter (the
+reward's design until the split); each must score 0 here, while honest solutions that use
+classes, exceptions and generators across the process boundary still score 1. Every case runs
+in the bwrap mode (where available) and in the operator-allowed weak mode: the split into two
+processes holds in both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+import pytest
+
+from astraflow.dataflow.code_reward import CodeTests
+from astraflow.records import Trajectory
+from astraflow.sandbox import SandboxSettings, unavailable_reason
+from astraflow.testing import make_trajectory
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
+
+BWRAP_MISSING = unavailable_reason(SandboxSettings())
+MODES = [
+    pytest.param("bwrap", id="bwrap", marks=pytest.mark.skipif(BWRAP_MISSING is not None, reason=str(BWRAP_MISSING))),
+    pytest.param("process", id="process"),
+]
+ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]
+
+ATTACKS = {
+    "eq_always_true": "class Yes:\n    def __eq__(self, other):\n        return True\n\ndef add(a, b):\n    return Yes()\n",
+    "int_subclass_eq": (
+        "class Int(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n\n"
+        "def add(a, b):\n    return Int(7)\n"
+    ),
+    "patch_builtins_module": (
+        "import sys\nb = sys.modules['builtins']\nb.AssertionError = type('Quiet', (Exception,), {})\n"
+        "b.len = lambda x: 3\nb.isinstance = lambda *a: True\n\ndef add(a, b):\n    return None\n"
+    ),
+    "patch_unittest": (
+        "import unittest\nunittest.TestCase.assertEqual = lambda *a, **k: None\n"
+        "unittest.TestCase.assertTrue = lambda *a, **k: None\n\ndef add(a, b):\n    return None\n"
+    ),
+    "atexit_exit_zero": "import atexit, os\natexit.register(lambda: os._exit(0))\n\ndef add(a, b):\n    return a - b\n",
+    "fake_report_on_stdout": (
+        "import json, os, sys\nline = json.dumps({'passed': 3, 'total': 3, 'failures': []})\n"
+        "print(line)\nos.write(1, (line + '\\n').encode())\nos.write(2, (line + '\\n').encode())\n"
+        "sys.stdout.flush()\n\ndef add(a, b):\n    return None\n"
+    ),
+    "hard_exit_zero": "import os\nos._exit(0)\n",
+    "exit_zero_inside_call": "import os\n\ndef add(a, b):\n    os._exit(0)\n",
+    "system_exit_inside_call": "import sys\n\ndef add(a, b):\n    sys.exit(0)\n",
+    "read_expected_from_frames_and_files": (
+        "import gc, os, re, sys\n\n"
+        "def add(a, b):\n"
+        "    texts = [o for o in gc.get_objects() if isinstance(o, str) and 'assert add' in o]\n"
+        "    frame = sys._getframe()\n"
+        "    while frame is not None:\n"
+        "        texts += [str(v) for v in frame.f_locals.values() if 'assert add' in str(v)]\n"
+        "        frame = frame.f_back\n"
+        "    for root, _dirs, files in os.walk('/tmp'):\n"
+        "        for name in files:\n"
+        "            texts.append(open(os.path.join(root, name), errors='replace').read())\n"
+        "    for text in texts:\n"
+        "        m = re.search(r'assert add\\(%d, %d\\) == (-?\\d+)' % (a, b), text)\n"
+        "        if m:\n"
+        "            return int(m.group(1))\n"
+        "    return None\n"
+    ),
+    "shadow_a_builtin_the_tests_use": "def sorted(x):\n    return list(x)\n\ndef sort_list(x):\n    return list(x)\n",
+    "kill_every_process": (
+        "import os, signal\nfor pid in range(1, 4096):\n    try:\n        os.kill(pid, signal.SIGKILL) if pid != os.getpid() else None\n"
+        "    except OSError:\n        pass\n\ndef add(a, b):\n    return None\n"
+    ),
+    "forge_protocol_reply_at_load": (
+        "import os\nos.write(4, b'{\"names\": {}}\\n')\n\ndef add(a, b):\n    return None\n"
+    ),
+}
+SORT_TESTS = ["assert sort_list([3, 1, 2]) == sorted([3, 1, 2])"]
+
+HONEST = {
+    "class_methods_len_iter": (
+        "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n        self.items.append(x)\n"
+        "    def pop(self):\n        return self.items.pop()\n    def __len__(self):\n        return len(self.items)\n"
+        "    def __iter__(self):\n        return iter(self.items)\n",
+        ["s = Stack()\ns.push(1)\ns.push(2)\nassert s.pop() == 2\nassert len(s) == 1 and list(s) == [1]",
+         "s = Stack()\ns.push((1, 'a'))\nassert s.items == [(1, 'a')]"],
+    ),
+    "exceptions_generators_containers": (
+        "import collections\n\nclass Bad(ValueError):\n    pass\n\ndef check(x):\n    if x < 0:\n        raise Bad('negative')\n    return x\n\n"
+        "def gen(n):\n    yield from range(n)\n\ndef count(s):\n    return collections.Counter(s)\n",
+        ["try:\n    check(-1)\nexcept ValueError:\n    pass\nelse:\n    raise AssertionError('no error')",
+         "assert list(gen(3)) == [0, 1, 2]",
+         "assert count('aab') == {'a': 2, 'b': 1}",
+         "assert check(float('inf')) == float('inf') and check(2 ** 80) == 2 ** 80"],
+    ),
+}
+
+
+def trajectory(code: str, tests: list[str]) -> Trajectory:
+    return dataclasses.replace(make_trajectory(), final_answer=code, reference=json.dumps({"tests": tests}))
+
+
+@pytest.fixture(params=MODES)
+def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "process":
+        monkeypatch.setenv("ASTRAFLOW__SANDBOX__ALLOW_WEAK_ISOLATION", "true")
+        monkeypatch.setenv("ASTRAFLOW__SANDBOX__BWRAP", "/nonexistent/bwrap")
+    return request.param
+
+
+def score(code: str, tests: list[str]) -> dict[str, float]:
+    reward = CodeTests(timeout_s=5, cpu_s=2, memory_mb=256, partial_credit=True)
+    out = asyncio.run(reward.score_async(trajectory(code, tests)))
+    return {"reward": out.reward, **out.components}
+
+
+@pytest.mark.parametrize("attack", list(ATTACKS))
+def test_attacks_on_the_test_process_earn_nothing(attack: str, mode: str) -> None:
+    tests = SORT_TESTS if attack == "shadow_a_builtin_the_tests_use" else ADD_TESTS
+    out = score(ATTACKS[attack], tests)
+    assert out["reward"] == 0.0 and out["tests_passed"] == 0.0, out
+    assert out["reported"] == 1.0  # the test process itself always reports
+
+
+@pytest.mark.parametrize("case", list(HONEST))
+def test_honest_solutions_work_across_the_process_boundary(case: str, mode: str) -> None:
+    code, tests = HONEST[case]
+    out = score(code, tests)
+    assert out["reward"] == 1.0, out
+
+
+def test_many_runs_at_once_without_blocking_the_loop(mode: str) -> None:
+    async def scenario() -> tuple[list[float], int]:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        tick = asyncio.ensure_future(ticker())
+        reward = CodeTests(timeout_s=10, cpu_s=2, memory_mb=256)
+        honest = "def add(a, b):\n    return a + b\n"
+        outs = await asyncio.gather(*(reward.score_async(trajectory(honest, ADD_TESTS)) for _ in range(6)))
+        tick.cancel()
+        return [o.reward for o in outs], ticks
+
+    rewards, ticks = asyncio.run(scenario())
+    assert rewards == [1.0] * 6
+    assert ticks > 0  # the event loop kept running while the sandboxes worked
