@@ -8,6 +8,7 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
+bash scripts/system-deps.sh
 VENV=$(bash scripts/env.sh)
 export PATH="$VENV/bin:$PATH"
 
