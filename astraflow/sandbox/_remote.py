@@ -8,8 +8,8 @@ Shipped into both sandboxes of `astraflow.sandbox.split` as `_astraflow_remote.p
   plain values or `Remote` proxies, whose calls, attributes, items, length, iteration,
   membership, truth and text are requests to the solution.
 
-Only plain data crosses the pipes, as JSON lines: None, bool, int, float (nan and infinities
-tagged), str, list, and tagged tuple, set, frozenset, dict, bytes and complex. Anything else (an
+Only plain data crosses the pipes, as JSON lines: None, bool, int (huge ones tagged), float
+(nan and infinities tagged), str, list, and tagged tuple, set, frozenset, dict, bytes and complex. Anything else (an
 instance of a solution class, a function, a subclass of a builtin type) stays in the solution's
 process and crosses as a numbered handle. A value the driver receives is therefore always built
 by the driver's own, unpatched types: a solution cannot hand over an object whose `__eq__`
@@ -25,7 +25,8 @@ import os
 import sys
 
 MAX_LINE = 16 * 1024 * 1024  # largest message either side accepts
-_TAGS = ("$t", "$s", "$F", "$d", "$b", "$c", "$f", "$h")
+_TAGS = ("$t", "$s", "$F", "$d", "$b", "$c", "$f", "$h", "$x")
+_BIG = 10**1000  # ints this large cross as hex: JSON's decimal form is capped at 4,300 digits
 
 
 class RemoteError(Exception):
@@ -46,7 +47,8 @@ def encode(value, handle, depth=0):
     if isinstance(value, bool):
         return bool(value)
     if isinstance(value, int):
-        return int(value)
+        i = int(value)
+        return i if -_BIG < i < _BIG else {"$x": hex(i)}
     if isinstance(value, float):
         f = float(value)
         return f if math.isfinite(f) else {"$f": repr(f)}
@@ -88,6 +90,8 @@ def decode(data, resolve, depth=0):
         return float(body)
     if tag == "$b":
         return base64.b64decode(body, validate=True)
+    if tag == "$x":
+        return int(body, 16)
     if tag == "$h":
         if type(body) is not int:
             raise ValueError("bad handle")

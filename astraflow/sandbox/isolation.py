@@ -8,8 +8,9 @@ Two modes (`SandboxResult.isolation` says which one ran):
   seccomp filter of `astraflow.sandbox.seccomp`, and the run's memory and pids cgroups
   (`astraflow.sandbox.cgroups`) surround it.
 * **process** (only with `allow_weak_isolation`, where bwrap cannot run): a new session, the
-  resource limits, an empty environment and a socket-refusing audit hook; the uid is dropped
-  only when running as root and the interpreter is reachable by other users.
+  resource limits, an empty environment and a socket-refusing audit hook; as root, the code runs
+  under a uid of its own, and where that is impossible (an interpreter other users cannot read)
+  it refuses: weak isolation never means running untrusted code as root.
 
 Where bwrap is demanded but cannot run, `resolve_mode` raises `SandboxUnavailableError` with the
 reason and the two ways out (install it, or allow the weak mode).
@@ -64,11 +65,11 @@ class Launch:
     pass_fds: tuple[int, ...] = field(default=())  # descriptors the launched process keeps
 
 
-def interpreter(limits: SandboxLimits) -> tuple[str, str]:
+def interpreter(settings: SandboxSettings) -> tuple[str, str]:
     """(interpreter path, installation prefix to expose) for the untrusted code."""
-    if limits.python is None:
+    if settings.python is None:
         return os.path.realpath(sys._base_executable), os.path.realpath(sys.base_prefix)  # type: ignore[attr-defined]
-    real = os.path.realpath(limits.python)
+    real = os.path.realpath(shutil.which(settings.python) or settings.python)
     return real, str(Path(real).parent.parent)
 
 
@@ -82,7 +83,7 @@ def root_binds(prefix: str) -> list[str]:
             args += ["--ro-bind", top, top]
     if os.path.exists("/etc/ld.so.cache"):
         args += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
-    if not prefix.startswith("/usr/"):
+    if prefix != "/usr" and not prefix.startswith("/usr/"):
         args += ["--ro-bind", prefix, prefix]
     return [*args, "--proc", "/proc", "--dev", "/dev"]
 
@@ -92,10 +93,11 @@ def bwrap_path(settings: SandboxSettings) -> str | None:
 
 
 def bwrap_argv(
-    bwrap: str, limits: SandboxLimits, inner: list[str], *, seccomp_fd: int, status_fd: int, files: list[str]
+    bwrap: str, prefix: str, limits: SandboxLimits, inner: list[str], *, seccomp_fd: int, status_fd: int,
+    files: list[str],
 ) -> list[str]:
-    """The bwrap command line that runs `inner` under `limits`; `files` are `--file FD DEST` pairs."""
-    _python, prefix = interpreter(limits)
+    """The bwrap command line that runs `inner` under `limits`, with the interpreter installed at
+    `prefix`; `files` are `--file FD DEST` pairs."""
     argv = [bwrap, *BWRAP_FLAGS, *root_binds(prefix)]
     argv += ["--size", str(limits.disk_mb * 1024 * 1024), "--tmpfs", WORKDIR]
     argv += ["--size", str(1024 * 1024), "--tmpfs", "/dev/shm"]
@@ -113,8 +115,8 @@ def _probe(bwrap: str, python: str, prefix: str) -> str | None:
         os.write(w, seccomp.build_filter())
         os.close(w)
         w = -1
-        limits = SandboxLimits(python=python)
-        argv = bwrap_argv(bwrap, limits, [python, "-I", "-c", "pass"], seccomp_fd=r, status_fd=2, files=[])
+        inner = [python, "-I", "-c", "pass"]
+        argv = bwrap_argv(bwrap, prefix, SandboxLimits(), inner, seccomp_fd=r, status_fd=2, files=[])
         try:
             done = subprocess.run(argv, env={}, capture_output=True, timeout=20, check=False, pass_fds=(r,))
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -143,20 +145,28 @@ def _bwrap_unavailable(bwrap: str | None, python: str, prefix: str) -> str | Non
     return _probe(bwrap, python, prefix)
 
 
-def unavailable_reason(settings: SandboxSettings, limits: SandboxLimits | None = None) -> str | None:
+def unavailable_reason(settings: SandboxSettings) -> str | None:
     """Why the bwrap mode cannot run here (probed once per binary and interpreter), or None."""
-    python, prefix = interpreter(limits or SandboxLimits())
+    python, prefix = interpreter(settings)
     return _bwrap_unavailable(bwrap_path(settings), python, prefix)
 
 
-def resolve_mode(settings: SandboxSettings, limits: SandboxLimits | None = None) -> str:
+def resolve_mode(settings: SandboxSettings) -> str:
     """"bwrap", or "process" where bwrap cannot run and weak isolation is allowed; else raises."""
-    reason = unavailable_reason(settings, limits)
+    reason = unavailable_reason(settings)
     if reason is None:
         return "bwrap"
-    if settings.allow_weak_isolation:
-        return "process"
-    raise SandboxUnavailableError(f"the sandbox refuses to run untrusted code: {reason}. To fix: {HOW_TO_FIX}")
+    if not settings.allow_weak_isolation:
+        raise SandboxUnavailableError(f"the sandbox refuses to run untrusted code: {reason}. To fix: {HOW_TO_FIX}")
+    python, prefix = interpreter(settings)
+    if os.geteuid() == 0 and not (others_can_reach(python) and others_can_reach(prefix)):
+        raise SandboxUnavailableError(
+            f"the sandbox refuses to run untrusted code: {reason}, and in the weak mode the code would run "
+            f"as root, because other users cannot read the interpreter {python}. To fix: install bubblewrap "
+            "(`bash scripts/system-deps.sh`), or set ASTRAFLOW__SANDBOX__PYTHON to an interpreter every user "
+            "can read (e.g. /usr/bin/python3), or run as an unprivileged user"
+        )
+    return "process"
 
 
 def rlimits(limits: SandboxLimits) -> list[tuple[str, int, int]]:
@@ -204,12 +214,13 @@ def new_uid() -> int:
     return low + secrets.randbelow(high - low)
 
 
-def process_launch(limits: SandboxLimits, workdir: str, args: list[str], pass_fds: tuple[int, ...]) -> Launch:
-    """The weak mode's command: the interpreter in `workdir`, under a uid of its own where possible."""
-    python, prefix = interpreter(limits)
-    user = None
-    if os.geteuid() == 0 and others_can_reach(python) and others_can_reach(prefix):
-        user = new_uid()
+def process_launch(
+    settings: SandboxSettings, limits: SandboxLimits, workdir: str, args: list[str], pass_fds: tuple[int, ...]
+) -> Launch:
+    """The weak mode's command: the interpreter in `workdir`, as root under a uid of its own
+    (`resolve_mode` has checked that this uid can read the interpreter)."""
+    python, _prefix = interpreter(settings)
+    user = new_uid() if os.geteuid() == 0 else None
     argv = user_argv(python, limits, args)
     return Launch(argv, sandbox_env(workdir), workdir, "process", user=user, pass_fds=pass_fds)
 
@@ -235,7 +246,7 @@ def bwrap_launch(
     `files` (relative path -> content, already checked) are copied into the private /tmp by
     bwrap itself from memory files, so nothing of the run ever touches the host's disk.
     """
-    python, _prefix = interpreter(limits)
+    python, prefix = interpreter(settings)
     bwrap = bwrap_path(settings) or settings.bwrap
     owned: list[int] = []
     file_args: list[str] = []
@@ -253,6 +264,6 @@ def bwrap_launch(
     seccomp_fd = _memfd("sandbox-seccomp", seccomp.build_filter())
     owned.append(seccomp_fd)
     inner = user_argv(python, limits, args)
-    argv = bwrap_argv(bwrap, limits, inner, seccomp_fd=seccomp_fd, status_fd=status_fd, files=file_args)
+    argv = bwrap_argv(bwrap, prefix, limits, inner, seccomp_fd=seccomp_fd, status_fd=status_fd, files=file_args)
     launch = Launch(cgroups.enter_argv(cgroup, argv), {}, "/", "bwrap", pass_fds=(*owned, status_fd, *pass_fds))
     return launch, owned

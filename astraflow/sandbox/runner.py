@@ -168,7 +168,7 @@ async def run_python_async(
     handed = list(pass_fds)  # ours to close from here on
     settings = settings or current_settings()
     try:
-        mode = resolve_mode(settings, limits)
+        mode = resolve_mode(settings)
         checked = _check_files(code, files or {})
     except BaseException:
         _close(handed)
@@ -191,7 +191,7 @@ async def run_python_async(
             owned += files_fds
         else:
             workdir = Path(tempfile.mkdtemp(prefix="astraflow-sbx-"))
-            launch = process_launch(limits, str(workdir), list(args), tuple(handed))
+            launch = process_launch(settings, limits, str(workdir), list(args), tuple(handed))
             _write_files(workdir, checked, launch.user)
         out, err = _Capture(limits.max_output_bytes), _Capture(limits.max_output_bytes)
         start = time.monotonic()

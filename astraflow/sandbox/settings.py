@@ -24,6 +24,9 @@ class SandboxSettings(BaseModel):
     without it such a machine refuses to run the code at all."""
     bwrap: str = "bwrap"
     """The bubblewrap binary (a name looked up on PATH, or a path)."""
+    python: str | None = None
+    """Interpreter for the untrusted code (its installation is shown read-only inside the
+    sandbox); None: the base interpreter of the running one (not a virtualenv)."""
     total_memory_mb: int = Field(default=8192, ge=64)
     """Memory of all sandbox runs on this machine together (a cgroup above every run's own)."""
     cgroup_parent: str = Field(default="astraflow-sandbox", pattern=r"^[A-Za-z0-9_.-]+$")

@@ -43,7 +43,7 @@ async def run_split_async(
     Raises `SandboxUnavailableError` (before starting anything) where isolation is missing.
     """
     settings = settings or current_settings()
-    resolve_mode(settings, limits)
+    resolve_mode(settings)
     to_solution_r, to_solution_w = os.pipe()
     to_driver_r, to_driver_w = os.pipe()
     solution_run = asyncio.ensure_future(

@@ -18,7 +18,6 @@ class SandboxLimits:
     nproc: int = 32  # processes and threads of the run (pids cgroup; RLIMIT_NPROC in process mode)
     nofile: int = 256  # RLIMIT_NOFILE: open file descriptors per process
     max_output_bytes: int = 64 * 1024  # stdout and stderr are each cut to this (head and tail kept)
-    python: str | None = None  # interpreter for the untrusted code; None = this one's base interpreter
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,16 +16,33 @@ import json
 import pytest
 
 from astraflow.dataflow.code_reward import CodeTests
+from astraflow.errors import SandboxUnavailableError
 from astraflow.records import Trajectory
-from astraflow.sandbox import SandboxSettings, unavailable_reason
+from astraflow.sandbox import SandboxSettings, current_settings, resolve_mode, unavailable_reason
 from astraflow.testing import make_trajectory
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 BWRAP_MISSING = unavailable_reason(SandboxSettings())
+WEAK_ENV = {  # the weak mode as root needs an interpreter that its own uid can read
+    "ASTRAFLOW__SANDBOX__ALLOW_WEAK_ISOLATION": "true",
+    "ASTRAFLOW__SANDBOX__BWRAP": "/nonexistent/bwrap",
+    "ASTRAFLOW__SANDBOX__PYTHON": "/usr/bin/python3",
+}
+
+
+def _weak_missing() -> str | None:
+    try:
+        resolve_mode(current_settings(WEAK_ENV))
+    except SandboxUnavailableError as exc:
+        return str(exc)
+    return None
+
+
+WEAK_MISSING = _weak_missing()
 MODES = [
     pytest.param("bwrap", id="bwrap", marks=pytest.mark.skipif(BWRAP_MISSING is not None, reason=str(BWRAP_MISSING))),
-    pytest.param("process", id="process"),
+    pytest.param("process", id="process", marks=pytest.mark.skipif(WEAK_MISSING is not None, reason=str(WEAK_MISSING))),
 ]
 ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]
 
@@ -70,9 +87,12 @@ ATTACKS = {
         "    return None\n"
     ),
     "shadow_a_builtin_the_tests_use": "def sorted(x):\n    return list(x)\n\ndef sort_list(x):\n    return list(x)\n",
-    "kill_every_process": (
-        "import os, signal\nfor pid in range(1, 4096):\n    try:\n        os.kill(pid, signal.SIGKILL) if pid != os.getpid() else None\n"
-        "    except OSError:\n        pass\n\ndef add(a, b):\n    return None\n"
+    # Kills every process it can see, but only where it sees a pid namespace of its own (at
+    # most a few processes): outside one (the weak mode, as root) it would kill the machine's.
+    "kill_every_process_in_its_namespace": (
+        "import os, signal\npids = [int(p) for p in os.listdir('/proc') if p.isdigit()]\n"
+        "if len(pids) <= 4:\n    for pid in pids:\n        if pid != os.getpid():\n"
+        "            os.kill(pid, signal.SIGKILL)\n\ndef add(a, b):\n    return None\n"
     ),
     "forge_protocol_reply_at_load": (
         "import os\nos.write(4, b'{\"names\": {}}\\n')\n\ndef add(a, b):\n    return None\n"
@@ -90,11 +110,12 @@ HONEST = {
     ),
     "exceptions_generators_containers": (
         "import collections\n\nclass Bad(ValueError):\n    pass\n\ndef check(x):\n    if x < 0:\n        raise Bad('negative')\n    return x\n\n"
-        "def gen(n):\n    yield from range(n)\n\ndef count(s):\n    return collections.Counter(s)\n",
+        "def gen(n):\n    yield from range(n)\n\ndef count(s):\n    return collections.Counter(s)\n\ndef echo(x):\n    return x\n",
         ["try:\n    check(-1)\nexcept ValueError:\n    pass\nelse:\n    raise AssertionError('no error')",
          "assert list(gen(3)) == [0, 1, 2]",
          "assert count('aab') == {'a': 2, 'b': 1}",
-         "assert check(float('inf')) == float('inf') and check(2 ** 80) == 2 ** 80"],
+         "assert check(float('inf')) == float('inf') and check(2 ** 80) == 2 ** 80 and check(7 ** 9000) == 7 ** 9000",
+         "assert echo(b'x') == b'x' and echo({1: (2, {3})}) == {1: (2, {3})} and echo(1j) == 1j"],
     ),
 }
 
@@ -106,8 +127,8 @@ def trajectory(code: str, tests: list[str]) -> Trajectory:
 @pytest.fixture(params=MODES)
 def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "process":
-        monkeypatch.setenv("ASTRAFLOW__SANDBOX__ALLOW_WEAK_ISOLATION", "true")
-        monkeypatch.setenv("ASTRAFLOW__SANDBOX__BWRAP", "/nonexistent/bwrap")
+        for key, value in WEAK_ENV.items():
+            monkeypatch.setenv(key, value)
     return request.param
 
 
@@ -152,3 +173,28 @@ def test_many_runs_at_once_without_blocking_the_loop(mode: str) -> None:
     rewards, ticks = asyncio.run(scenario())
     assert rewards == [1.0] * 6
     assert ticks > 0  # the event loop kept running while the sandboxes worked
+
+
+def test_wire_carries_plain_data_only() -> None:
+    from astraflow.sandbox._remote import decode, encode
+
+    held: list[object] = []
+
+    def handle(obj: object) -> int:
+        held.append(obj)
+        return len(held) - 1
+
+    class Yes(int):
+        def __eq__(self, other: object) -> bool:
+            return True
+
+        __hash__ = int.__hash__
+
+    value = [Yes(5), (1.5, float("nan")), {"k": {b"b"}}, frozenset({2}), 3 ** 5000, object]
+    back = decode(json.loads(json.dumps(encode(value, handle))), lambda n: ("handle", n))
+    assert type(back[0]) is int and back[0] == 5 and back[0] != 6  # the subclass's __eq__ is gone
+    assert back[1][0] == 1.5 and back[1][1] != back[1][1] and back[2] == {"k": {b"b"}}
+    assert back[3] == frozenset({2}) and back[4] == 3**5000 and back[5] == ("handle", 0) and held == [object]
+    for bad in ({"$q": 1}, {"$t": 1}, {"$f": "1e999"}, {"$h": "0"}, {"a": 1, "b": 2}):
+        with pytest.raises(ValueError):
+            decode(bad, lambda n: n)

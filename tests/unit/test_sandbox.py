@@ -24,6 +24,7 @@ from astraflow.sandbox import (
     SandboxLimits,
     SandboxSettings,
     current_settings,
+    resolve_mode,
     run_python,
     run_python_async,
     unavailable_reason,
@@ -33,10 +34,24 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 SMALL = SandboxLimits(wall_s=5, cpu_s=2, memory_mb=192, nproc=8, file_size_mb=1, disk_mb=8)
 STRICT = SandboxSettings()
-WEAK = SandboxSettings(allow_weak_isolation=True, bwrap="/nonexistent/bwrap")
+# the weak mode as root runs the code under a uid of its own, which needs an interpreter it can read
+WEAK_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else None
+WEAK = SandboxSettings(allow_weak_isolation=True, bwrap="/nonexistent/bwrap", python=WEAK_PYTHON)
 BWRAP_MISSING = unavailable_reason(STRICT)
 needs_bwrap = pytest.mark.skipif(BWRAP_MISSING is not None, reason=f"bwrap mode unavailable: {BWRAP_MISSING}")
-MODES = [pytest.param(STRICT, id="bwrap", marks=needs_bwrap), pytest.param(WEAK, id="process")]
+
+
+def _weak_missing() -> str | None:
+    try:
+        resolve_mode(WEAK)
+    except SandboxUnavailableError as exc:
+        return str(exc)
+    return None
+
+
+WEAK_MISSING = _weak_missing()
+needs_weak = pytest.mark.skipif(WEAK_MISSING is not None, reason=f"weak mode unavailable: {WEAK_MISSING}")
+MODES = [pytest.param(STRICT, id="bwrap", marks=needs_bwrap), pytest.param(WEAK, id="process", marks=needs_weak)]
 BEST = STRICT if BWRAP_MISSING is None else WEAK  # for cases that do not depend on the mode
 
 
@@ -244,16 +259,32 @@ def test_bad_file_names_and_event_loop_misuse_raise() -> None:
 def test_missing_isolation_refuses_unless_the_operator_allows_weak_isolation(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    missing = SandboxSettings(bwrap="/nonexistent/bwrap")
+    missing = SandboxSettings(bwrap="/nonexistent/bwrap", python=WEAK_PYTHON)
     with pytest.raises(SandboxUnavailableError, match="bubblewrap .* not installed.*ALLOW_WEAK_ISOLATION"):
         run_python("print('ran')", limits=SMALL, settings=missing)
     monkeypatch.setenv("ASTRAFLOW__SANDBOX__BWRAP", "/nonexistent/bwrap")
+    if WEAK_PYTHON is not None:
+        monkeypatch.setenv("ASTRAFLOW__SANDBOX__PYTHON", WEAK_PYTHON)
     assert current_settings() == missing  # the operator's settings come from the environment
     with pytest.raises(SandboxUnavailableError, match="scripts/system-deps.sh"):
         run_python("print('ran')", limits=SMALL)
     monkeypatch.setenv("ASTRAFLOW__SANDBOX__ALLOW_WEAK_ISOLATION", "true")
-    r = run_python("print('ran')", limits=SMALL)
-    assert r.ok and r.stdout == "ran\n" and r.isolation == "process"
+    if WEAK_MISSING is None:
+        r = run_python("import os\nprint('ran', os.getuid() != 0)", limits=SMALL)
+        assert r.ok and r.stdout == "ran True\n" and r.isolation == "process"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the case is about running as root")
+def test_weak_mode_never_runs_untrusted_code_as_root(tmp_path: Path) -> None:
+    hidden = tmp_path / "hidden"
+    hidden.mkdir(mode=0o700)
+    (hidden / "bin").mkdir()
+    python = hidden / "bin" / "python3"  # never started: the refusal comes first
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    weak_root = SandboxSettings(allow_weak_isolation=True, bwrap="/nonexistent/bwrap", python=str(python))
+    with pytest.raises(SandboxUnavailableError, match="would run as root.*ASTRAFLOW__SANDBOX__PYTHON"):
+        run_python("print('ran')", limits=SMALL, settings=weak_root)
 
 
 @needs_bwrap
