@@ -21,10 +21,13 @@ F = TypeVar("F", bound=Callable[..., Any])
 def load(ctx: typer.Context, *extra_overrides: str) -> Any:
     """The resolved config: file from --config, env ASTRAFLOW__*, then --set overrides."""
     from astraflow.config import load_config
+    from astraflow.sandbox.settings import configure
 
     obj = ctx.find_root().obj or {}
     overrides = list(obj.get("overrides", [])) + [o for o in extra_overrides if o]
-    return load_config(obj.get("config_path"), overrides)
+    cfg = load_config(obj.get("config_path"), overrides)
+    configure(cfg.sandbox)  # untrusted code run by this process follows the operator's config
+    return cfg
 
 
 def handle_errors(fn: F) -> F:

@@ -2,8 +2,9 @@
 
 They live in the config, not in `SandboxLimits`, because they decide how much a run is trusted:
 a reward's parameters (which a control record may set) can tighten a run's limits but can never
-weaken its isolation. Processes read them from the environment (`ASTRAFLOW__SANDBOX__FIELD`),
-which is also how a config file's `sandbox` section reaches them.
+weaken its isolation. A process gets them from `configure(cfg.sandbox)` (every `astraflow`
+command calls it with the config it loaded, file included), else from the environment
+(`ASTRAFLOW__SANDBOX__FIELD`) at each run.
 """
 
 from __future__ import annotations
@@ -33,10 +34,21 @@ class SandboxSettings(BaseModel):
     """Name of that cgroup (in the memory and pids hierarchies); runs sharing it share the total."""
 
 
+_configured: list[SandboxSettings] = []  # what configure() set for this process, if anything
+
+
+def configure(settings: SandboxSettings | None) -> None:
+    """Sets this process's sandbox settings (None: back to reading the environment)."""
+    _configured[:] = [settings] if settings is not None else []
+
+
 def current_settings(env: dict[str, str] | None = None) -> SandboxSettings:
-    """The settings given by `ASTRAFLOW__SANDBOX__*` variables of `env` (default: this process)."""
+    """This process's settings: those of `configure`, else the `ASTRAFLOW__SANDBOX__*` variables
+    of `env` (default: this process's environment)."""
     from astraflow.config import load_config
 
+    if env is None and _configured:
+        return _configured[0]
     env = os.environ if env is None else env
     ours = {k: v for k, v in env.items() if k.upper().startswith("ASTRAFLOW__SANDBOX__")}
     return load_config(env=ours).sandbox

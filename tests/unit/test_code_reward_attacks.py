@@ -19,6 +19,7 @@ from astraflow.dataflow.code_reward import CodeTests
 from astraflow.errors import SandboxUnavailableError
 from astraflow.records import Trajectory
 from astraflow.sandbox import SandboxSettings, current_settings, resolve_mode, unavailable_reason
+from astraflow.sandbox.settings import configure
 from astraflow.testing import make_trajectory
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
@@ -126,6 +127,7 @@ def trajectory(code: str, tests: list[str]) -> Trajectory:
 
 @pytest.fixture(params=MODES)
 def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    configure(None)  # settings from the environment below, whatever an earlier CLI test configured
     if request.param == "process":
         for key, value in WEAK_ENV.items():
             monkeypatch.setenv(key, value)

@@ -29,6 +29,7 @@ from astraflow.sandbox import (
     run_python_async,
     unavailable_reason,
 )
+from astraflow.sandbox.settings import configure
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -259,6 +260,7 @@ def test_bad_file_names_and_event_loop_misuse_raise() -> None:
 def test_missing_isolation_refuses_unless_the_operator_allows_weak_isolation(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    configure(None)  # an earlier CLI test in this process may have configured the defaults
     missing = SandboxSettings(bwrap="/nonexistent/bwrap", python=WEAK_PYTHON)
     with pytest.raises(SandboxUnavailableError, match="bubblewrap .* not installed.*ALLOW_WEAK_ISOLATION"):
         run_python("print('ran')", limits=SMALL, settings=missing)
@@ -268,6 +270,12 @@ def test_missing_isolation_refuses_unless_the_operator_allows_weak_isolation(
     assert current_settings() == missing  # the operator's settings come from the environment
     with pytest.raises(SandboxUnavailableError, match="scripts/system-deps.sh"):
         run_python("print('ran')", limits=SMALL)
+    configure(WEAK)  # what `astraflow --config FILE ...` does with the file's sandbox section
+    try:
+        assert current_settings() == WEAK
+    finally:
+        configure(None)
+    assert current_settings() == missing
     monkeypatch.setenv("ASTRAFLOW__SANDBOX__ALLOW_WEAK_ISOLATION", "true")
     if WEAK_MISSING is None:
         r = run_python("import os\nprint('ran', os.getuid() != 0)", limits=SMALL)
