@@ -12,8 +12,9 @@ Figures (seconds, median and p90 over `--runs` sequential runs, plus runs per se
 * `reward:<impl>`: `CodeTests.score_async` on a correct 3-test solution: the old reward runs
   solution and tests in one sandboxed interpreter; the new one runs two sandboxes joined by a
   pipe (so its cost is about two runs);
-* `run:weak` for scale: the new code in the opted-in weak process mode (no isolation, the
-  cost of the interpreter itself).
+* `run:weak` for scale: the new code in the opted-in weak process mode (no namespaces: about
+  the cost of starting the interpreter; as root it needs an interpreter other users can read,
+  `--weak-python`, the system one by default).
 
 Usage: python bench/sandbox.py [--runs 20] [--concurrency 8] [--json OUT] [--old-ref REV]
 """
@@ -117,9 +118,12 @@ async def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--json", default=None, help="where to write the figures (default bench/results/sandbox.json)")
     ap.add_argument("--old-ref", default=None, help="git revision of the old sandbox (default: before _nsinit.py was deleted)")
+    ap.add_argument("--weak-python", default="/usr/bin/python3", help="interpreter of the weak-mode case")
     args = ap.parse_args()
     ref = old_ref(args.old_ref)
-    strict, weak = SandboxSettings(), SandboxSettings(allow_weak_isolation=True, bwrap="/nonexistent/bwrap")
+    strict = SandboxSettings()
+    # the weak mode as root needs an interpreter its own uid can read: the system one
+    weak = SandboxSettings(allow_weak_isolation=True, bwrap="/nonexistent/bwrap", python=args.weak_python)
     traj = dataclasses.replace(make_trajectory(), final_answer=SOLUTION, reference=REFERENCE)
     with tempfile.TemporaryDirectory(prefix="astraflow-bench-old-") as tmp:
         old, old_reward = load_old(ref, Path(tmp))

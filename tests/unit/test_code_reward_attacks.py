@@ -96,7 +96,8 @@ ATTACKS = {
         "            os.kill(pid, signal.SIGKILL)\n\ndef add(a, b):\n    return None\n"
     ),
     "forge_protocol_reply_at_load": (
-        "import os\nos.write(4, b'{\"names\": {}}\\n')\n\ndef add(a, b):\n    return None\n"
+        "import os, sys\nos.write(int(sys.argv[2]), b'{\"names\": {}}\\n')  # the server's reply pipe\n\n"
+        "def add(a, b):\n    return None\n"
     ),
 }
 SORT_TESTS = ["assert sort_list([3, 1, 2]) == sorted([3, 1, 2])"]
