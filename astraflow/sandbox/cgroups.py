@@ -9,7 +9,8 @@ Layout, in the memory and the pids hierarchies under /sys/fs/cgroup:
 A run's processes enter its cgroup before the sandbox starts (`enter_argv` puts a shell in front
 of bwrap that moves itself, then execs), so everything the run forks is counted; the cgroup
 charges tmpfs pages too, so files the run writes count against its memory. When a run ends, the
-remaining processes of its cgroup are killed and the cgroup is removed.
+remaining processes of its cgroup are killed and the cgroup is removed. A process that dies
+mid-run leaves its runs' empty cgroups behind; the next process to create one removes them.
 
 Only cgroup v1 with writable memory and pids controllers (root) is supported; `unavailable()`
 says why not otherwise (cgroup v2 delegation is not implemented yet).
@@ -107,14 +108,29 @@ class RunCgroup:
             await asyncio.sleep(0.01)
 
 
+def _remove_stale(parent: Path) -> None:
+    """Removes empty run cgroups left by processes that died mid-run (named by their pid)."""
+    with contextlib.suppress(OSError):
+        for child in parent.iterdir():
+            pid = child.name.split("-", 1)[0]
+            if not child.is_dir() or not pid.isdigit() or Path(f"/proc/{pid}").exists():
+                continue
+            with contextlib.suppress(OSError):
+                if not (child / "cgroup.procs").read_text().strip():
+                    child.rmdir()
+
+
 def create(
     memory_mb: int, nproc: int, total_memory_mb: int, parent: str = PARENT, root: Path = ROOT
 ) -> RunCgroup:
     """A fresh cgroup pair for one run, under `parent` (whose total limit is set too)."""
-    name = f"{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
+    n = next(_counter)
+    name = f"{os.getpid()}-{n}-{secrets.token_hex(4)}"
     parents = {c: root / c / parent for c in ("memory", "pids")}
     for directory in parents.values():
         directory.mkdir(exist_ok=True)
+        if n % 100 == 0:  # at a process's first run, and now and then
+            _remove_stale(directory)
     current = (parents["memory"] / "memory.limit_in_bytes").read_text().strip()
     if current != str(total_memory_mb * _MIB):
         _set_memory(parents["memory"], total_memory_mb)

@@ -221,7 +221,8 @@ async def run_python_async(
             exit_code, sig = (None, -returncode) if returncode < 0 else (returncode, None)
         else:
             assert status_r is not None
-            exit_code, sig = _bwrap_status(_bwrap_exit_code(status_r), returncode, err)
+            assert cgroup is not None
+            exit_code, sig = _bwrap_status(_bwrap_exit_code(status_r), returncode, err, cgroup.oom_killed())
         reason = killed_reason(
             timed_out=timed_out, exit_code=exit_code, signal=sig, stderr_tail=err.tail_text()
         )
@@ -253,9 +254,17 @@ async def run_python_async(
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _bwrap_status(code: int | None, returncode: int, err: _Capture) -> tuple[int | None, int | None]:
-    """(exit code, signal) of the code under bwrap, which reports a death by signal N as 128 + N."""
+def _bwrap_status(
+    code: int | None, returncode: int, err: _Capture, oom_killed: bool
+) -> tuple[int | None, int | None]:
+    """(exit code, signal) of the code under bwrap, which reports a death by signal N as 128 + N.
+
+    No status at all means bwrap died before the code ended: the kernel's OOM killer chose it
+    (the run's memory, so a result), or it never started the code (a sandbox failure, raised).
+    """
     if code is None:
+        if oom_killed:
+            return None, int(signal.SIGKILL)
         raise SandboxError(
             f"bwrap exited ({returncode}) without starting the code: {err.tail_text().strip()[-500:]}"
         )

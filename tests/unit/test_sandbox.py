@@ -11,6 +11,7 @@ import asyncio
 import os
 import platform
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -397,3 +398,27 @@ def test_memory_is_bounded_in_total() -> None:
     finally:
         for controller in ("memory", "pids"):
             Path(f"/sys/fs/cgroup/{controller}/{parent}").rmdir()
+
+
+@needs_bwrap
+def test_cgroups_left_by_a_dead_process_are_removed() -> None:
+    parent = f"astraflow-sandbox-test-{uuid.uuid4().hex[:8]}"
+    dead_pid = 4_000_000  # above any pid_max: no such process
+    stale = [Path(f"/sys/fs/cgroup/{c}/{parent}/{dead_pid}-0-feedface") for c in ("memory", "pids")]
+    try:
+        for directory in stale:
+            directory.mkdir(parents=True)
+        code = (
+            "from astraflow.sandbox import SandboxSettings, run_python\n"
+            f"print(run_python('print(1)', settings=SandboxSettings(cgroup_parent={parent!r})).stdout)\n"
+        )
+        root = Path(__file__).resolve().parents[2]
+        done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "PYTHONPATH": str(root)}, check=False)  # fmt: skip
+        assert done.stdout == "1\n\n", done.stderr  # a fresh process: its first run cleans up
+        assert not any(directory.exists() for directory in stale)
+    finally:
+        for c in ("memory", "pids"):
+            for directory in [*Path(f"/sys/fs/cgroup/{c}/{parent}").glob("*-*-*"), Path(f"/sys/fs/cgroup/{c}/{parent}")]:
+                if directory.is_dir():
+                    directory.rmdir()
