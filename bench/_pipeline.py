@@ -37,6 +37,7 @@ import json
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import _rl
@@ -62,29 +63,84 @@ def _dataset(tasks: list[Task], path: Path) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class PipelineSpec:
+    """What the pipeline's role processes run (shared by the benchmarks and the fault harness)."""
+
+    model_dir: str  # the policy's model (trainer and nodes)
+    dataset: Path  # the curator's JSONL
+    run_dir: Path  # the trainer's run directory (checkpoints, logs)
+    workflow: str  # curator: workflow of every task
+    n_samples: int  # curator: samples per task (one group)
+    max_ahead: int  # curator: tasks ahead of the trainer
+    max_tokens: int  # curator: tokens per model call
+    max_turns: int  # curator: model turns per rollout
+    batch_size: int  # trainer: samples per optimizer step
+    max_wait_s: float  # trainer: longest wait for a full batch
+    node_inflight: int  # node: rollouts in flight (also its decode batch)
+    node_prefetch: int  # node: tasks fetched ahead
+    seed: int = 0  # node i samples with seed + i
+    node_extra: tuple[str, ...] = ()  # more `raas serve` options
+    curate_extra: tuple[str, ...] = ()  # more `app run curate` options
+    trainer_sets: tuple[str, ...] = ()  # more `--set key=value` of the trainer
+
+
+def node_role(exp: str, spec: PipelineSpec, env: dict[str, str], index: int) -> Role:
+    """RaaS node `raas-<index>` (1-based)."""
+    return Role(f"raas-{index}", [*PY, "raas", "serve", "-e", exp, "-p", f"policy={spec.model_dir}", "--max-inflight",
+                                  str(spec.node_inflight), "--max-batch", str(spec.node_inflight), "--prefetch",
+                                  str(spec.node_prefetch), "--threads", "1", "--seed", str(spec.seed + index - 1),
+                                  "--node-id", f"raas-{index}", *spec.node_extra], env)
+
+
+def app_role(exp: str, spec: PipelineSpec, env: dict[str, str], app: str, name: str | None = None) -> Role:
+    """Stream app `reward` or `curate` (several workers of one app share its consumer group)."""
+    extra = ["--policy", "policy", *spec.curate_extra] if app == "curate" else []
+    return Role(name or app, [*PY, "app", "run", app, "-e", exp, *extra], env)
+
+
+def pipeline_roles(exp: str, spec: PipelineSpec, bootstrap: str, nodes: int = 1) -> list[Role]:
+    """curator, reward, curate, trainer and `nodes` RaaS nodes, as `Supervisor` roles."""
+    env = role_env(bootstrap)
+    sets = [f"run_dir={spec.run_dir}", f"trainer.lr={_rl.LR}", f"trainer.batch_size={spec.batch_size}",
+            f"trainer.max_wait_s={spec.max_wait_s}", "trainer.progress_bar=false", "trainer.publish_dtype=float32",
+            *spec.trainer_sets]
+    return [
+        Role("curator", [*PY, "app", "run", "curator", "-e", exp, "--policy", "policy", "--dataset", str(spec.dataset),
+                         "--workflow", spec.workflow, "--n-samples", str(spec.n_samples), "--max-ahead",
+                         str(spec.max_ahead), "--temperature", "1.0", "--max-tokens", str(spec.max_tokens),
+                         "--max-turns", str(spec.max_turns)], env),
+        app_role(exp, spec, env, "reward"),
+        app_role(exp, spec, env, "curate"),
+        Role("trainer", [*PY, "train", "-e", exp, "-p", "policy", "-m", spec.model_dir,
+                         *[a for kv in sets for a in ("--set", kv)]], env),
+        *[node_role(exp, spec, env, i + 1) for i in range(nodes)],
+    ]
+
+
 def _roles(exp: str, mode: str, workload: str, sigma: float, *, staleness: int, median_s: float, seed: int,
            model_dir: str, dataset: Path, run_dir: Path, bootstrap: str) -> list[Role]:
     w = _rl.WORKLOADS[workload]
     ahead = _rl.PROMPTS_PER_STEP * (1 if mode == "sync" else 1 + staleness)
-    env = role_env(bootstrap)
-    return [
-        Role("curator", [*PY, "app", "run", "curator", "-e", exp, "--policy", "policy", "--dataset", str(dataset),
-                         "--workflow", w["workflow"], "--n-samples", str(_rl.GROUP), "--max-ahead", str(ahead),
-                         "--temperature", "1.0", "--max-tokens", str(w["max_tokens"]),
-                         "--max-turns", str(w["max_turns"])], env),
-        Role("reward", [*PY, "app", "run", "reward", "-e", exp], env),
-        Role("curate", [*PY, "app", "run", "curate", "-e", exp, "--policy", "policy"], env),
-        Role("trainer", [*PY, "train", "-e", exp, "-p", "policy", "-m", model_dir, "--set", f"run_dir={run_dir}",
-                         "--set", f"trainer.lr={_rl.LR}", "--set", f"trainer.batch_size={_rl.SLOTS}",
-                         "--set", "trainer.max_wait_s=600", "--set", "trainer.progress_bar=false",
-                         "--set", "trainer.publish_dtype=float32"], env),
-        Role("raas", [*PY, "raas", "serve", "-e", exp, "-p", f"policy={model_dir}", "--max-inflight", str(_rl.SLOTS),
-                      "--max-batch", str(_rl.SLOTS), "--prefetch", str(ahead), "--threads", "1", "--seed", str(seed),
-                      "--node-id", "raas-1", "--tool-latency", f"calc={median_s}:{sigma}"], env),
-    ]
+    spec = PipelineSpec(model_dir, dataset, run_dir, w["workflow"], _rl.GROUP, ahead, w["max_tokens"], w["max_turns"],
+                        _rl.SLOTS, 600, _rl.SLOTS, ahead, seed, ("--tool-latency", f"calc={median_s}:{sigma}"))
+    return pipeline_roles(exp, spec, bootstrap)
 
 
-def _wait_ready(admin: AdminClient, groups: list[str], probe: Consumer, weights: str, sup: Supervisor,
+def create_experiment(cfg: AstraflowConfig, exp: str, *, filters_off: tuple[str, ...]) -> tuple[list, ControlWriter]:
+    """The experiment's topics, and its control topic set so: curator paused, curate's `filters_off` off.
+
+    Returns (topic specs, control writer)."""
+    specs = topic_specs(exp, ["policy"], cfg.topics)
+    TopicAdmin(cfg.kafka).create(specs, cfg.topics.replication_factor)
+    control = ControlWriter(cfg.kafka, exp)
+    control.set("curator", "pause", "on", issued_by="bench")
+    for slot in filters_off:
+        control.set("curate", slot, "off", issued_by="bench")
+    return specs, control
+
+
+def wait_ready(admin: AdminClient, groups: list[str], probe: Consumer, weights: str, sup: Supervisor,
                 timeout_s: float) -> None:
     """Until every group has a member (those roles have loaded their models and subscribed) and the
     trainer (which reads assigned partitions, without a group) has published its version 0."""
@@ -154,15 +210,9 @@ def run_pipeline(mode: str, workload: str, sigma: float, *, steps: int, eval_eve
     exp = f"bench-{mode}-{uuid.uuid4().hex[:8]}"
     run_dir = work_dir / exp
     run_dir.mkdir(parents=True, exist_ok=True)
-    specs = topic_specs(exp, ["policy"], cfg.topics)
+    specs, control = create_experiment(cfg, exp, filters_off=() if product_filters else ("filter.zero_variance", "filter.length"))
     topic_admin = TopicAdmin(cfg.kafka)
-    topic_admin.create(specs, cfg.topics.replication_factor)
     topics = Topics(exp)
-    control = ControlWriter(cfg.kafka, exp)
-    control.set("curator", "pause", "on", issued_by="bench")
-    if not product_filters:
-        for slot in ("filter.zero_variance", "filter.length"):
-            control.set("curate", slot, "off", issued_by="bench")
     sup = Supervisor(run_dir / "logs")
     follower = KafkaWeightFollower(cfg.kafka, exp, "policy", request_snapshots=False, requester="bench")
     probe = Consumer({**cfg.kafka.client_config(), "group.id": f"{exp}-probe", "enable.auto.commit": False})
@@ -174,7 +224,7 @@ def run_pipeline(mode: str, workload: str, sigma: float, *, steps: int, eval_eve
                            bootstrap=cfg.kafka.bootstrap_servers):
             sup.start(role)
         admin = AdminClient(cfg.kafka.client_config())
-        _wait_ready(admin, [f"af.{exp}.raas", f"af.{exp}.reward", f"af.{exp}.curate"], probe, topics.weights("policy"),
+        wait_ready(admin, [f"af.{exp}.raas", f"af.{exp}.reward", f"af.{exp}.curate"], probe, topics.weights("policy"),
                     sup, READY_TIMEOUT_S)
         follower.start()
         run.snapshots.append((0, 0.0, {k: v.detach().clone() for k, v in base.state_dict().items()}))

@@ -3,6 +3,8 @@
 Each role is a command line with its own log file in the run directory. If any role exits
 before it is asked to, the supervisor stops the others and reports the failing role with the
 tail of its log. Ctrl-C (or `stop_all`) sends SIGTERM to every role, waits, then SIGKILLs.
+The fault harness (`bench/faults.py`) also kills one role (`kill`, its whole process group),
+starts it again (`restart`, same command, same log appended) and stops one (`stop`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ class Supervisor:
         self.roles: list[Role] = []
 
     def start(self, role: Role) -> Role:
+        self._spawn(role)
+        self.roles.append(role)
+        return role
+
+    def _spawn(self, role: Role) -> None:
         role.log = self.log_dir / f"{role.name}.log"
         out = role.log.open("ab")
         role.proc = subprocess.Popen(
@@ -51,8 +58,33 @@ class Supervisor:
             env={**os.environ, **role.env}, start_new_session=True,
         )
         out.close()
-        self.roles.append(role)
+
+    def kill(self, role: Role, sig: int = signal.SIGKILL) -> None:
+        """Sends `sig` to the role's process group (the role and anything it started) and reaps it."""
+        if role.proc is None or role.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(role.proc.pid, sig)
+        role.proc.wait()
+
+    def restart(self, role: Role) -> Role:
+        """Starts an exited (or killed) role again with the same command; its log is appended to."""
+        if role.proc is not None and role.proc.poll() is None:
+            raise RuntimeError(f"{role.name} is still running (pid {role.proc.pid}); kill it first")
+        self._spawn(role)
         return role
+
+    def stop(self, role: Role, timeout_s: float = 30.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout_s`; the role is no longer supervised."""
+        if role.proc is not None and role.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(role.proc.pid, signal.SIGTERM)
+            try:
+                role.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill(role)
+        if role in self.roles:
+            self.roles.remove(role)
 
     def check(self) -> None:
         """Raises RoleFailed for the first role that has exited."""

@@ -1,0 +1,359 @@
+"""Fault harness: the real pipeline under kill -9, broker restarts, outages and rebalances, counted.
+
+    python bench/faults.py                 # every fault, ~25 min (a 5-minute broker outage included)
+    python bench/faults.py --quick         # a few role kills and one broker restart, ~5 min
+    python bench/faults.py --only kill-curate,broker-restart --phase-s 60
+
+It starts its OWN Kafka (`--port`, default 39000; never the shared broker: it kills it) and the
+pipeline of `_pipeline.pipeline_roles` as processes (curator, reward, curate, trainer, two RaaS
+nodes) on a **counted workload**: the curator issues tasks of 4 samples each from a fixed
+arithmetic dataset, curate's dropping filters are off (zero-variance, length, staleness), so
+every sample of every task must reach the trainer, and the trainer logs every sample it trains
+(`trainer.trained_log`). `_ledger` turns that into exact counts.
+
+The run is a sequence of **phases**, one per fault kind. A phase resumes the curator, injects
+its faults at random times (the harness is the supervisor: a killed role is started again at
+once, as systemd or Kubernetes would), pauses the curator at its end and drains (waits until
+every task issued so far is trained or accounted for, or nothing moved for `--drain-idle-s`).
+So each phase's tasks are counted against that phase's faults:
+
+* `kill-<role>`: kill -9 of the role's process group, `--kills` times (nodes: each node);
+* `broker-restart`: kill -9 of the broker, started again at once on the same data;
+* `broker-outage`: the broker killed (or SIGSTOPped, `--outage-mode stop`) for `--outage-s`;
+  every role must survive it without exiting;
+* `rebalance`: a second curate and reward worker and a third node join mid-phase and leave
+  (SIGTERM) later: two rebalances of each group.
+
+Reported per phase (table, and JSON in bench/results/faults.json): tasks issued and fully
+trained, samples **lost** and **trained twice**, samples accounted for (DLQ, with reasons),
+versions published, version numbers published with two different weights, the largest version
+gap at the nodes (from their `policy_version` metric against the trainer's latest manifest),
+recovery time (from the end of each fault to the first trainer step after it; the worst of the
+phase) and roles that exited on their own. `_fault_report` computes them from the topics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from _brokers import Brokers
+from _fault_report import Report, build_report, print_report
+from _ledger import Ledger
+from _pipeline import PipelineSpec, app_role, create_experiment, node_role, pipeline_roles, wait_ready
+
+from astraflow.config import load_config
+from astraflow.demo.run import role_env
+from astraflow.demo.supervisor import Role, Supervisor, tail
+from astraflow.kafka.topics import Topics
+
+ROLE_KILLS = ("curator", "reward", "curate", "trainer", "nodes")
+FILTERS_OFF = ("filter.zero_variance", "filter.length", "filter.staleness")
+
+
+@dataclass
+class FaultEvent:
+    """One injected fault, with wall-clock times (epoch seconds)."""
+
+    kind: str  # kill, broker-kill, broker-outage, rebalance
+    target: str  # role or broker
+    start: float
+    end: float = 0.0  # when the fault was over (role restarted, broker back, workers gone)
+
+
+@dataclass
+class PhaseRecord:
+    """What happened in one phase: its window, the trained-log lines it wrote, faults and exits."""
+
+    name: str
+    start: float
+    end: float = 0.0
+    log_lines: tuple[int, int] = (0, 0)  # trained-log lines [start, end) written in this phase
+    faults: list[FaultEvent] = field(default_factory=list)
+    exits: list[dict] = field(default_factory=list)  # roles that exited on their own
+    drained: bool = False  # every task issued so far trained or accounted for at the phase end
+
+
+class Harness:
+    """Runs the phases (see the module doc)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.exp = f"faults-{uuid.uuid4().hex[:8]}"
+        self.work = Path(args.work_dir) / self.exp
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.brokers = Brokers(self.work / "kafka", args.port)
+        self.cfg = load_config(env={}, overrides=[f"kafka.bootstrap_servers={self.brokers.bootstrap}"])
+        self.topics = Topics(self.exp)
+        self.sup = Supervisor(self.work / "logs")
+        self.roles: dict[str, Role] = {}
+        self.phases: list[PhaseRecord] = []
+        self.restart_due: dict[str, float] = {}  # role -> earliest restart after an exit of its own
+        self.trained_log = self.work / "trained.jsonl"
+
+    # ---- setup -----------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        import _rl
+        from _pipeline import _dataset
+
+        a = self.args
+        self.brokers.up()
+        model = tiny_model()
+        tasks, _ = _rl.make_tasks(a.prompts, a.seed, "a")
+        self.spec = PipelineSpec(
+            model, _dataset(tasks, self.work / "train.jsonl"), self.work / "run", "rlvr", a.group, a.max_ahead,
+            a.max_tokens, 1, a.batch, a.max_wait_s, a.group * a.max_ahead, a.max_ahead, a.seed,
+            curate_extra=("--group-timeout", str(a.group_timeout_s), *a.curate_arg),
+            trainer_sets=(f"trainer.trained_log={self.trained_log}", *a.trainer_set))
+        self.specs, self.control = create_experiment(self.cfg, self.exp, filters_off=FILTERS_OFF)
+        for role in pipeline_roles(self.exp, self.spec, self.brokers.bootstrap, nodes=a.nodes):
+            self.roles[role.name] = self.sup.start(role)
+        from confluent_kafka import Consumer
+        from confluent_kafka.admin import AdminClient
+
+        probe = Consumer({**self.cfg.kafka.client_config(), "group.id": f"{self.exp}-probe"})
+        wait_ready(AdminClient(self.cfg.kafka.client_config()),
+                   [f"af.{self.exp}.raas", f"af.{self.exp}.reward", f"af.{self.exp}.curate"], probe,
+                   self.topics.weights("policy"), self.sup, a.ready_timeout_s)
+        probe.close()
+        self.ledger = Ledger(self.cfg.kafka, self.topics.tasks, self.topics.dlq, self.trained_log)
+
+    # ---- supervision -----------------------------------------------------------------------------
+
+    def supervise(self, phase: PhaseRecord) -> None:
+        """Restarts a role that exited on its own (at most every 10 s), recording the exit."""
+        now = time.time()
+        for name, role in list(self.roles.items()):
+            code = role.proc.poll() if role.proc else None
+            if code is None:
+                continue
+            if name not in self.restart_due:
+                phase.exits.append({"role": name, "code": code, "at": now, "log": tail(role.log, 15)})
+                print(f"  ! {name} exited with code {code}; restarting it", flush=True)
+                self.restart_due[name] = now + (0 if len([e for e in phase.exits if e["role"] == name]) <= 1 else 10)
+            if now >= self.restart_due[name]:
+                self.sup.restart(role)
+                del self.restart_due[name]
+
+    def wait(self, seconds: float, phase: PhaseRecord) -> None:
+        end = time.time() + seconds
+        while time.time() < end:
+            self.supervise(phase)
+            time.sleep(min(0.5, max(0.0, end - time.time())))
+
+    # ---- faults ----------------------------------------------------------------------------------
+
+    def kill_role(self, name: str) -> FaultEvent:
+        ev = FaultEvent("kill", name, time.time())
+        self.sup.kill(self.roles[name])
+        self.sup.restart(self.roles[name])
+        ev.end = time.time()
+        return ev
+
+    def broker_kill(self, phase: PhaseRecord, kind: str, down_s: float, index: int | None = None,
+                    mode: str = "kill") -> FaultEvent:
+        """Brokers down (all of them, or `index`) for `down_s`, then back on their data."""
+        ev = FaultEvent(kind, "all brokers" if index is None else f"broker {index}", time.time())
+        if mode == "stop":
+            self.brokers.pause(index)
+            self.wait(down_s, phase)
+            self.brokers.resume(index)
+        else:
+            self.brokers.kill(index)
+            self.wait(down_s, phase)
+            self.brokers.start(index)
+        ev.end = time.time()
+        return ev
+
+    def rebalance(self, phase: PhaseRecord, hold_s: float) -> FaultEvent:
+        ev = FaultEvent("rebalance", "curate-2,reward-2,raas-3", time.time())
+        env = role_env(self.brokers.bootstrap)
+        extra = [app_role(self.exp, self.spec, env, "curate", "curate-2"), app_role(self.exp, self.spec, env, "reward", "reward-2"),
+                 node_role(self.exp, self.spec, env, self.args.nodes + 1)]
+        for r in extra:
+            self.roles[r.name] = self.sup.start(r)
+        self.wait(hold_s, phase)
+        for r in extra:
+            del self.roles[r.name]
+            self.sup.stop(r)
+        ev.end = time.time()
+        return ev
+
+    # ---- phases ----------------------------------------------------------------------------------
+
+    def plan(self) -> list[tuple[str, list[tuple[str, str]]]]:
+        """(phase name, [(fault kind, target)]) in run order."""
+        a, nodes = self.args, [f"raas-{i + 1}" for i in range(self.args.nodes)]
+        if a.quick:
+            return [("kill-roles", [("kill", r) for r in ("curate", "trainer", "raas-1", "reward", "curator")]),
+                    ("broker-restart", [("broker-restart", "0")])]
+        out: list[tuple[str, list[tuple[str, str]]]] = [("baseline", [])]
+        for role in ROLE_KILLS:
+            targets = nodes if role == "nodes" else [role]
+            out.append((f"kill-{role}", [("kill", t) for t in targets for _ in range(a.kills)]))
+        out += [("broker-restart", [("broker-restart", "0")] * 2), ("broker-outage", [("broker-outage", "0")])]
+        if self.brokers.count >= 3:
+            out.append(("broker-1-of-3", [("broker-1-of-3", "1")]))
+        out.append(("rebalance", [("rebalance", "")]))
+        return [p for p in out if not a.only or p[0] in a.only]
+
+    def run_phase(self, name: str, faults: list[tuple[str, str]]) -> PhaseRecord:
+        a = self.args
+        phase = PhaseRecord(name, time.time())
+        self.phases.append(phase)
+        line0 = _lines(self.trained_log)
+        duration = a.phase_s
+        if any(k == "broker-outage" for k, _ in faults):
+            duration = max(duration, a.outage_s + 0.5 * a.phase_s)
+        # One slot per fault, a random moment inside each (faults of a phase never overlap).
+        slots = len(faults) or 1
+        lead = 0.1 * duration
+        width = (duration - 2 * lead) / slots
+        at = [lead + i * width + self.rng.uniform(0.1, 0.6) * width for i in range(len(faults))]
+        print(f"phase {name}: {duration:.0f}s, faults at {[round(t) for t in at]}", flush=True)
+        self.control.set("curator", "pause", "off", issued_by="faults")
+        t0 = time.time()
+        for (kind, target), t in zip(faults, at, strict=True):
+            self.wait(max(0.0, t0 + t - time.time()), phase)
+            if kind == "kill":
+                ev = self.kill_role(target)
+            elif kind == "broker-restart":
+                ev = self.broker_kill(phase, kind, 0.0)
+            elif kind == "broker-outage":
+                ev = self.broker_kill(phase, kind, a.outage_s, mode=a.outage_mode)
+            elif kind == "broker-1-of-3":
+                ev = self.broker_kill(phase, kind, a.one_down_s, index=int(target))
+            else:
+                ev = self.rebalance(phase, a.rebalance_hold_s)
+            phase.faults.append(ev)
+            print(f"  {ev.kind} {ev.target} at +{ev.start - t0:.0f}s ({ev.end - ev.start:.1f}s)", flush=True)
+        self.wait(max(0.0, t0 + duration - time.time()), phase)
+        self.control.set("curator", "pause", "on", issued_by="faults")
+        phase.drained = self.drain(phase)
+        phase.end = time.time()
+        phase.log_lines = (line0, _lines(self.trained_log))
+        return phase
+
+    def drain(self, phase: PhaseRecord) -> bool:
+        """Until every issued task is trained or accounted for, or nothing moved for drain_idle_s."""
+        last, moved = None, time.time()
+        deadline = time.time() + self.args.drain_timeout_s
+        while time.time() < deadline:
+            self.ledger.refresh()
+            left = self.ledger.outstanding()
+            if left == 0:
+                return True
+            if left != last:
+                last, moved = left, time.time()
+            elif time.time() - moved > self.args.drain_idle_s:
+                break
+            self.wait(2.0, phase)
+        print(f"  drain: {last} samples still outstanding", flush=True)
+        return False
+
+    def run(self) -> Report:
+        t_start = time.time()
+        try:
+            print(f"experiment {self.exp}; broker {self.brokers.bootstrap}; logs in {self.work / 'logs'}", flush=True)
+            self.setup()
+            print(f"roles ready after {time.time() - t_start:.0f}s", flush=True)
+            for name, faults in self.plan():
+                self.run_phase(name, faults)
+            self.ledger.refresh()
+            return build_report(self.cfg.kafka, self.topics, self.ledger, self.phases, self.settings(),
+                                wall_s=time.time() - t_start)
+        finally:
+            self.sup.stop_all()
+            if getattr(self, "ledger", None) is not None:
+                self.ledger.close()
+            self.brokers.down()
+
+    def settings(self) -> dict:
+        a = vars(self.args).copy()
+        a.update(experiment=self.exp, work_dir=str(self.work), brokers=self.brokers.count)
+        return a
+
+
+def _lines(path: Path) -> int:
+    return path.read_text().count("\n") if path.exists() else 0
+
+
+def tiny_model() -> str:
+    """A freshly initialised tiny model (what it learns does not matter here), cached."""
+    from astraflow.config import default_home
+    from astraflow.models.tiny import init_tiny
+
+    out = default_home() / "bench-models" / "faults-tiny"
+    if not (out / "config.json").exists():
+        tmp = out.with_suffix(f".tmp{uuid.uuid4().hex[:6]}")
+        init_tiny(tmp, seed=0)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    return str(out)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="one phase of 5 role kills, one broker restart")
+    ap.add_argument("--json", default=None, help="where to write the figures (default bench/results/faults.json)")
+    ap.add_argument("--only", type=lambda s: s.split(","), default=None, help="phases to run, comma-separated")
+    ap.add_argument("--port", type=int, default=39000, help="the harness's own broker (port+1: controller)")
+    ap.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "astraflow-faults"))
+    ap.add_argument("--keep", action="store_true", help="keep the work dir (broker data, role logs, trained log)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--phase-s", type=float, default=None, help="length of a phase before its drain (90; quick 60)")
+    ap.add_argument("--kills", type=int, default=3, help="kills of each role per kill phase")
+    ap.add_argument("--outage-s", type=float, default=300.0, help="broker outage length")
+    ap.add_argument("--outage-mode", choices=("kill", "stop"), default="kill",
+                    help="kill: kill -9, restarted after the outage; stop: SIGSTOP, SIGCONT after it")
+    ap.add_argument("--one-down-s", type=float, default=60.0, help="how long one broker of three stays down")
+    ap.add_argument("--rebalance-hold-s", type=float, default=40.0, help="how long the extra workers stay")
+    ap.add_argument("--drain-idle-s", type=float, default=60.0)
+    ap.add_argument("--drain-timeout-s", type=float, default=300.0)
+    ap.add_argument("--ready-timeout-s", type=float, default=300.0)
+    ap.add_argument("--prompts", type=int, default=512, help="dataset size (the curator cycles through it)")
+    ap.add_argument("--group", type=int, default=4, help="samples per task")
+    ap.add_argument("--max-ahead", type=int, default=8, help="curator: tasks ahead of the trainer")
+    ap.add_argument("--batch", type=int, default=16, help="trainer batch (samples)")
+    ap.add_argument("--max-wait-s", type=float, default=3.0, help="trainer: longest wait for a full batch")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--group-timeout-s", type=float, default=60.0, help="curate's group timeout")
+    ap.add_argument("--curate-arg", action="append", default=[], help="extra `app run curate` argument (repeatable)")
+    ap.add_argument("--trainer-set", action="append", default=[], help="extra trainer --set key=value (repeatable)")
+    args = ap.parse_args(argv)
+    if args.phase_s is None:
+        args.phase_s = 60.0 if args.quick else 90.0
+    return args
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(f"stopped by signal {signum}")  # so `run` stops every role and the broker
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit_on_signal)
+    report = Harness(args).run()
+    print_report(report)
+    from _common import write_json
+
+    write_json(args.json, "faults", asdict(report))
+    if not args.keep:
+        shutil.rmtree(Path(report.settings["work_dir"]), ignore_errors=True)
+    return 0 if report.clean else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
