@@ -149,6 +149,9 @@ class WeightFollowSettings(_Frozen):
     is refused."""
     max_payload_bytes: int = Field(16 * 1024**3, ge=1024)
     """Largest payload (delta or snapshot, as sent) a follower buffers or reads from the store."""
+    max_state_bytes: int = Field(64 * 1024**3, ge=1024)
+    """Most bytes of tensors one payload may decode to (a follower that knows its model's layout
+    also refuses any tensor the model does not have)."""
 
 
 class AstraflowConfig(_Frozen):

@@ -23,6 +23,8 @@ from astraflow.kafka.clients import RecordProducer
 from astraflow.kafka.topics import Topics
 from astraflow.records import Metric
 from astraflow.weights.follow import KafkaWeightFollower
+from astraflow.weights.layout import ModelLayout
+from astraflow.weights.verify import FollowLimits
 
 log = logging.getLogger("astraflow.eval")
 
@@ -67,7 +69,8 @@ def run_evaluator(cfg: AstraflowConfig, experiment: str, policy: str, model_dir:
     items = load_heldout(heldout)
     topics = Topics(experiment)
     producer = RecordProducer(cfg.kafka)
-    follower = KafkaWeightFollower(cfg.kafka, experiment, policy, request_snapshots=False, requester="eval")
+    follower = KafkaWeightFollower(cfg.kafka, experiment, policy, request_snapshots=False, requester="eval",
+                                   limits=FollowLimits.from_settings(cfg.weights), layout=ModelLayout.of(model.state_dict()))
     follower.start()
 
     def publish(version: int) -> None:

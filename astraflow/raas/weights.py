@@ -3,7 +3,10 @@ verified new version to the policy's backend, which switches between two decodin
 
 The follower (astraflow.weights.follow.KafkaWeightFollower) starts at the newest snapshot named
 on the compacted `policies` topic, applies sparse deltas, verifies checksums and falls back to a
-snapshot on a gap or a failed check; only verified versions reach the backend.
+snapshot on a gap or a failed check; only verified versions reach the backend. It checks every
+payload against the backend's model (`weight_layout()`: tensor names, shapes, dtypes) and the
+`weights` section of the config (allowed store locations, size bounds); a refused version is
+dead-lettered and counted, and the backend keeps serving the last good one.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from astraflow.config import AstraflowConfig
 from astraflow.raas.backends.base import InferenceBackend
 from astraflow.weights.chain import ApplyStatus
 from astraflow.weights.follow import KafkaWeightFollower
+from astraflow.weights.layout import ModelLayout
+from astraflow.weights.verify import FollowLimits
 
 log = logging.getLogger("astraflow.raas.weights")
 
@@ -25,7 +30,13 @@ class BackendWeightFollower:
     def __init__(self, cfg: AstraflowConfig, experiment: str, policy: str, backend: InferenceBackend,
                  requester: str = "raas") -> None:
         self.backend = backend
-        self.follower = KafkaWeightFollower(cfg.kafka, experiment, policy, requester=requester)
+        layout_of = getattr(backend, "weight_layout", None)
+        layout: ModelLayout | None = layout_of() if layout_of is not None else None
+        if layout is None:
+            log.warning("backend %s does not expose its model's layout: weights of %s are checked for size and "
+                        "checksums only", backend.name, policy)
+        self.follower = KafkaWeightFollower(cfg.kafka, experiment, policy, requester=requester,
+                                            limits=FollowLimits.from_settings(cfg.weights), layout=layout)
         self.applied = 0  # versions handed to the backend
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"weights-{policy}", daemon=True)
@@ -51,8 +62,12 @@ class BackendWeightFollower:
             if applied:
                 version = self.follower.follower.version
                 # Copy: the chain patches its tensors in place with later deltas.
-                state = {k: v.clone() if hasattr(v, "clone") else v.copy() for k, v in self.follower.follower.state.items()}
-                self.backend.update_weights(state, int(version))
+                state = self.follower.follower.state_copy()
+                try:
+                    self.backend.update_weights(state, int(version))
+                except Exception:  # the backend keeps its weights; the next version may apply
+                    log.exception("backend of %s refused version %d", self.follower.policy, version)
+                    continue
                 self.applied += 1
                 log.info("policy %s now at version %d", self.follower.policy, version)
 

@@ -7,6 +7,9 @@ published delta in order. Whatever arrives, the chain never holds wrong weights:
 - a delta whose base is not the current version (a version was missed) -> ``SNAPSHOT_NEEDED``;
 - a delta that fails any check (corrupt bytes, wrong base checksum, tensor crc32, version
   sha256) -> rolled back exactly, ``SNAPSHOT_NEEDED`` with the error attached;
+- a payload that does not fit the served model (`layout`: tensor names, shapes, dtypes; a
+  snapshot must cover every tensor) or would decode to more than `max_state_bytes` ->
+  refused before the offending tensor is decoded, ``SNAPSHOT_NEEDED`` with the error;
 - otherwise ``APPLIED`` and `version` moves on.
 
 Deltas are patched into the chain's own buffers in place (no second copy of the weights); see
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -28,7 +31,8 @@ import numpy as np
 from astraflow.errors import DeltaFormatError, WeightsError
 from astraflow.weights.bits import Manifest, is_torch
 from astraflow.weights.delta import SparseDelta
-from astraflow.weights.format import KIND_HEADER, StreamHeader, split_blocks, unframe
+from astraflow.weights.format import KIND_HEADER, OP_FULL, StreamHeader, TensorRecord, split_blocks, unframe
+from astraflow.weights.layout import ModelLayout, WeightLayoutError
 from astraflow.weights.snapshot import load_snapshot
 from astraflow.weights.transaction import apply_blocks
 
@@ -39,6 +43,7 @@ class ApplyStatus(enum.Enum):
     APPLIED = "applied"  # the chain moved to the new version
     STALE = "stale"  # the chain already has this version or a newer one; nothing changed
     SNAPSHOT_NEEDED = "snapshot_needed"  # cannot advance by deltas; weights unchanged
+    REFUSED = "refused"  # the record itself breaks a rule (a version number reused or going back); unchanged
 
 
 @dataclass(frozen=True)
@@ -60,15 +65,18 @@ def _owned_copy(value: Any) -> Any:
 class WeightChain:
     """Current weights and version of one receiver; see the module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, layout: ModelLayout | None = None, max_state_bytes: int | None = None) -> None:
         self._state: dict[str, Any] = {}  # name -> tensor, owned (contiguous CPU)
         self._manifest = Manifest()  # verified manifest of _state
         self._version: int | None = None  # None until a snapshot is loaded
+        self.layout = layout  # the served model's tensors; None: any layout (bounded by max_state_bytes)
+        self.max_state_bytes = max_state_bytes  # most bytes of new tensors one payload may decode to
 
     @classmethod
-    def from_state(cls, state: Mapping[str, Any], version: int) -> WeightChain:
+    def from_state(cls, state: Mapping[str, Any], version: int, layout: ModelLayout | None = None,
+                   max_state_bytes: int | None = None) -> WeightChain:
         """Start from weights already in memory (copied, so the caller keeps its own)."""
-        chain = cls()
+        chain = cls(layout, max_state_bytes)
         chain._state = {name: _owned_copy(v) for name, v in state.items()}
         chain._manifest = Manifest.of(chain._state)
         chain._version = version
@@ -90,10 +98,29 @@ class WeightChain:
         copy them if you need them to stay fixed."""
         return MappingProxyType(self._state)
 
+    def _admit(self) -> Callable[[TensorRecord], None]:
+        """Checks each tensor record before it is decoded: the model's layout, and the byte budget."""
+        left = [self.max_state_bytes]
+
+        def admit(record: TensorRecord) -> None:
+            if self.layout is not None:
+                self.layout.check_record(record)
+            if record.op == OP_FULL and left[0] is not None:
+                left[0] -= record.meta.numel * record.meta.dtype.itemsize
+                if left[0] < 0:
+                    raise WeightLayoutError(
+                        f"the payload decodes to more than {self.max_state_bytes:,} bytes of tensors "
+                        "(weights.max_state_bytes)"
+                    )
+
+        return admit
+
     def load_snapshot(self, data: bytes | memoryview | Iterable[bytes]) -> ApplyResult:
         """Replace the weights with a snapshot; on any error keep the old ones."""
         try:
-            snap = load_snapshot(data)
+            snap = load_snapshot(data, admit=self._admit())
+            if self.layout is not None:
+                self.layout.check_complete(snap.state)
         except WeightsError as exc:
             return ApplyResult(ApplyStatus.SNAPSHOT_NEEDED, self._version, f"snapshot rejected: {exc}", exc)
         self._state, self._manifest, self._version = dict(snap.state), snap.manifest, snap.version
@@ -132,7 +159,9 @@ class WeightChain:
                 f"missing versions: have {self._version}, delta goes {header.base_version} -> {version}"
             )
         try:
-            applied = apply_blocks(self._state, itertools.chain([first], it), self._manifest, inplace=True)
+            applied = apply_blocks(
+                self._state, itertools.chain([first], it), self._manifest, inplace=True, admit=self._admit()
+            )
         except WeightsError as exc:
             return self._need_snapshot(f"delta {header.base_version} -> {version} rejected: {exc}", exc)
         self._manifest, self._version = applied.manifest, version

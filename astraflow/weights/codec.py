@@ -136,12 +136,16 @@ class ChunkEncoder:
 
 
 def _decompress(payload: memoryview, expected: int) -> np.ndarray:
+    """Decompress one zstd frame into exactly `expected` bytes; never produce more (a frame that
+    would inflate to gigabytes is refused after `expected` bytes)."""
+    d = zstd.ZstdDecompressor()
     try:
-        raw = zstd.decompress(payload)
-    except zstd.ZstdError as exc:
+        raw = d.decompress(payload, max_length=expected)
+    except (zstd.ZstdError, EOFError) as exc:
         raise DeltaFormatError(f"a chunk does not decompress ({exc}); the delta is corrupt") from exc
-    if len(raw) != expected:
-        raise DeltaFormatError(f"a chunk decompressed to {len(raw)} bytes, expected {expected}")
+    if len(raw) != expected or not d.eof or d.unused_data:
+        more = "more than" if not d.eof and len(raw) == expected else f"{len(raw)} bytes, not"
+        raise DeltaFormatError(f"a chunk decompresses to {more} the {expected} bytes its record announces")
     return np.frombuffer(raw, dtype=np.uint8)
 
 
@@ -172,6 +176,8 @@ def decode_delta_chunk(
     _, k, n_big, gw, mw, _ = head
     if mw > itemsize:
         raise DeltaFormatError(f"magnitude width {mw} exceeds the dtype's {itemsize} bytes")
+    if k > chunk_len:
+        raise DeltaFormatError(f"a delta chunk changes {k} elements of a {chunk_len}-element chunk")
     flag_len = (k + 7) // 8
     raw = _decompress(frame, gw * k + 2 * flag_len + mw * n_big)
     idx = _unplanes(raw[: gw * k], gw, k, 4).astype(np.int64)

@@ -13,7 +13,7 @@ No pickle, no dependency beyond numpy and zstd.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,15 +69,21 @@ def snapshot(state: Mapping[str, Any], version: int, *, compress: bool = True) -
     return b"".join(iter_snapshot(state, version, compress=compress))
 
 
-def load_snapshot(data: bytes | memoryview | Any, *, prefer_torch: bool = True) -> Snapshot:
+def load_snapshot(
+    data: bytes | memoryview | Any,
+    *,
+    prefer_torch: bool = True,
+    admit: Callable[[TensorRecord], None] | None = None,
+) -> Snapshot:
     """Decode and verify a snapshot (bytes or an iterable of blocks).
 
     Tensors come back as torch tensors, or numpy arrays with ``prefer_torch=False`` where numpy
-    has the dtype. Raises `DeltaFormatError` / `DeltaChecksumError` if the bytes are corrupt.
+    has the dtype. Raises `DeltaFormatError` / `DeltaChecksumError` if the bytes are corrupt;
+    `admit` may refuse tensor records before they are decoded (see `apply_blocks`).
     """
     blocks = split_blocks(data) if isinstance(data, bytes | bytearray | memoryview) else data
     state: dict[str, Any] = {}
-    applied = apply_blocks(state, blocks, Manifest(), inplace=False, prefer_torch=prefer_torch)
+    applied = apply_blocks(state, blocks, Manifest(), inplace=False, prefer_torch=prefer_torch, admit=admit)
     if applied.header.stream != STREAM_SNAPSHOT:
         raise DeltaFormatError("these bytes are a delta, not a snapshot")
     return Snapshot(applied.header.version, state, applied.manifest)

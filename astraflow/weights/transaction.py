@@ -60,17 +60,20 @@ def apply_blocks(
     *,
     inplace: bool,
     prefer_torch: bool | None = None,
+    admit: Callable[[TensorRecord], None] | None = None,
 ) -> AppliedStream:
     """Apply a stream to `state` (whose manifest is `base`), all or nothing.
 
     New tensor objects are torch tensors if `prefer_torch` (default: if any tensor in `state`
     is one, or `state` is empty) and numpy arrays otherwise (torch anyway for bf16 / fp8).
+    `admit`, if given, sees every tensor record before it is decoded and raises a
+    `WeightsError` to refuse it (a follower checks names, shapes and sizes against its model).
     """
     if prefer_torch is None:
         prefer_torch = not state or any(is_torch(v) for v in state.values())
     undo: list[Callable[[], None]] = []
     try:
-        return _apply(state, iter(blocks), base, inplace, prefer_torch, undo)
+        return _apply(state, iter(blocks), base, inplace, prefer_torch, undo, admit)
     except (struct.error, ValueError, IndexError, OverflowError) as exc:
         _rollback(undo)
         raise DeltaFormatError(f"the delta is malformed ({exc}); fetch a snapshot") from exc
@@ -91,6 +94,7 @@ def _apply(
     inplace: bool,
     prefer_torch: bool,
     undo: list[Callable[[], None]],
+    admit: Callable[[TensorRecord], None] | None,
 ) -> AppliedStream:
     first = next(blocks, None)
     if first is None:
@@ -115,6 +119,8 @@ def _apply(
             raise DeltaFormatError(f"unexpected block kind {kind} inside a delta stream")
         n_blocks += 1
         record = TensorRecord.parse(body)
+        if admit is not None:
+            admit(record)
         _apply_record(state, manifest, record, body, header.chunk_elems, inplace, prefer_torch, undo)
     else:
         raise DeltaFormatError(

@@ -34,6 +34,7 @@ from astraflow.weights.publish import (
     published_state,
 )
 from astraflow.weights.store import WeightStore
+from astraflow.weights.verify import FollowLimits
 from trainers.callbacks import SnapshotRequests
 from trainers.config import TrainRunConfig
 from trainers.run import run_training
@@ -274,7 +275,8 @@ def test_claim_checked_versions_through_the_store(kafka: KafkaSettings, experime
     published = _publish_versions(publisher, 4)
     assert all(m.uri and m.uri.startswith("file://") and m.num_chunks == 0 for m, _ in published)
     assert published[3][0].latest_snapshot == 3 and published[2][0].latest_snapshot_uri == published[0][0].uri
-    follower = KafkaWeightFollower(kafka, experiment, "policy", request_snapshots=False)
+    follower = KafkaWeightFollower(kafka, experiment, "policy", request_snapshots=False,
+                                   limits=FollowLimits(allowed_uri_prefixes=(store.root,)))
     follower.start(offset=0)
     events = _follow(follower, 3)
     follower.close()

@@ -23,6 +23,7 @@ from astraflow.weights.publish import (
     split_chunks,
 )
 from astraflow.weights.store import WeightStore, WeightStoreError, fetch_blob, sha256_hex
+from astraflow.weights.verify import FollowLimits
 
 pytestmark = pytest.mark.unit
 
@@ -179,11 +180,13 @@ def test_claim_checked_payload_is_fetched_and_verified(tmp_path) -> None:
     (_, m), *chunks = records
     payload = b"".join(c.data for _, c in chunks)
     m.uri, m.num_chunks = store.put("p/v0.snapshot", payload), 0
-    f = WeightFollower("p")
+    assert WeightFollower("p").feed(m)[0].result.status == ApplyStatus.REFUSED  # the store is not allowed yet
+    limits = FollowLimits(allowed_uri_prefixes=(store.root,))
+    f = WeightFollower("p", limits=limits)
     assert f.feed(m)[0].result.status == ApplyStatus.APPLIED
     assert _bits_equal(dict(f.state), state)
     (tmp_path / "store" / "p" / "v0.snapshot").write_bytes(payload[:-1] + b"\0")
-    g = WeightFollower("p")
+    g = WeightFollower("p", limits=limits)
     event = g.feed(m)[0]
     assert event.result.status == ApplyStatus.SNAPSHOT_NEEDED and g.version is None
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import logging
 import queue
 import threading
 import time
@@ -25,6 +26,9 @@ import torch
 
 from astraflow.errors import AstraflowError
 from astraflow.raas.backends.base import GenerateRequest, Generation
+from astraflow.weights.layout import ModelLayout
+
+log = logging.getLogger("astraflow.raas.torch")
 
 
 class BackendError(AstraflowError):
@@ -98,6 +102,10 @@ class TorchBackend:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
+    def weight_layout(self) -> ModelLayout:
+        """Names, shapes and dtypes of the model's tensors: what a weight follower checks payloads against."""
+        return ModelLayout.of(self.model.state_dict())
+
     def hardware(self) -> str:
         if self.device.type == "cuda":
             return f"cuda:{torch.cuda.get_device_name(self.device)}"
@@ -119,6 +127,10 @@ class TorchBackend:
         sd, version = upd
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
+        wrong = [n for n, v in sd.items() if n in params and tuple(v.shape) != tuple(params[n].shape)]
+        if wrong:  # followers check the layout first; never let a bad update stop the engine
+            log.error("version %d not applied: tensors %s do not have the model's shapes", version, wrong[:3])
+            return
         with torch.no_grad():
             for name, value in sd.items():
                 if name in params:
