@@ -55,8 +55,8 @@ def resolve_workflow(name: str, allowed_modules: Sequence[str] = ()) -> Workflow
         raise WorkflowNotAllowedError(f"workflow {name[:200]!r} is not a valid module:function name")
     if not _allowed(module, allowed_modules):
         raise WorkflowNotAllowedError(
-            f"workflow {name!r} is not allowed: module {module!r} is not in raas.workflow_modules "
-            f"({list(allowed_modules)}); the operator allows it with raas.workflow_modules=[{module}] "
+            f"workflow {name[:200]!r} is not allowed: module {module[:200]!r} is not in raas.workflow_modules "
+            f"({list(allowed_modules)}); the operator allows it with raas.workflow_modules=[{module[:200]}] "
             f"in the node's config (or ASTRAFLOW__RAAS__WORKFLOW_MODULES), or use a registered workflow: {known}"
         )
     try:
