@@ -23,7 +23,7 @@ kills the whole tree. Output is bounded (head and tail kept).
     in the run's cgroup is killed;
   * use more than `memory_mb` (its processes and /tmp together, swap included), `nproc`
     processes or threads, or, with every other run of the machine, `total_memory_mb`
-    (cgroup v1 memory and pids controllers).
+    (the memory and pids controllers of cgroup v1 or v2).
   Not covered: kernel exploits (this is not a VM or gVisor); CPU time is per process.
 
 **process** (only with `allow_weak_isolation`, where bwrap, user namespaces, seccomp or the

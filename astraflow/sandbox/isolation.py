@@ -47,7 +47,7 @@ BWRAP_FLAGS = (
 )  # fmt: skip
 HOW_TO_FIX = (
     "install bubblewrap (`bash scripts/system-deps.sh` as root, or `apt-get install bubblewrap`) "
-    "on Linux with user namespaces, seccomp and the cgroup v1 memory and pids controllers, and run "
+    "on Linux with user namespaces, seccomp and the cgroup memory and pids controllers, and run "
     "as root; or set ASTRAFLOW__SANDBOX__ALLOW_WEAK_ISOLATION=true (config sandbox.allow_weak_isolation) "
     "to accept resource limits without namespaces, seccomp or cgroups"
 )

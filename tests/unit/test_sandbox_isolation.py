@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from astraflow.sandbox import SandboxLimits, SandboxSettings, run_python, unavailable_reason
+from astraflow.sandbox import SandboxLimits, SandboxSettings, cgroups, run_python, unavailable_reason
 
 STRICT = SandboxSettings()
 BWRAP_MISSING = unavailable_reason(STRICT)
@@ -27,6 +27,21 @@ pytestmark = [
 ]
 SMALL = SandboxLimits(wall_s=5, cpu_s=2, memory_mb=192, nproc=8, file_size_mb=1, disk_mb=8)
 _with = dataclasses.replace
+
+
+def cgroup_dirs(parent: str) -> list[Path]:
+    """Where the cgroup `parent` lives: one directory per controller (v1), or one (v2)."""
+    if cgroups.version() == 2:
+        return [cgroups.ROOT / parent]
+    return [cgroups.ROOT / c / parent for c in cgroups.CONTROLLERS]
+
+
+def remove_cgroup(parent: str) -> None:
+    for directory in cgroup_dirs(parent):
+        for child in directory.glob("*-*-*"):
+            child.rmdir()
+        if directory.is_dir():
+            directory.rmdir()
 
 
 def test_bwrap_filesystem_holds_only_the_interpreter_and_a_private_tmp() -> None:
@@ -125,17 +140,17 @@ def test_memory_is_bounded_in_total() -> None:
         assert not r.ok and r.killed_reason == "memory" and "allocated" not in r.stdout
         assert run_python(code, limits=_with(SMALL, memory_mb=256), settings=STRICT).ok  # the run's own bound allows it
     finally:
-        for controller in ("memory", "pids"):
-            Path(f"/sys/fs/cgroup/{controller}/{parent}").rmdir()
+        remove_cgroup(parent)
 
 
 def test_cgroups_left_by_a_dead_process_are_removed() -> None:
     parent = f"astraflow-sandbox-test-{uuid.uuid4().hex[:8]}"
     dead_pid = 4_000_000  # above any pid_max: no such process
-    stale = [Path(f"/sys/fs/cgroup/{c}/{parent}/{dead_pid}-0-feedface") for c in ("memory", "pids")]
+    stale = [directory / f"{dead_pid}-0-feedface" for directory in cgroup_dirs(parent)]
     try:
+        cgroups.create(64, 8, 1024, parent)  # makes the parent (and a run cgroup, removed below)
         for directory in stale:
-            directory.mkdir(parents=True)
+            directory.mkdir()
         code = (
             "from astraflow.sandbox import SandboxSettings, run_python\n"
             f"print(run_python('print(1)', settings=SandboxSettings(cgroup_parent={parent!r})).stdout)\n"
@@ -146,7 +161,4 @@ def test_cgroups_left_by_a_dead_process_are_removed() -> None:
         assert done.stdout == "1\n\n", done.stderr  # a fresh process: its first run cleans up
         assert not any(directory.exists() for directory in stale)
     finally:
-        for c in ("memory", "pids"):
-            for directory in [*Path(f"/sys/fs/cgroup/{c}/{parent}").glob("*-*-*"), Path(f"/sys/fs/cgroup/{c}/{parent}")]:
-                if directory.is_dir():
-                    directory.rmdir()
+        remove_cgroup(parent)
