@@ -5,8 +5,8 @@ from its own code), awaits forever, ignores cancellation, returns something that
 sample's Trajectory -- `run_workflow` returns a Trajectory: the workflow's own when it is
 valid, else an ERROR trajectory of that sample whose `error` says what happened. The
 deadline (`raas.rollout_timeout_s`) bounds a rollout that awaits (model calls, tools); a
-workflow that blocks the event loop in synchronous code cannot be interrupted in-process, so
-blocking work belongs in `asyncio.to_thread`.
+workflow that blocks the event loop in synchronous code is interrupted by the node's
+`astraflow.raas.watchdog` instead (blocking work belongs in `asyncio.to_thread`).
 
 Why the workflow runs in a task of its own, wrapped by `_contained`: asyncio re-raises
 `SystemExit` and `KeyboardInterrupt` out of the event loop when a task's coroutine lets them
@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import weakref
 from dataclasses import dataclass
 
 from astraflow.raas.workflows import RolloutContext, Workflow
@@ -70,10 +71,14 @@ def error_trajectory(ctx: RolloutContext, error: str, *, keep_segments: bool = T
     return traj
 
 
-async def run_workflow(workflow: Workflow, ctx: RolloutContext, timeout_s: float) -> Trajectory:
-    """Run one rollout, contained and bounded by `timeout_s`; see the module doc."""
+async def run_workflow(workflow: Workflow, ctx: RolloutContext, timeout_s: float,
+                       running: weakref.WeakSet[asyncio.Future] | None = None) -> Trajectory:
+    """Run one rollout, contained and bounded by `timeout_s`; see the module doc. The workflow's
+    task is added to `running` (what `astraflow.raas.watchdog` may interrupt)."""
     label = f"{ctx.task.workflow[:200]} on {ctx.task.task_id}/{ctx.sample_index}"
     task = asyncio.ensure_future(_contained(workflow, ctx))
+    if running is not None:
+        running.add(task)
     try:
         done, _ = await asyncio.wait({task}, timeout=timeout_s)
     except asyncio.CancelledError:

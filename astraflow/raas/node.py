@@ -12,9 +12,10 @@ Guarantees (DESIGN.md, "RaaS node"):
 - every task is checked before any work (`astraflow.raas.admission`: values within the
   `raas.*` limits, served policies, an allowed workflow); one that fails goes to the DLQ with
   its reason and is committed like any other;
-- whatever a workflow does (raises anything, hangs past `raas.rollout_timeout_s`, returns
-  something else than its Trajectory), its sample becomes an ERROR trajectory
-  (`astraflow.raas.guard`), so its group still completes and the node keeps serving; a
+- whatever a workflow does (raises anything, hangs past `raas.rollout_timeout_s`, blocks the
+  event loop (`astraflow.raas.watchdog`), returns something else than its Trajectory), its
+  sample becomes an ERROR trajectory (`astraflow.raas.guard`), so its group still completes
+  and the node keeps serving; a
   trajectory that cannot be encoded is replaced by an ERROR trajectory without segments;
 - on SIGTERM it stops taking work, drains what is in flight, commits and leaves the group.
 """
@@ -29,6 +30,7 @@ import os
 import socket
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -43,6 +45,7 @@ from astraflow.raas.admission import InvalidTaskError, admit
 from astraflow.raas.backends.base import InferenceBackend
 from astraflow.raas.guard import error_trajectory, run_workflow
 from astraflow.raas.tools import ToolBox, ToolFn, default_tools
+from astraflow.raas.watchdog import STALL_LIMIT_S, StallWatchdog
 from astraflow.raas.workflows import RolloutContext, Workflow
 from astraflow.records import Metric, NodeInfo, Task, Trajectory
 
@@ -89,6 +92,7 @@ class RaasNode:
         self._paused = False
         self._pending: collections.deque[Received[Task]] = collections.deque()  # fetched, not started
         self._running: set[asyncio.Task] = set()
+        self._workflows: weakref.WeakSet[asyncio.Future] = weakref.WeakSet()  # rollouts' own tasks
         self.metric_observers: list[Callable[[Metric], None]] = []  # e.g. a Prometheus collector's observe
 
     def _make_consumer(self) -> RecordConsumer[Task]:
@@ -122,6 +126,11 @@ class RaasNode:
         self._stop.set()
 
     async def run(self) -> None:
+        stall_s = min(self.cfg.raas.rollout_timeout_s, STALL_LIMIT_S)
+        with StallWatchdog(asyncio.get_running_loop(), stall_s, self._workflows):
+            await self._run()
+
+    async def _run(self) -> None:
         last_metrics = time.monotonic()
         t_start = time.monotonic()
         mark = (0, 0, t_start)
@@ -214,7 +223,7 @@ class RaasNode:
 
     async def _rollout(self, ctx: RolloutContext, workflow: Workflow) -> Trajectory:
         try:
-            traj = await run_workflow(workflow, ctx, self.cfg.raas.rollout_timeout_s)
+            traj = await run_workflow(workflow, ctx, self.cfg.raas.rollout_timeout_s, self._workflows)
         finally:
             self.inflight -= 1
         self.rollouts_done += 1

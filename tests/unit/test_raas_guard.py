@@ -127,3 +127,44 @@ def test_cancelling_the_node_still_cancels_the_rollout() -> None:
 
     asyncio.run(main())
     assert state["cancelled"]
+
+
+@pytest.mark.parametrize("block", ["busy", "sleep"])
+def test_a_workflow_that_blocks_the_event_loop_is_interrupted(block: str) -> None:
+    import time
+    import weakref
+
+    from astraflow.raas.watchdog import StallWatchdog
+
+    async def blocking(ctx: RolloutContext) -> Trajectory:
+        if block == "busy":
+            while True:
+                pass
+        time.sleep(3600)
+        return ctx.finish("never")
+
+    async def main() -> tuple[Trajectory, int]:
+        running: weakref.WeakSet = weakref.WeakSet()
+        with StallWatchdog(asyncio.get_running_loop(), 0.5, running) as dog:
+            traj = await run_workflow(blocking, _ctx(), 60.0, running)
+        return traj, dog.interrupted
+
+    traj, interrupted = asyncio.run(main())
+    assert traj.status == TrajectoryStatus.ERROR and interrupted == 1
+    assert traj.error.startswith("LoopStalled: the workflow blocked the event loop for more than 0.5 s")
+
+
+def test_the_watchdog_leaves_code_that_is_not_a_workflow_alone() -> None:
+    import time
+    import weakref
+
+    from astraflow.raas.watchdog import StallWatchdog
+
+    async def main() -> int:
+        with StallWatchdog(asyncio.get_running_loop(), 0.2, weakref.WeakSet()) as dog:
+            await asyncio.sleep(0.05)
+            time.sleep(0.8)  # the node's own code blocking (a flush, say): not interrupted
+            await asyncio.sleep(0.05)
+        return dog.interrupted
+
+    assert asyncio.run(main()) == 0
