@@ -27,9 +27,10 @@ kills the whole tree. Output is bounded (head and tail kept).
   Not covered: kernel exploits (this is not a VM or gVisor); CPU time is per process.
 
 **process** (only with `allow_weak_isolation`, where bwrap, user namespaces, seccomp or the
-cgroups are missing): a new session, the rlimits, an empty environment, and an audit hook that
-refuses non-local sockets (code that loads ctypes bypasses it); the filesystem is whatever the
-user may write. Without that setting such a machine raises `SandboxUnavailableError` saying
+cgroups are missing): a new session, the rlimits, an empty environment, the same seccomp filter
+(loaded by the interpreter itself before the code runs: no network but AF_UNIX, none of the
+refused calls), and as root a uid of its own; the filesystem is whatever that user may read or
+write, and a non-root user's code can signal the processes of that user. Without that setting such a machine raises `SandboxUnavailableError` saying
 what to install, instead of running the code with less isolation than promised.
 """
 

@@ -1,12 +1,14 @@
 """Prelude of the untrusted interpreter (stdlib only; executed as `python -I -c <source> <json> <script> ...`).
 
 Sets the resource limits on itself before any untrusted code runs (they are inherited by every
-process it forks), installs an audit hook that refuses to create network sockets, then runs the
-script as `__main__` the way `python script.py` would (its directory first on sys.path).
+process it forks); in the weak mode, where no bwrap loaded it, loads the seccomp filter itself
+(`cfg["seccomp"]`, the program of `astraflow.sandbox.seccomp` in hex); installs an audit hook that
+refuses to create network sockets; then runs the script as `__main__` the way `python script.py`
+would (its directory first on sys.path).
 
-The audit hook is defence in depth, not a boundary: code that loads a C extension (ctypes) or
-execs another program can bypass it. In namespace mode the empty network namespace is what
-guarantees no network; in process mode this hook is all there is.
+The audit hook only turns a refused socket into a clear PermissionError: the seccomp filter (and
+in bwrap mode the empty network namespace) is what refuses network sockets, whatever the code
+uses (ctypes, another program).
 """
 
 import json
@@ -20,6 +22,29 @@ import traceback
 cfg = json.loads(sys.argv[1])
 for name, soft, hard in cfg["rlimits"]:
     resource.setrlimit(getattr(resource, name), (soft, hard))
+
+
+def _load_seccomp(program: bytes) -> None:
+    """prctl(PR_SET_NO_NEW_PRIVS) then prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &sock_fprog)."""
+    try:
+        import ctypes
+    except ImportError as exc:  # fail closed: the code never runs unfiltered
+        sys.stderr.write(f"sandbox: cannot load the seccomp filter without ctypes: {exc}\n")
+        os._exit(125)
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    prog = SockFprog(len(program) // 8, program)
+    if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:
+        err = ctypes.get_errno()
+        sys.stderr.write(f"sandbox: cannot load the seccomp filter: {os.strerror(err)}\n")
+        os._exit(125)
+
+
+if cfg.get("seccomp"):
+    _load_seccomp(bytes.fromhex(cfg["seccomp"]))
 
 _LOCAL_ONLY = int(socket.AF_UNIX)
 _RESOLVER_EVENTS = {

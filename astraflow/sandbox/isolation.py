@@ -8,7 +8,7 @@ Two modes (`SandboxResult.isolation` says which one ran):
   seccomp filter of `astraflow.sandbox.seccomp`, and the run's memory and pids cgroups
   (`astraflow.sandbox.cgroups`) surround it.
 * **process** (only with `allow_weak_isolation`, where bwrap cannot run): a new session, the
-  resource limits, an empty environment and a socket-refusing audit hook; as root, the code runs
+  resource limits, an empty environment and the same seccomp filter (loaded by the prelude); as root, the code runs
   under a uid of its own, and where that is impossible (an interpreter other users cannot read)
   it refuses: weak isolation never means running untrusted code as root.
 
@@ -195,10 +195,13 @@ def sandbox_env(home: str) -> dict[str, str]:
     }
 
 
-def user_argv(python: str, limits: SandboxLimits, args: list[str]) -> list[str]:
-    """Command line of the untrusted interpreter: isolated mode, prelude, then the script."""
-    cfg = json.dumps({"rlimits": rlimits(limits)})
-    return [python, "-I", "-c", PRELUDE_SOURCE, cfg, MAIN_SCRIPT, *args]
+def user_argv(python: str, limits: SandboxLimits, args: list[str], *, load_seccomp: bool = False) -> list[str]:
+    """Command line of the untrusted interpreter: isolated mode, prelude, then the script; the
+    prelude loads the seccomp filter itself when `load_seccomp` (the weak mode: no bwrap to do it)."""
+    cfg: dict = {"rlimits": rlimits(limits)}
+    if load_seccomp:
+        cfg["seccomp"] = seccomp.build_filter().hex()
+    return [python, "-I", "-c", PRELUDE_SOURCE, json.dumps(cfg), MAIN_SCRIPT, *args]
 
 
 def others_can_reach(path: str) -> bool:
@@ -221,7 +224,7 @@ def process_launch(
     (`resolve_mode` has checked that this uid can read the interpreter)."""
     python, _prefix = interpreter(settings)
     user = new_uid() if os.geteuid() == 0 else None
-    argv = user_argv(python, limits, args)
+    argv = user_argv(python, limits, args, load_seccomp=seccomp.supported())
     return Launch(argv, sandbox_env(workdir), workdir, "process", user=user, pass_fds=pass_fds)
 
 

@@ -290,3 +290,17 @@ def test_weak_mode_never_runs_untrusted_code_as_root(tmp_path: Path) -> None:
     weak_root = SandboxSettings(allow_weak_isolation=True, bwrap="/nonexistent/bwrap", python=str(python))
     with pytest.raises(SandboxUnavailableError, match="would run as root.*ASTRAFLOW__SANDBOX__PYTHON"):
         run_python("print('ran')", limits=SMALL, settings=weak_root)
+
+
+@needs_weak
+def test_weak_mode_still_refuses_network_below_python() -> None:
+    # ctypes goes around the audit hook; the seccomp filter the prelude loaded does not let it through
+    code = (
+        "import ctypes, errno\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "for family in (2, 10, 16):  # AF_INET, AF_INET6, AF_NETLINK\n"
+        "    print(family, libc.socket(family, 1 if family != 16 else 3, 0), errno.errorcode[ctypes.get_errno()])\n"
+        "print('ptrace', libc.ptrace(0, 0, 0, 0), errno.errorcode[ctypes.get_errno()])\n"
+    )
+    r = run_python(code, limits=SMALL, settings=WEAK)
+    assert r.ok and r.isolation == "process", r.stderr
+    assert r.stdout.splitlines() == ["2 -1 EAFNOSUPPORT", "10 -1 EAFNOSUPPORT", "16 -1 EAFNOSUPPORT", "ptrace -1 EPERM"]
