@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 
 from astraflow.errors import ConfigError
 from astraflow.sandbox.settings import SandboxSettings
+from astraflow.secrets import install_log_redaction, redact_tree, register_secret
 
 ENV_PREFIX = "ASTRAFLOW__"
 
@@ -71,6 +72,7 @@ class KafkaSettings(_Frozen):
             conf["sasl.mechanism"] = self.sasl_mechanism
             conf["sasl.username"] = self.sasl_username or ""
             conf["sasl.password"] = self.sasl_password.get_secret_value() if self.sasl_password else ""
+            register_secret(conf["sasl.password"])  # masked in every log line from here on
         for key, value in (
             ("ssl.ca.location", self.ssl_ca_location),
             ("ssl.certificate.location", self.ssl_certificate_location),
@@ -79,20 +81,31 @@ class KafkaSettings(_Frozen):
             if value:
                 conf[key] = value
         conf.update(self.client_extra)
+        for key, value in self.client_extra.items():
+            if "password" in key or "secret" in key:
+                register_secret(value)
         return conf
 
 
 class LocalKafkaSettings(_Frozen):
-    """The single-node Apache Kafka that `astraflow kafka up` runs on this machine."""
+    """The Apache Kafka (KRaft) that `astraflow kafka up` runs on this machine: one node or several."""
 
     data_dir: Path = Field(default_factory=lambda: default_home() / "kafka")
-    """Jars, KRaft storage, logs and pid file live here."""
+    """KRaft storage, logs, pid files (and, when secure, credentials) live here."""
+    jars_dir: Path = Field(default_factory=lambda: default_home() / "kafka-jars")
+    """Kafka's jars, resolved once per pom and shared by every data directory."""
     port: int = 19092
-    """Broker listener on 127.0.0.1 (uncommon default, so it does not clash with another Kafka)."""
+    """Client listener of node 1 on 127.0.0.1 (uncommon default, so it does not clash with another
+    Kafka); node i listens on `port + 2*(i-1)`."""
     controller_port: int = 19093
-    """KRaft controller listener on 127.0.0.1."""
+    """KRaft controller listener of node 1 on 127.0.0.1; node i uses `controller_port + 2*(i-1)`."""
+    brokers: int = Field(1, ge=1, le=5)
+    """Nodes, each broker and controller at once. 3 gives replication factor 3 with
+    min.insync.replicas 2 (topics and the offsets / transaction-state topics): one node may die."""
+    secure: bool = False
+    """SASL/SCRAM-SHA-512 on the client listener and ACLs (StandardAuthorizer): see docs/deploy.md."""
     heap_mb: int = 512
-    """JVM heap; small machines are fine with 512."""
+    """JVM heap per node; small machines are fine with 512 (three nodes: 1.5 GiB in all)."""
     start_timeout_s: float = 90.0
     """How long `up` waits for the broker to answer metadata requests."""
 
@@ -103,7 +116,10 @@ class TopicSettings(_Frozen):
     partitions: int = 4
     """Partitions of the work topics (tasks, rollouts, scored, train): the parallelism ceiling."""
     replication_factor: int = 1
-    """1 for the local broker; 3 on a production cluster."""
+    """1 for the local broker; 3 on a production cluster (and `kafka up --brokers 3`)."""
+    min_insync_replicas: int | None = None
+    """`min.insync.replicas` of every topic (None: the broker's default). With replication factor 3,
+    2 means an acks=all write survives the loss of any one broker."""
     rollouts_retention_ms: int = 30 * 24 * 3600 * 1000
     """Rollout logs are kept long, for replay."""
     work_retention_ms: int = 7 * 24 * 3600 * 1000
@@ -112,6 +128,15 @@ class TopicSettings(_Frozen):
     """Weights topics are bounded by size per partition."""
     max_message_bytes: int = 16 * 1024 * 1024
     """`max.message.bytes` of the weights topics (chunks); keep managed-cluster limits in mind."""
+
+    @model_validator(mode="after")
+    def _check_isr(self) -> TopicSettings:
+        if self.min_insync_replicas is not None and not 1 <= self.min_insync_replicas <= self.replication_factor:
+            raise ValueError(
+                f"topics.min_insync_replicas={self.min_insync_replicas} must be between 1 and "
+                f"topics.replication_factor={self.replication_factor} (or a write could never succeed)"
+            )
+        return self
 
 
 class RaasSettings(_Frozen):
@@ -211,6 +236,7 @@ def load_config(
     model: type[BaseModel] = AstraflowConfig,
 ) -> Any:
     """Builds a frozen config from a file, the environment and `key.path=value` overrides."""
+    install_log_redaction()
     tree: dict[str, Any] = _read_file(Path(path)) if path else {}
     env = os.environ if env is None else env
     for key, value in sorted(env.items()):
@@ -228,9 +254,16 @@ def load_config(
         raise ConfigError(f"invalid configuration: {problems}") from exc
 
 
+def redacted(config: BaseModel) -> dict[str, Any]:
+    """The config as JSON-ready data with every secret masked: secret fields (SASL password,
+    `client_extra` passwords, any `*password*` / `*token*` / `*secret*` key) and passwords inside
+    URLs (`s3://user:pass@...`, a schema registry URL with credentials)."""
+    return redact_tree(json.loads(config.model_dump_json()))
+
+
 def write_resolved(config: BaseModel, run_dir: Path, name: str = "config.json") -> Path:
     """Writes the resolved config as JSON (secrets masked) into `run_dir`, returning the path."""
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / name
-    out.write_text(json.dumps(json.loads(config.model_dump_json()), indent=2, sort_keys=True) + "\n")
+    out.write_text(json.dumps(redacted(config), indent=2, sort_keys=True) + "\n")
     return out

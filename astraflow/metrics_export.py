@@ -5,7 +5,9 @@ the source of truth and feeds `astraflow status`. Prometheus wants to scrape HTT
 
 - `start_metrics_server(port)` serves a process's own registry (CPU, memory, GC, and any
   `Metric` it passes to `ProcessMetrics.observe`). Opt-in: nothing listens unless a process
-  calls it, for example when `ASTRAFLOW_METRICS_PORT` is set (`start_from_env`).
+  calls it, for example when `ASTRAFLOW_METRICS_PORT` is set (`start_from_env`). It binds to
+  127.0.0.1 unless told otherwise (`ASTRAFLOW_METRICS_ADDR`, `--addr`): the endpoint has no
+  authentication, so exposing it to a network is a deliberate choice.
 - `MetricsBridge` turns one experiment into gauges: the latest value of every series on the
   metrics topic (RaaS nodes, trainers, evaluators), plus what `status` measures (lag per group,
   topic rates, policy versions, staleness, reward, DLQ). One bridge per experiment
@@ -37,6 +39,8 @@ from astraflow.records import Metric
 log = logging.getLogger("astraflow.metrics")
 
 PORT_ENV = "ASTRAFLOW_METRICS_PORT"
+ADDR_ENV = "ASTRAFLOW_METRICS_ADDR"
+DEFAULT_ADDR = "127.0.0.1"  # loopback only unless configured otherwise
 _BAD = re.compile(r"[^a-zA-Z0-9_]")
 _RESERVED = frozenset({"experiment", "component", "process"})
 
@@ -148,7 +152,7 @@ class MetricsServer:
         self._thread.join(timeout=5)
 
 
-def start_metrics_server(port: int, addr: str = "0.0.0.0", registry: CollectorRegistry = REGISTRY) -> MetricsServer:
+def start_metrics_server(port: int, addr: str = DEFAULT_ADDR, registry: CollectorRegistry = REGISTRY) -> MetricsServer:
     """Serves `registry` on http://addr:port/metrics from a daemon thread. Port 0 picks a free port."""
     try:
         httpd, thread = start_http_server(port, addr=addr, registry=registry)
@@ -158,13 +162,15 @@ def start_metrics_server(port: int, addr: str = "0.0.0.0", registry: CollectorRe
 
 
 def start_from_env(env: dict[str, str] | None = None) -> MetricsServer | None:
-    """Starts the endpoint when `ASTRAFLOW_METRICS_PORT` is set (the opt-in for any process)."""
-    value = (os.environ if env is None else env).get(PORT_ENV, "").strip()
+    """Starts the endpoint when `ASTRAFLOW_METRICS_PORT` is set (the opt-in for any process), on
+    `ASTRAFLOW_METRICS_ADDR` (default 127.0.0.1; `0.0.0.0` exposes it to every network)."""
+    env = os.environ if env is None else env
+    value = env.get(PORT_ENV, "").strip()
     if not value:
         return None
     if not value.isdigit():
         raise ConfigError(f"{PORT_ENV}={value!r} must be a port number (or unset, to expose no metrics)")
-    return start_metrics_server(int(value))
+    return start_metrics_server(int(value), env.get(ADDR_ENV, "").strip() or DEFAULT_ADDR)
 
 
 class MetricsBridge(Collector):

@@ -1,4 +1,5 @@
-"""`astraflow kafka up | down | status | logs`: the local Apache Kafka."""
+"""`astraflow kafka up | down | status | logs | kill | start`: the local Apache Kafka (one node or
+several), and `grant | credentials | acls`: per-role principals and ACLs on a secure cluster."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import typer
 
 from astraflow.cli.common import console, handle_errors, load
 
-app = typer.Typer(help="Run a real single-node Apache Kafka (KRaft) locally, without Docker.", no_args_is_help=True)
+app = typer.Typer(help="Run a real Apache Kafka (KRaft) locally, without Docker: one node or a cluster.", no_args_is_help=True)
 
 
-def _local(ctx: typer.Context, data_dir: str | None, port: int | None):
+def _local(ctx: typer.Context, data_dir: str | None, port: int | None, brokers: int | None = None, secure: bool | None = None):
     from astraflow.kafka.local import LocalKafka
 
     overrides = []
@@ -20,27 +21,74 @@ def _local(ctx: typer.Context, data_dir: str | None, port: int | None):
         overrides.append(f"local_kafka.data_dir={data_dir}")
     if port:
         overrides += [f"local_kafka.port={port}", f"local_kafka.controller_port={port + 1}"]
+    if brokers:
+        overrides.append(f"local_kafka.brokers={brokers}")
+    if secure:
+        overrides.append("local_kafka.secure=true")
     return LocalKafka(load(ctx, *overrides).local_kafka)
 
 
-DATA_DIR = typer.Option(None, "--data-dir", help="Where jars, storage, logs and the pid file live.")
-PORT = typer.Option(None, "--port", help="Broker port on 127.0.0.1 (the controller uses port+1).")
+DATA_DIR = typer.Option(None, "--data-dir", help="Where storage, logs, pid files (and credentials) live.")
+PORT = typer.Option(None, "--port", help="Client port of node 1 on 127.0.0.1 (its controller: port+1; node i: +2*(i-1)).")
+BROKERS = typer.Option(None, "--brokers", help="Nodes (broker+controller each); 3 survives the loss of any one.")
+SECURE = typer.Option(False, "--secure", help="SASL/SCRAM-SHA-512 and ACLs (see docs/deploy.md).")
 
 
 @app.command()
 @handle_errors
-def up(ctx: typer.Context, data_dir: str | None = DATA_DIR, port: int | None = PORT) -> None:
-    """Start the broker (no-op if it is already running) and wait until it answers."""
+def up(
+    ctx: typer.Context,
+    data_dir: str | None = DATA_DIR,
+    port: int | None = PORT,
+    brokers: int | None = BROKERS,
+    secure: bool = SECURE,
+    experiment: str | None = typer.Option(None, "--experiment", "-e", help="Secure: also grant this experiment's roles."),
+    policy: list[str] = typer.Option([], "--policy", "-p", help="Secure: a policy of that experiment (repeatable)."),
+) -> None:
+    """Start every node (no-op for those already running) and wait until all are registered."""
     t0 = time.monotonic()
-    st = _local(ctx, data_dir, port).up(echo=console.print)
-    console.print(f"[green]ready[/] bootstrap.servers={st.bootstrap} pid={st.pid} ({time.monotonic() - t0:.1f}s)")
+    local = _local(ctx, data_dir, port, brokers, secure)
+    st = local.up(echo=console.print)
+    console.print(f"[green]ready[/] bootstrap.servers={st.bootstrap} pids={[n.pid for n in st.nodes]} ({time.monotonic() - t0:.1f}s)")
+    if local.settings.secure:
+        console.print(f"admin credentials: {local.root / 'credentials.json'} (mode 0600)")
+        if experiment:
+            _grant(local, experiment, policy)
 
 
 @app.command()
 @handle_errors
-def down(ctx: typer.Context, data_dir: str | None = DATA_DIR, port: int | None = PORT) -> None:
-    """Stop the broker that `up` started from this data directory (and nothing else)."""
-    _local(ctx, data_dir, port).down(echo=console.print)
+def down(ctx: typer.Context, data_dir: str | None = DATA_DIR, port: int | None = PORT, brokers: int | None = BROKERS) -> None:
+    """Stop every node that `up` started from this data directory (and nothing else)."""
+    _local(ctx, data_dir, port, brokers).down(echo=console.print)
+
+
+@app.command()
+@handle_errors
+def kill(
+    ctx: typer.Context,
+    node: int = typer.Argument(..., help="Node id (1..brokers)."),
+    data_dir: str | None = DATA_DIR,
+    port: int | None = PORT,
+    brokers: int | None = BROKERS,
+) -> None:
+    """kill -9 one node (fault testing); `astraflow kafka start NODE` brings it back."""
+    pid = _local(ctx, data_dir, port, brokers).kill(node)
+    console.print(f"node {node}: " + (f"killed (pid {pid})" if pid else "was not running"))
+
+
+@app.command()
+@handle_errors
+def start(
+    ctx: typer.Context,
+    node: int = typer.Argument(..., help="Node id (1..brokers)."),
+    data_dir: str | None = DATA_DIR,
+    port: int | None = PORT,
+    brokers: int | None = BROKERS,
+) -> None:
+    """Start one node of a formatted cluster and wait until it is registered again."""
+    st = _local(ctx, data_dir, port, brokers).start(node, echo=console.print)
+    console.print(f"node {node}: running pid={st.pid}")
 
 
 @app.command()
@@ -49,15 +97,18 @@ def status(
     ctx: typer.Context,
     data_dir: str | None = DATA_DIR,
     port: int | None = PORT,
+    brokers: int | None = BROKERS,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    """Is the local broker running and answering? Exit code 3 when it is not."""
-    st = _local(ctx, data_dir, port).status()
+    """Is every node running and registered? One line per node; exit code 3 when any is not."""
+    st = _local(ctx, data_dir, port, brokers).status()
     if as_json:
-        console.print_json(json.dumps({**st.__dict__, "data_dir": str(st.data_dir)}))
+        console.print_json(json.dumps(st.to_json()))
     else:
-        state = "[green]running[/]" if st.answering else ("[yellow]starting[/]" if st.running else "[red]stopped[/]")
-        console.print(f"Kafka {state} bootstrap={st.bootstrap} pid={st.pid} data_dir={st.data_dir}")
+        for n in st.nodes:
+            state = "[green]running[/]" if n.answering else ("[yellow]starting[/]" if n.running else "[red]stopped[/]")
+            console.print(f"Kafka node {n.node_id} {state} bootstrap={n.bootstrap} pid={n.pid}")
+        console.print(f"data_dir={st.data_dir} bootstrap.servers={st.bootstrap}")
     if not st.answering:
         raise typer.Exit(3)
 
@@ -68,7 +119,92 @@ def logs(
     ctx: typer.Context,
     data_dir: str | None = DATA_DIR,
     port: int | None = PORT,
+    brokers: int | None = BROKERS,
     lines: int = typer.Option(50, "-n", help="How many lines from the end."),
 ) -> None:
-    """Print the end of the broker's logs."""
-    console.print(_local(ctx, data_dir, port).log_tail(lines), markup=False, highlight=False)
+    """Print the end of every node's logs."""
+    console.print(_local(ctx, data_dir, port, brokers).log_tail(lines), markup=False, highlight=False)
+
+
+def _grant(local, experiment: str, policies: list[str]) -> None:
+    from confluent_kafka.admin import AdminClient
+
+    from astraflow.kafka.acl import apply_grants, principals, role_grants
+    from astraflow.kafka.secure import CredentialStore, upsert_users
+
+    grants = role_grants(experiment, policies)
+    store = CredentialStore(local.root)
+    admin = AdminClient(local.admin_settings().client_config())
+    users = principals(grants)
+    upsert_users(admin, {u: store.password(u) for u in users})
+    n = apply_grants(admin, grants)
+    console.print(f"granted {n} ACLs to {', '.join(users)} on experiment {experiment}; "
+                  f"`astraflow kafka credentials ROLE` prints one role's environment")
+
+
+EXPERIMENT = typer.Option(..., "--experiment", "-e", help="Experiment name.")
+POLICIES = typer.Option([], "--policy", "-p", help="Policy name (repeatable).")
+
+
+@app.command()
+@handle_errors
+def grant(
+    ctx: typer.Context,
+    experiment: str = EXPERIMENT,
+    policy: list[str] = POLICIES,
+    data_dir: str | None = DATA_DIR,
+    port: int | None = PORT,
+    brokers: int | None = BROKERS,
+) -> None:
+    """Secure local cluster: create each role's SCRAM user and its ACLs for an experiment."""
+    local = _local(ctx, data_dir, port, brokers, True)
+    _grant(local, experiment, policy)
+
+
+@app.command()
+@handle_errors
+def credentials(
+    ctx: typer.Context,
+    role: str = typer.Argument(..., help="curator, reward, curate, raas, trainer, archive, monitor or operator."),
+    policy: str | None = typer.Option(None, "--policy", "-p", help="The trainer's policy."),
+    data_dir: str | None = DATA_DIR,
+    port: int | None = PORT,
+    brokers: int | None = BROKERS,
+) -> None:
+    """Print `export` lines that give one process exactly one role's credentials."""
+    import shlex
+
+    from astraflow.kafka.acl import principal_of
+    from astraflow.kafka.secure import CredentialStore
+
+    local = _local(ctx, data_dir, port, brokers, True)
+    try:
+        user = principal_of(role, policy)
+    except ValueError as exc:
+        from astraflow.errors import ConfigError
+
+        raise ConfigError(str(exc)) from None
+    for k, v in CredentialStore(local.root).env(local.bootstrap, user).items():
+        print(f"export {k}={shlex.quote(v)}")
+
+
+@app.command()
+@handle_errors
+def acls(
+    experiment: str = EXPERIMENT,
+    policy: list[str] = POLICIES,
+    commands: bool = typer.Option(False, "--commands", help="As kafka-acls.sh commands, for a managed cluster."),
+) -> None:
+    """Print the per-role ACL table of an experiment (or the kafka-acls.sh commands for it)."""
+    from rich.table import Table
+
+    from astraflow.kafka.acl import kafka_acls_commands, role_grants
+
+    grants = role_grants(experiment, policy)
+    if commands:
+        print("\n".join(kafka_acls_commands(grants)))
+        return
+    table = Table("principal", "resource", "name", "pattern", "operations", "why")
+    for g in grants:
+        table.add_row(g.principal, g.resource, g.name, g.pattern.lower(), ", ".join(g.operations), g.why)
+    console.print(table)

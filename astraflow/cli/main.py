@@ -55,8 +55,12 @@ def main(
 @app.command("config")
 @handle_errors
 def show_config(ctx: typer.Context) -> None:
-    """Print the resolved configuration (file, then ASTRAFLOW__* environment, then --set)."""
-    console.print_json(load(ctx).model_dump_json())
+    """Print the resolved configuration (file, then ASTRAFLOW__* environment, then --set), secrets masked."""
+    import json
+
+    from astraflow.config import redacted
+
+    console.print_json(json.dumps(redacted(load(ctx))))
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ def serve(
     ctx: typer.Context,
     experiment: str = EXPERIMENT,
     port: int = typer.Option(9464, "--port", help="Serve http://ADDR:PORT/metrics (0 picks a free port)."),
-    addr: str = typer.Option("0.0.0.0", "--addr", help="Address to listen on."),
+    addr: str = typer.Option("127.0.0.1", "--addr", help="Address to listen on (0.0.0.0: every network; the endpoint has no authentication)."),
     interval: float = typer.Option(15.0, "--interval", help="Seconds between refreshes of the experiment's status."),
     window: float = WINDOW,
     recent: int = RECENT,

@@ -1,13 +1,30 @@
 """Producer and consumer helpers with AstraFlow's defaults and dead-lettering built in.
 
 `RecordProducer`: idempotent, acks=all, zstd, small linger; `flush()` raises if any record was
-not acknowledged. `RecordConsumer`: offsets are committed only when the caller says a record
+rejected. `RecordConsumer`: offsets are committed only when the caller says a record
 was processed (`commit`), partitions can be paused for backpressure while polling continues,
 and every record that cannot be decoded goes to the DLQ with the reason, without stopping.
+
+Outages. Every client here survives a cluster that is away for any length of time:
+
+- librdkafka gives up on a queued record after `message.timeout.ms`, 300,000 ms by default (exactly
+  five minutes), and the record is lost to the caller. `producer_config` sets it to 0, which
+  librdkafka reads as "never": a record waits, retried with backoff, until the cluster is back.
+  Idempotence keeps those retries free of duplicates and in order. A transactional producer
+  cannot wait forever (its records must land before `transaction.timeout.ms`), so there the
+  timeout follows the transaction's; its caller aborts and retries the transaction.
+- `flush()` without a timeout waits for every acknowledgement, however long, and logs every 30 s
+  how many records are still waiting; a given timeout still raises.
+- Consumers reconnect by themselves; `commit` retries a commit that failed because the
+  coordinator was unreachable (`commit_offsets`) instead of raising, and only raises errors a
+  retry cannot fix (the partition was revoked: another member re-reads those records).
+- Reconnect backoff is capped at 5 s (librdkafka's default is 10 s), so a role resumes within
+  seconds of the cluster's return; TCP keepalive notices dead connections through NAT.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import Callable, Iterable
@@ -23,22 +40,91 @@ from astraflow.serde import AvroSerde
 
 R = TypeVar("R", bound=Record)
 
+log = logging.getLogger("astraflow.kafka")
+
 # Room for Kafka's record overhead on top of the encoded value.
 _OVERHEAD = 64 * 1024
 
+# What every client needs to ride out an outage (see the module docstring).
+OUTAGE_CONFIG: dict[str, Any] = {"reconnect.backoff.max.ms": 5000, "socket.keepalive.enable": True}
+# librdkafka's default message.timeout.ms (5 minutes); 0 means "never give up".
+LIBRDKAFKA_DEFAULT_MESSAGE_TIMEOUT_MS = 300_000
+_TXN_TIMEOUT_MS = 60_000
+
 
 def producer_config(kafka: KafkaSettings, max_record_bytes: int, **overrides: Any) -> dict[str, Any]:
+    """librdkafka producer properties: idempotent, acks=all, zstd, and no delivery deadline."""
     conf: dict[str, Any] = {
         **kafka.client_config(),
+        **OUTAGE_CONFIG,
         "enable.idempotence": True,
         "acks": "all",
         "compression.type": "zstd",
         "linger.ms": 5,
         "message.max.bytes": max_record_bytes + _OVERHEAD,
         "client.id": f"astraflow-{socket.gethostname()}",
+        "message.timeout.ms": 0,
+    }
+    if "transactional.id" in overrides and "message.timeout.ms" not in overrides:
+        conf["message.timeout.ms"] = overrides.get("transaction.timeout.ms", _TXN_TIMEOUT_MS)
+    conf.update(overrides)
+    return conf
+
+
+def consumer_config(kafka: KafkaSettings, group_id: str, max_record_bytes: int, **overrides: Any) -> dict[str, Any]:
+    """librdkafka consumer properties: manual commits, read_committed, cooperative rebalancing."""
+    conf: dict[str, Any] = {
+        **kafka.client_config(),
+        **OUTAGE_CONFIG,
+        "group.id": group_id,
+        "enable.auto.commit": False,
+        "auto.offset.reset": "earliest",
+        "isolation.level": "read_committed",
+        "partition.assignment.strategy": "cooperative-sticky",
+        "fetch.message.max.bytes": max_record_bytes + _OVERHEAD,
+        "max.poll.interval.ms": 300000,
     }
     conf.update(overrides)
     return conf
+
+
+# Commit errors that mean "the coordinator is away or moving", not "you lost the partition".
+_RETRIABLE_COMMIT = frozenset(
+    {
+        KafkaError._TRANSPORT,
+        KafkaError._TIMED_OUT,
+        KafkaError._WAIT_COORD,
+        KafkaError._ALL_BROKERS_DOWN,
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+        KafkaError.NOT_COORDINATOR,
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+        KafkaError.REQUEST_TIMED_OUT,
+        KafkaError.NETWORK_EXCEPTION,
+    }
+)
+
+
+def commit_offsets(consumer: Consumer, offsets: list[TopicPartition], backoff_max_s: float = 5.0) -> None:
+    """Synchronous commit that waits out an unreachable coordinator (an outage of any length).
+
+    Raises KafkaLayerError for errors a retry cannot fix, e.g. the partitions were revoked in a
+    rebalance (their records will be delivered again to the new owner).
+    """
+    delay, waited, warned = 0.2, 0.0, 0.0
+    while True:
+        try:
+            consumer.commit(offsets=offsets, asynchronous=False)
+            return
+        except KafkaException as exc:
+            err = exc.args[0]
+            if not isinstance(err, KafkaError) or not (err.retriable() or err.code() in _RETRIABLE_COMMIT):
+                raise KafkaLayerError(f"commit failed: {exc}") from exc
+            if waited - warned >= 30.0:
+                log.warning("commit still waiting for the group coordinator after %.0f s: %s", waited, err.str())
+                warned = waited
+        time.sleep(delay)
+        waited += delay
+        delay = min(delay * 2, backoff_max_s)
 
 
 class RecordProducer:
@@ -88,10 +174,18 @@ class RecordProducer:
     def poll(self, timeout_s: float = 0.0) -> int:
         return self._producer.poll(timeout_s)
 
-    def flush(self, timeout_s: float = 30.0) -> None:
-        """Waits for every queued record's acknowledgement; raises ProduceError on any failure."""
-        remaining = self._producer.flush(timeout_s)
-        if remaining:
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Waits for every queued record's acknowledgement; raises ProduceError on any failure.
+
+        Without a timeout it waits as long as the cluster is away (logging every 30 s); with one,
+        records still unacknowledged then raise ProduceError (they stay queued).
+        """
+        if timeout_s is None:
+            waited = 0.0
+            while remaining := self._producer.flush(30.0):
+                waited += 30.0
+                log.warning("%d records still waiting for Kafka after %.0f s (is the cluster away?)", remaining, waited)
+        elif remaining := self._producer.flush(timeout_s):
             raise ProduceError(f"{remaining} records not acknowledged within {timeout_s:.0f}s; is Kafka reachable?")
         if self._failures:
             failures, self._failures = self._failures, []
@@ -172,18 +266,7 @@ class RecordConsumer(Generic[R]):
         self.expect = expect
         self.component = component
         self.dlq = dlq
-        conf = {
-            **kafka.client_config(),
-            "group.id": group_id,
-            "enable.auto.commit": False,
-            "auto.offset.reset": "earliest",
-            "isolation.level": "read_committed",
-            "partition.assignment.strategy": "cooperative-sticky",
-            "fetch.message.max.bytes": self.serde.max_record_bytes + _OVERHEAD,
-            "max.poll.interval.ms": 300000,
-        }
-        conf.update(overrides)
-        self._consumer = Consumer(conf)
+        self._consumer = Consumer(consumer_config(kafka, group_id, self.serde.max_record_bytes, **overrides))
         kwargs = {k: v for k, v in (("on_assign", on_assign), ("on_revoke", on_revoke)) if v is not None}
         self._consumer.subscribe(list(topics), **kwargs)
         self.dead_lettered = 0
@@ -243,9 +326,11 @@ class RecordConsumer(Generic[R]):
                 high[k] = max(high.get(k, -1), r.offset)
         if not high:
             return
-        self._consumer.commit(
-            offsets=[TopicPartition(t, p, off + 1) for (t, p), off in high.items()], asynchronous=asynchronous
-        )
+        offsets = [TopicPartition(t, p, off + 1) for (t, p), off in high.items()]
+        if asynchronous:
+            self._consumer.commit(offsets=offsets, asynchronous=True)
+        else:
+            commit_offsets(self._consumer, offsets)
 
     def pause_all(self) -> None:
         """Stops fetching (backpressure) but keeps group membership: keep calling poll_batch."""

@@ -1,9 +1,18 @@
-"""A real single-node Apache Kafka (KRaft) for machines without Docker.
+"""A real Apache Kafka (KRaft) on this machine, without Docker: one node, or a cluster of several.
 
 `LocalKafka.up()` resolves the broker's jars from Maven Central with `docker/kafka/pom.xml`
-(Maven caches them in ~/.m2), formats KRaft storage once, starts `kafka.Kafka` on 127.0.0.1
-with a small heap, waits until it answers a metadata request and writes a pid file. `down()`
-stops only the process that pid file names, after checking it is our broker.
+(Maven caches them in ~/.m2; the classpath folder is shared by every data directory), formats
+KRaft storage once, starts `kafka.Kafka` per node on 127.0.0.1 with a small heap, waits until
+every node is registered in the cluster's metadata and writes a pid file per node. `down()` stops
+only the processes those pid files name, after checking each is our broker.
+
+With `brokers=3` every node is broker and controller at once (a static three-voter quorum): three
+JVMs are the fewest that survive the loss of any one node, for data (replication factor 3,
+min.insync.replicas 2) and for metadata (a quorum of 2 of 3). Node i listens on
+`port + 2*(i-1)` and `controller_port + 2*(i-1)`. `kill(i)` / `start(i)` serve fault tests.
+
+With `secure=True` clients must authenticate with SASL/SCRAM-SHA-512 and every request is
+checked against ACLs (`astraflow.kafka.secure`, `astraflow.kafka.acl`).
 """
 
 from __future__ import annotations
@@ -11,6 +20,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -19,13 +29,16 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-from astraflow.config import LocalKafkaSettings
+from astraflow.config import KafkaSettings, LocalKafkaSettings
 from astraflow.errors import ClusterIdMismatchError, LocalKafkaError, PortInUseError, ToolMissingError
 
 POM = Path(__file__).resolve().parents[2] / "docker" / "kafka" / "pom.xml"
+Echo = Callable[..., Any]
 
 _LOG4J2 = """\
 status = warn
@@ -46,153 +59,250 @@ logger.started.level = INFO
 
 
 @dataclass(frozen=True)
-class KafkaStatus:
-    """What `status` reports."""
+class Node:
+    """One KRaft node (broker and controller in one JVM) and where its files live."""
 
-    running: bool  # our broker process is alive
-    answering: bool  # it answers metadata requests
-    pid: int | None
-    bootstrap: str
-    data_dir: Path
-
-
-class LocalKafka:
-    """Manages one local broker+controller rooted at `settings.data_dir`."""
-
-    def __init__(self, settings: LocalKafkaSettings | None = None) -> None:
-        self.settings = settings or LocalKafkaSettings()
-        root = self.settings.data_dir.expanduser().resolve()
-        self.root = root
-        self.libs = root / "libs"
-        self.storage = root / "data"
-        self.logs = root / "logs"
-        self.pid_file = root / "kafka.pid"
-        self.cluster_file = root / "cluster.id"
-        self.properties = root / "server.properties"
-        self.log4j = root / "log4j2.properties"
+    node_id: int
+    port: int  # client (and inter-broker) listener
+    controller_port: int
+    root: Path
 
     @property
     def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.settings.port}"
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def storage(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.root / "kafka.pid"
+
+    @property
+    def properties(self) -> Path:
+        return self.root / "server.properties"
+
+    @property
+    def log4j(self) -> Path:
+        return self.root / "log4j2.properties"
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """One node as `status` sees it."""
+
+    node_id: int
+    running: bool  # our process for this node is alive
+    answering: bool  # registered and unfenced in the cluster's metadata
+    pid: int | None
+    bootstrap: str
+
+
+@dataclass(frozen=True)
+class KafkaStatus:
+    """What `status` reports: the cluster as a whole, then each node."""
+
+    running: bool  # every node's process is alive
+    answering: bool  # every node is registered in the cluster's metadata
+    pid: int | None  # node 1's process
+    bootstrap: str  # comma-separated, every node
+    data_dir: Path
+    nodes: tuple[NodeStatus, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "data_dir": str(self.data_dir)}
+
+
+class LocalKafka:
+    """Manages the local node(s) rooted at `settings.data_dir`."""
+
+    def __init__(self, settings: LocalKafkaSettings | None = None) -> None:
+        self.settings = s = settings or LocalKafkaSettings()
+        self.root = s.data_dir.expanduser().resolve()
+        self.cluster_file = self.root / "cluster.id"
+        self.layout_file = self.root / "layout.json"
+        self.nodes = [
+            Node(i, s.port + 2 * (i - 1), s.controller_port + 2 * (i - 1), self.root if s.brokers == 1 else self.root / f"node-{i}")
+            for i in range(1, s.brokers + 1)
+        ]
+        digest = hashlib.sha256(POM.read_bytes()).hexdigest()[:16] if POM.exists() else "missing"
+        self.libs = s.jars_dir.expanduser().resolve() / digest
+
+    @property
+    def bootstrap(self) -> str:
+        return ",".join(n.bootstrap for n in self.nodes)
+
+    def node(self, node_id: int) -> Node:
+        if not 1 <= node_id <= len(self.nodes):
+            raise LocalKafkaError(f"no node {node_id}: this cluster has nodes 1..{len(self.nodes)}")
+        return self.nodes[node_id - 1]
+
+    def admin_settings(self) -> KafkaSettings:
+        """Client settings with full rights on this cluster (the SCRAM admin when secure)."""
+        if not self.settings.secure:
+            return KafkaSettings(bootstrap_servers=self.bootstrap)
+        from astraflow.kafka.secure import ADMIN, CredentialStore
+
+        return CredentialStore(self.root).settings(self.bootstrap, ADMIN)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
-    def up(self, echo=print) -> KafkaStatus:
-        """Starts the broker unless ours is already running; returns once it answers."""
+    def up(self, echo: Echo = print) -> KafkaStatus:
+        """Starts every node that is not running; returns once all of them are registered."""
         st = self.status()
         if st.running and st.answering:
-            echo(f"Kafka already running at {self.bootstrap} (pid {st.pid}); nothing to do")
+            echo(f"Kafka already running at {self.bootstrap} (pids {[n.pid for n in st.nodes]}); nothing to do")
             return st
-        if st.running:
-            echo(f"Kafka process {st.pid} is alive but not answering yet; waiting")
-            self._wait_ready(st.pid)
-            return self.status()
         java = _require("java", "install a Java 17+ runtime, e.g. `apt-get install openjdk-17-jre-headless`")
-        self._check_ports()
+        todo = [self.node(n.node_id) for n in st.nodes if not n.running]
+        for node in todo:
+            self._check_ports(node)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.logs.mkdir(exist_ok=True)
+        self._check_layout()
         self.resolve_jars(echo)
-        self._write_configs()
-        self._format(java, echo)
-        out = open(self.logs / "kafka.out", "ab")  # noqa: SIM115 - handed to the child process
-        cmd = [
-            java,
-            f"-Xms{min(256, self.settings.heap_mb)}m",
-            f"-Xmx{self.settings.heap_mb}m",
-            "-XX:+UseG1GC",
-            "-Djava.awt.headless=true",
-            f"-Dkafka.logs.dir={self.logs}",
-            f"-Dlog4j2.configurationFile={self.log4j}",
-            "-cp",
-            f"{self.libs}/*",
-            "kafka.Kafka",
-            str(self.properties),
-        ]
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        out.close()
-        self.pid_file.write_text(str(proc.pid))
-        echo(f"Starting Apache Kafka (pid {proc.pid}), data in {self.root}")
-        self._wait_ready(proc.pid)
+        cluster_id = self._cluster_id()
+        for node in todo:
+            node.logs.mkdir(parents=True, exist_ok=True)
+            self._write_configs(node)
+            self._format(java, node, cluster_id, echo)
+        for node in todo:
+            self._spawn(java, node)
+            echo(f"Starting Apache Kafka node {node.node_id} at {node.bootstrap}, data in {node.root}")
+        try:
+            self._wait_ready()
+        except LocalKafkaError:
+            for node in todo:  # leave nothing half-started behind
+                self.kill(node.node_id)
+            raise
         echo(f"Kafka is up: bootstrap servers {self.bootstrap}")
         return self.status()
 
-    def down(self, echo=print, timeout_s: float = 30.0) -> bool:
-        """Stops the broker this data directory started; returns False when none was running."""
-        pid = self._our_pid()
+    def start(self, node_id: int, echo: Echo = print) -> NodeStatus:
+        """(Re)starts one node of an already formatted cluster and waits until it is registered."""
+        node = self.node(node_id)
+        if self._our_pid(node) is None:
+            self._check_ports(node)
+            self._spawn(_require("java", "install a Java 17+ runtime"), node)
+            echo(f"Starting Apache Kafka node {node_id} at {node.bootstrap}")
+        self._wait_ready()
+        return self.status().nodes[node_id - 1]
+
+    def kill(self, node_id: int, sig: int = signal.SIGKILL, timeout_s: float = 30.0) -> int | None:
+        """Sends `sig` (default: kill -9) to one node and waits until it is gone; returns its pid."""
+        node = self.node(node_id)
+        pid = self._our_pid(node)
         if pid is None:
-            echo("No local Kafka is running from this data directory")
-            self.pid_file.unlink(missing_ok=True)
-            return False
-        os.kill(pid, signal.SIGTERM)
+            return None
+        os.kill(pid, sig)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and _alive(pid):
-            time.sleep(0.2)
+            time.sleep(0.1)
         if _alive(pid):
-            echo(f"Kafka (pid {pid}) did not stop within {timeout_s:.0f}s; killing it")
             os.kill(pid, signal.SIGKILL)
-        self.pid_file.unlink(missing_ok=True)
-        echo(f"Kafka (pid {pid}) stopped")
+            while _alive(pid):
+                time.sleep(0.1)
+        node.pid_file.unlink(missing_ok=True)
+        return pid
+
+    def down(self, echo: Echo = print, timeout_s: float = 30.0) -> bool:
+        """Stops every node this data directory started; returns False when none was running."""
+        pids = {n.node_id: p for n in self.nodes if (p := self._our_pid(n)) is not None}
+        for n in self.nodes:
+            if n.node_id not in pids:
+                n.pid_file.unlink(missing_ok=True)
+        if not pids:
+            echo("No local Kafka is running from this data directory")
+            return False
+        for pid in pids.values():
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(_alive(p) for p in pids.values()):
+            time.sleep(0.2)
+        for node_id, pid in pids.items():
+            if _alive(pid):
+                echo(f"Kafka node {node_id} (pid {pid}) did not stop within {timeout_s:.0f}s; killing it")
+                self.kill(node_id)
+            self.node(node_id).pid_file.unlink(missing_ok=True)
+            echo(f"Kafka node {node_id} (pid {pid}) stopped")
         return True
 
     def status(self) -> KafkaStatus:
-        pid = self._our_pid()
-        answering = pid is not None and _answers_metadata(self.bootstrap, timeout_s=3.0)
-        return KafkaStatus(pid is not None, answering, pid, self.bootstrap, self.root)
+        pids = [self._our_pid(n) for n in self.nodes]
+        registered = self._registered(timeout_s=3.0) if any(p is not None for p in pids) else set()
+        nodes = tuple(
+            NodeStatus(n.node_id, p is not None, p is not None and n.node_id in registered, p, n.bootstrap)
+            for n, p in zip(self.nodes, pids, strict=True)
+        )
+        return KafkaStatus(
+            all(n.running for n in nodes), all(n.answering for n in nodes), pids[0], self.bootstrap, self.root, nodes
+        )
 
     def log_tail(self, lines: int = 50) -> str:
         texts = []
-        for name in ("server.log", "kafka.out"):
-            path = self.logs / name
-            if path.exists():
-                texts.append(f"==> {path} <==\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:]))
-        return "\n".join(texts) or f"no logs yet in {self.logs}"
+        for node in self.nodes:
+            for name in ("server.log", "kafka.out"):
+                path = node.logs / name
+                if path.exists():
+                    tail = "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+                    texts.append(f"==> {path} <==\n{tail}")
+        return "\n".join(texts) or f"no logs yet under {self.root}"
 
     # ---- steps ---------------------------------------------------------------------------------
 
-    def resolve_jars(self, echo=print) -> None:
-        """Copies Kafka's runtime jars into `libs/` with Maven, once per pom version."""
+    def resolve_jars(self, echo: Echo = print) -> None:
+        """Copies Kafka's runtime jars into the shared jars folder with Maven, once per pom."""
         if not POM.exists():
             raise LocalKafkaError(f"{POM} is missing; the local Kafka needs the repo's docker/kafka/pom.xml")
-        digest = hashlib.sha256(POM.read_bytes()).hexdigest()[:16]
-        marker = self.libs / f".resolved-{digest}"
-        if marker.exists():
+        if (self.libs / ".resolved").exists():
             return
         mvn = _require("mvn", "install Apache Maven, e.g. `apt-get install maven`")
         echo("Resolving Apache Kafka jars from Maven Central (first run only; Maven caches them)...")
-        if self.libs.exists():
-            shutil.rmtree(self.libs)
+        tmp = self.libs.with_name(f".{self.libs.name}.{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
         cmd = [mvn, "-q", "-B", "-f", str(POM), "dependency:copy-dependencies", "-DincludeScope=runtime",
-               f"-DoutputDirectory={self.libs}"]
+               f"-DoutputDirectory={tmp}"]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise LocalKafkaError(
                 "Maven could not resolve Kafka's jars (is Maven Central reachable, or a mirror set in "
                 f"~/.m2/settings.xml?):\n{(res.stdout + res.stderr)[-3000:]}"
             )
-        marker.touch()
+        (tmp / ".resolved").touch()
+        try:
+            tmp.rename(self.libs)
+        except OSError:  # another process resolved the same pom meanwhile: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
 
-    def _write_configs(self) -> None:
-        s = self.settings
+    def _write_configs(self, node: Node) -> None:
+        n = len(self.nodes)
+        rf, isr = str(min(3, n)), str(2 if n >= 3 else 1)
         props = {
             "process.roles": "broker,controller",
-            "node.id": "1",
-            "controller.quorum.bootstrap.servers": f"127.0.0.1:{s.controller_port}",
-            "listeners": f"PLAINTEXT://127.0.0.1:{s.port},CONTROLLER://127.0.0.1:{s.controller_port}",
-            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{s.port}",
+            "node.id": str(node.node_id),
+            "listeners": f"PLAINTEXT://{node.bootstrap},CONTROLLER://127.0.0.1:{node.controller_port}",
+            "advertised.listeners": f"PLAINTEXT://{node.bootstrap}",
             "controller.listener.names": "CONTROLLER",
             "inter.broker.listener.name": "PLAINTEXT",
             "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
-            "log.dirs": str(self.storage),
+            "log.dirs": str(node.storage),
             "num.network.threads": "2",
             "num.io.threads": "2",
             "num.partitions": "4",
+            "default.replication.factor": rf,
+            "min.insync.replicas": isr,
             "offsets.topic.num.partitions": "8",
-            "offsets.topic.replication.factor": "1",
+            "offsets.topic.replication.factor": rf,
             "transaction.state.log.num.partitions": "4",
-            "transaction.state.log.replication.factor": "1",
-            "transaction.state.log.min.isr": "1",
-            "share.coordinator.state.topic.replication.factor": "1",
-            "share.coordinator.state.topic.min.isr": "1",
+            "transaction.state.log.replication.factor": rf,
+            "transaction.state.log.min.isr": isr,
+            "share.coordinator.state.topic.replication.factor": rf,
+            "share.coordinator.state.topic.min.isr": isr,
+            "unclean.leader.election.enable": "false",
             "group.initial.rebalance.delay.ms": "0",
             "auto.create.topics.enable": "false",
             "log.cleaner.dedupe.buffer.size": str(16 * 1024 * 1024),
@@ -200,27 +310,67 @@ class LocalKafka:
             "replica.fetch.max.bytes": str(64 * 1024 * 1024),
             "log.retention.check.interval.ms": "60000",
         }
-        self.properties.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
-        self.log4j.write_text(_LOG4J2.format(log=self.logs / "server.log"))
+        if n == 1:
+            props["controller.quorum.bootstrap.servers"] = f"127.0.0.1:{node.controller_port}"
+        else:
+            props["controller.quorum.voters"] = ",".join(f"{m.node_id}@127.0.0.1:{m.controller_port}" for m in self.nodes)
+        if self.settings.secure:
+            from astraflow.kafka.secure import CredentialStore, secure_server_props
 
-    def _format(self, java: str, echo) -> None:
-        cluster_id = self._cluster_id()
-        meta = self.storage / "meta.properties"
+            props.update(secure_server_props(node.bootstrap, node.controller_port, CredentialStore(self.root).admin_password()))
+        node.root.mkdir(parents=True, exist_ok=True)
+        node.properties.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
+        node.properties.chmod(0o600)  # holds the admin password when secure
+        node.log4j.write_text(_LOG4J2.format(log=node.logs / "server.log"))
+
+    def _format(self, java: str, node: Node, cluster_id: str, echo: Echo) -> None:
+        meta = node.storage / "meta.properties"
         if meta.exists():
             found = _read_props(meta).get("cluster.id")
             if found != cluster_id:
                 raise ClusterIdMismatchError(
-                    f"{self.storage} was formatted for cluster {found}, but {self.cluster_file} says {cluster_id}; "
-                    f"point local_kafka.data_dir elsewhere, or delete {self.storage} to start empty"
+                    f"{node.storage} was formatted for cluster {found}, but {self.cluster_file} says {cluster_id}; "
+                    f"point local_kafka.data_dir elsewhere, or delete {node.storage} to start empty"
                 )
             return
-        echo(f"Formatting KRaft storage in {self.storage} (cluster {cluster_id})")
-        cmd = [java, "-Xmx256m", f"-Dlog4j2.configurationFile={self.log4j}", "-cp", f"{self.libs}/*",
-               "kafka.tools.StorageTool", "format", "--standalone", "--ignore-formatted",
-               "-t", cluster_id, "-c", str(self.properties)]
+        echo(f"Formatting KRaft storage in {node.storage} (cluster {cluster_id})")
+        cmd = [java, "-Xmx256m", f"-Dlog4j2.configurationFile={node.log4j}", "-cp", f"{self.libs}/*",
+               "kafka.tools.StorageTool", "format", "--ignore-formatted", "-t", cluster_id, "-c", str(node.properties)]
+        if len(self.nodes) == 1:
+            cmd.append("--standalone")  # dynamic quorum of one; several nodes use static voters
+        if self.settings.secure:
+            from astraflow.kafka.secure import CredentialStore, format_scram_args
+
+            cmd += format_scram_args(CredentialStore(self.root).admin_password())
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise LocalKafkaError(f"formatting KRaft storage failed:\n{(res.stdout + res.stderr)[-3000:]}")
+
+    def _spawn(self, java: str, node: Node) -> None:
+        node.logs.mkdir(parents=True, exist_ok=True)
+        heap = self.settings.heap_mb
+        cmd = [java, f"-Xms{min(256, heap)}m", f"-Xmx{heap}m", "-XX:+UseG1GC", "-Djava.awt.headless=true",
+               f"-Dkafka.logs.dir={node.logs}", f"-Dlog4j2.configurationFile={node.log4j}",
+               "-cp", f"{self.libs}/*", "kafka.Kafka", str(node.properties)]
+        with open(node.logs / "kafka.out", "ab") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        node.pid_file.write_text(str(proc.pid))
+
+    def _check_layout(self) -> None:
+        """One data directory holds one kind of cluster: refuse to reuse it for another."""
+        want = {"brokers": len(self.nodes), "secure": self.settings.secure}
+        if self.layout_file.exists():
+            found = json.loads(self.layout_file.read_text())
+        elif (self.root / "data" / "meta.properties").exists():
+            found = {"brokers": 1, "secure": False}  # formatted before layout.json existed
+        else:
+            self.layout_file.write_text(json.dumps(want) + "\n")
+            return
+        if found != want:
+            raise LocalKafkaError(
+                f"{self.root} holds a cluster of {found['brokers']} node(s) with secure={found['secure']}, not "
+                f"{want['brokers']} with secure={want['secure']}; choose another --data-dir (and ports), or delete it"
+            )
 
     def _cluster_id(self) -> str:
         if self.cluster_file.exists():
@@ -229,26 +379,29 @@ class LocalKafka:
         self.cluster_file.write_text(cid + "\n")
         return cid
 
-    def _check_ports(self) -> None:
-        for port, what in ((self.settings.port, "broker"), (self.settings.controller_port, "controller")):
+    def _check_ports(self, node: Node) -> None:
+        for port, what in ((node.port, "broker"), (node.controller_port, "controller")):
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
                     sock.bind(("127.0.0.1", port))
                 except OSError:
                     raise PortInUseError(
-                        f"port {port} ({what}) on 127.0.0.1 is taken by another process; stop it, or choose "
-                        f"another with local_kafka.{'port' if what == 'broker' else 'controller_port'}=N "
+                        f"port {port} ({what} of node {node.node_id}) on 127.0.0.1 is taken by another process; stop "
+                        f"it, or choose another with local_kafka.{'port' if what == 'broker' else 'controller_port'}=N "
                         f"(and kafka.bootstrap_servers to match)"
                     ) from None
 
-    def _wait_ready(self, pid: int | None) -> None:
+    def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.settings.start_timeout_s
+        want = {n.node_id for n in self.nodes}
         while time.monotonic() < deadline:
-            if pid is not None and not _alive(pid):
-                self.pid_file.unlink(missing_ok=True)
-                raise LocalKafkaError(f"Kafka exited during start-up. Last log lines:\n{self.log_tail(40)}")
-            if _answers_metadata(self.bootstrap, timeout_s=2.0):
+            for node in self.nodes:
+                if self._our_pid(node) is None:
+                    raise LocalKafkaError(
+                        f"Kafka node {node.node_id} exited during start-up. Last log lines:\n{self.log_tail(40)}"
+                    )
+            if want <= self._registered(timeout_s=2.0):
                 return
             time.sleep(0.5)
         raise LocalKafkaError(
@@ -256,20 +409,34 @@ class LocalKafka:
             f"Last log lines:\n{self.log_tail(40)}"
         )
 
-    def _our_pid(self) -> int | None:
-        """The pid in our pid file, if that process is alive and is our broker."""
+    def _registered(self, timeout_s: float) -> set[int]:
+        """Ids of the brokers the cluster's metadata lists (fenced or stopped ones drop out)."""
+        from confluent_kafka.admin import AdminClient
+
         try:
-            pid = int(self.pid_file.read_text().strip())
+            conf = {**self.admin_settings().client_config(), "socket.connection.setup.timeout.ms": "1000", "log_level": "0"}
+            md = AdminClient(conf).list_topics(timeout=timeout_s)
+        except Exception:  # KafkaException while no node answers yet; missing credentials before format
+            return set()
+        return set(md.brokers)
+
+    def _our_pid(self, node: Node) -> int | None:
+        """The pid in the node's pid file, if that process is alive and is our broker."""
+        try:
+            pid = int(node.pid_file.read_text().strip())
         except (FileNotFoundError, ValueError):
             return None
-        if not _alive(pid):
-            return None
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            return pid if sys.platform != "linux" else None
-        if b"kafka.Kafka" in cmdline and str(self.properties).encode() in cmdline:
-            return pid
+        for _ in range(20):
+            if not _alive(pid):
+                return None
+            try:
+                raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                return pid if sys.platform != "linux" else None
+            if raw:  # empty while the process is being exec'ed or reaped: look again
+                cmdline = raw.split(b"\0")
+                return pid if b"kafka.Kafka" in cmdline and str(node.properties).encode() in cmdline else None
+            time.sleep(0.05)
         return None
 
 
@@ -302,14 +469,3 @@ def _read_props(path: Path) -> dict[str, str]:
             k, v = line.split("=", 1)
             out[k.strip()] = v.strip()
     return out
-
-
-def _answers_metadata(bootstrap: str, timeout_s: float) -> bool:
-    from confluent_kafka.admin import AdminClient
-
-    admin = AdminClient({"bootstrap.servers": bootstrap, "socket.connection.setup.timeout.ms": "1000", "log_level": "0"})
-    try:
-        md = admin.list_topics(timeout=timeout_s)
-    except Exception:  # KafkaException while the broker is not up yet
-        return False
-    return bool(md.brokers)

@@ -121,6 +121,9 @@ def topic_specs(experiment: str, policies: list[str], settings: TopicSettings) -
                 {"cleanup.policy": "delete", "retention.bytes": str(settings.weights_retention_bytes), "max.message.bytes": big},
             )
         )
+    if settings.min_insync_replicas is not None:
+        isr = {"min.insync.replicas": str(settings.min_insync_replicas)}
+        specs = [TopicSpec(s.name, s.partitions, {**s.config, **isr}) for s in specs]
     return specs
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from astraflow.config import LocalKafkaSettings
-from astraflow.errors import ClusterIdMismatchError, PortInUseError, ToolMissingError
+from astraflow.errors import ClusterIdMismatchError, LocalKafkaError, PortInUseError, ToolMissingError
 from astraflow.kafka.local import LocalKafka
 
 
@@ -30,7 +30,7 @@ def test_taken_port_is_explained(tmp_path: Path) -> None:
         s.listen()
         port = s.getsockname()[1]
         k = LocalKafka(LocalKafkaSettings(data_dir=tmp_path, port=port, controller_port=_free_port()))
-        with pytest.raises(PortInUseError, match=f"port {port} \\(broker\\).*local_kafka.port"):
+        with pytest.raises(PortInUseError, match=f"port {port} \\(broker of node 1\\).*local_kafka.port"):
             k.up(echo=lambda *_: None)
 
 
@@ -40,7 +40,7 @@ def test_foreign_cluster_id_is_explained(tmp_path: Path) -> None:
     (tmp_path / "data" / "meta.properties").write_text("cluster.id=someone-else\nnode.id=1\n")
     (tmp_path / "cluster.id").write_text("ours\n")
     with pytest.raises(ClusterIdMismatchError, match="someone-else.*delete"):
-        k._format("java", echo=lambda *_: None)
+        k._format("java", k.nodes[0], "ours", echo=lambda *_: None)
 
 
 def test_down_without_broker_touches_nothing(tmp_path: Path) -> None:
@@ -48,3 +48,37 @@ def test_down_without_broker_touches_nothing(tmp_path: Path) -> None:
     (tmp_path / "kafka.pid").write_text("1\n")  # pid 1 is not our broker: must not be signalled
     assert k.down(echo=lambda *_: None) is False
     assert not (tmp_path / "kafka.pid").exists()
+
+
+def test_three_nodes_get_their_own_ports_dirs_and_a_static_quorum(tmp_path: Path) -> None:
+    k = LocalKafka(LocalKafkaSettings(data_dir=tmp_path, port=29000, controller_port=29001, brokers=3))
+    assert k.bootstrap == "127.0.0.1:29000,127.0.0.1:29002,127.0.0.1:29004"
+    assert [(n.port, n.controller_port) for n in k.nodes] == [(29000, 29001), (29002, 29003), (29004, 29005)]
+    assert len({n.root for n in k.nodes}) == 3
+    k._write_configs(k.nodes[1])
+    props = dict(line.split("=", 1) for line in k.nodes[1].properties.read_text().splitlines())
+    assert props["node.id"] == "2"
+    assert props["controller.quorum.voters"] == "1@127.0.0.1:29001,2@127.0.0.1:29003,3@127.0.0.1:29005"
+    assert props["offsets.topic.replication.factor"] == props["transaction.state.log.replication.factor"] == "3"
+    assert props["min.insync.replicas"] == props["transaction.state.log.min.isr"] == "2"
+
+
+def test_a_data_dir_keeps_its_kind_of_cluster(tmp_path: Path) -> None:
+    LocalKafka(LocalKafkaSettings(data_dir=tmp_path, brokers=3))._check_layout()
+    with pytest.raises(LocalKafkaError, match="3 node.*not 1.*another --data-dir"):
+        LocalKafka(LocalKafkaSettings(data_dir=tmp_path))._check_layout()
+    with pytest.raises(LocalKafkaError, match="no node 4"):
+        LocalKafka(LocalKafkaSettings(data_dir=tmp_path, brokers=3)).kill(4)
+
+
+def test_secure_nodes_require_sasl_and_acls(tmp_path: Path) -> None:
+    k = LocalKafka(LocalKafkaSettings(data_dir=tmp_path, port=29000, controller_port=29001, secure=True))
+    k._write_configs(k.nodes[0])
+    text = k.nodes[0].properties.read_text()
+    props = dict(line.split("=", 1) for line in text.splitlines())
+    assert props["listeners"].startswith("SASL_PLAINTEXT://127.0.0.1:29000")
+    assert "PLAINTEXT://" not in props["listeners"].replace("SASL_PLAINTEXT://", "")
+    assert props["authorizer.class.name"].endswith("StandardAuthorizer")
+    assert props["allow.everyone.if.no.acl.found"] == "false"
+    assert oct(k.nodes[0].properties.stat().st_mode & 0o777) == "0o600"
+    assert oct((tmp_path / "credentials.json").stat().st_mode & 0o777) == "0o600"
