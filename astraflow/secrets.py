@@ -20,8 +20,10 @@ MASK = "**********"
 _KNOWN: set[str] = set()
 _LOCK = threading.Lock()
 _SECRET_KEY = re.compile(r"(pass(word|wd)?|secret|token|api[_.-]?key|credential|private[_.-]?key|sasl[_.]?jaas)", re.I)
-# scheme://user:password@host -> scheme://user:**********@host (password may not contain '@' or '/').
-_URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<pw>[^@/\s]+)@")
+# scheme://user:password@host -> scheme://user:**********@host. The password runs to the first
+# '@' (a literal '@' in a URL password must be percent-encoded); '/' and '+' are allowed since
+# cloud secret keys contain them.
+_URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<pw>[^@\s]+?)@")
 # key=value / key: value / "key": "value" for secret-looking keys inside free text.
 _KV = re.compile(
     r"(?P<key>[\w.-]*(pass(word|wd)?|secret|token|api[_.-]?key)[\w.-]*)(?P<sep>\"?\s*[=:]\s*\"?)(?P<val>[^\s\"',;&]+)", re.I
