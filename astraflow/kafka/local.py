@@ -186,7 +186,17 @@ class LocalKafka:
         """(Re)starts one node of an already formatted cluster and waits until it is registered."""
         node = self.node(node_id)
         if self._our_pid(node) is None:
-            self._check_ports(node)
+            # Clients retrying a dead node's port may briefly hold it as their own source port
+            # (a TCP self-connect when the port lies in the ephemeral range): retry a moment.
+            deadline = time.monotonic() + 15.0
+            while True:
+                try:
+                    self._check_ports(node)
+                    break
+                except PortInUseError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.5)
             self._spawn(_require("java", "install a Java 17+ runtime"), node)
             echo(f"Starting Apache Kafka node {node_id} at {node.bootstrap}")
         self._wait_ready()

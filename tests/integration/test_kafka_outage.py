@@ -83,7 +83,7 @@ def test_a_broker_outage_loses_nothing_with_our_settings(broker: LocalKafka, uni
         try:
             commit_offsets(consumer, [TopicPartition(topic, 0, first[-1].offset() + 1)])
             commit_done.append(None)
-        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+        except BaseException as exc:  # reported by the assertion below
             commit_done.append(exc)
 
     committer = threading.Thread(target=commit)
