@@ -81,9 +81,21 @@ class TrainerSettings(_Frozen):
     stop_when_idle_s: float | None = None
     """End training when the train topic stays empty this long; None: wait for data forever."""
 
+    # what a sample may be (anything else goes to the DLQ with the field and the limit)
+    max_seq_len: int | None = None
+    """Most tokens in one sample; None: the model's `max_position_embeddings` (else 32768)."""
+    max_abs_advantage: float = 100.0
+    """Samples whose |advantage| exceeds this are refused."""
+    min_behaviour_logprob: float = -1000.0
+    """Behaviour logprobs of trained tokens must lie in [this, 0]."""
+    dedup_window: int = 100_000
+    """Sample ids remembered as trained (kept in every checkpoint); a sample id seen again within
+    this many trained samples is dropped (DLQ, `DuplicateSample`) instead of trained twice."""
+
     # publication
     publish_every_steps: int = 1
-    """K: publish a policy version every K optimizer steps."""
+    """K: publish a policy version every K optimizer steps, each right after a checkpoint of the
+    state that produced it (checkpoint, then publish: docs/training.md)."""
     snapshot_every_versions: int = 20
     """N: a full snapshot every N versions (deltas in between)."""
     publish_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
@@ -103,13 +115,14 @@ class TrainerSettings(_Frozen):
     checkpoint_dir: Path | None = None
     """Checkpoints (weights, optimizer, consumed offsets); default <run_dir>/<experiment>/<policy>/checkpoints."""
     checkpoint_every_steps: int = 10
-    """Checkpoint every this many optimizer steps (and at the end)."""
+    """Also checkpoint every this many optimizer steps (every publication checkpoints anyway)."""
     keep_checkpoints: int = 2
     """Newest checkpoints to keep."""
     resume: bool = True
     """Resume from the newest checkpoint in `checkpoint_dir` when there is one."""
     trained_log: Path | None = None
-    """Optional JSONL audit log: per step, the partition/offset/sample id of every sample trained."""
+    """JSONL log of every sample in published weights (sample_id, step, version, partition,
+    offset), always written; default <run_dir>/<experiment>/<policy>/trained-samples.jsonl."""
     logger: Literal["csv", "tensorboard", "none"] = "csv"
     """Lightning logger writing under the run directory."""
     metrics_every_steps: int = 1
@@ -137,6 +150,12 @@ class TrainerSettings(_Frozen):
             raise ValueError("trainer.publish_every_steps and trainer.snapshot_every_versions must be >= 1")
         if self.checkpoint_every_steps < 1 or self.keep_checkpoints < 1:
             raise ValueError("trainer.checkpoint_every_steps and trainer.keep_checkpoints must be >= 1")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ValueError("trainer.max_seq_len must be >= 2 or unset")
+        if self.max_abs_advantage <= 0 or self.min_behaviour_logprob >= 0:
+            raise ValueError("trainer.max_abs_advantage must be > 0 and trainer.min_behaviour_logprob < 0")
+        if self.dedup_window < 1:
+            raise ValueError("trainer.dedup_window must be >= 1")
         if self.chunk_bytes < 1024:
             raise ValueError("trainer.chunk_bytes must be at least 1024")
         return self
@@ -153,3 +172,6 @@ class TrainRunConfig(AstraflowConfig):
 
     def log_dir(self) -> Path:
         return self.run_dir / self.experiment / self.trainer.policy
+
+    def trained_log(self) -> Path:
+        return self.trainer.trained_log or self.log_dir() / "trained-samples.jsonl"

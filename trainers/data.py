@@ -13,9 +13,16 @@ checkpoint. On restart Lightning restores that state before it builds the datalo
 stream seeks every partition to exactly those offsets, so no record is trained twice or skipped
 even after `kill -9`. Group commits of the same offsets are only informational (lag display).
 
+Every record is untrusted: one that cannot be decoded, breaks a limit of
+`astraflow.rl.samples.sample_problem` (vocabulary, length, finite and bounded advantage and
+logprobs, consistent arrays, masks, versions) or repeats a sample id of the `SampleWindow`
+(trained ids, kept in the checkpoint) goes to the DLQ with the reason and counts as consumed;
+it never reaches a batch. Dead letters are acknowledged before the batch that consumed them is
+trained, waiting for Kafka as long as it takes (a broker outage never stops the trainer).
+
 Several ranks (DDP / FSDP): rank 0 reads and decides each batch, broadcasts its plan
-(partition, offset of every sample); every rank reads those exact records and trains its share,
-so all ranks hold the same offsets and rank 0's checkpoint is complete.
+(partition, offset and verdict of every record); every rank reads those exact records and
+trains its share, so all ranks hold the same offsets and rank 0's checkpoint is complete.
 """
 
 from __future__ import annotations
@@ -37,6 +44,14 @@ from astraflow.config import KafkaSettings
 from astraflow.errors import KafkaLayerError, SerdeError, TopicError
 from astraflow.kafka.clients import DeadLetterWriter, RecordProducer
 from astraflow.records import TrainSample
+from astraflow.rl.samples import (
+    DuplicateSampleError,
+    InvalidSampleError,
+    NonFiniteStepError,
+    SampleLimits,
+    SampleWindow,
+    sample_problem,
+)
 from astraflow.serde import AvroSerde
 from astraflow.weights.publish import watermarks
 
@@ -60,20 +75,6 @@ class BatchLimits:
         if self.token_budget is None or n == 0:  # an oversized sample forms a batch on its own
             return True
         return (n + 1) * max(longest, length) <= self.token_budget
-
-
-def sample_problem(s: TrainSample, policy: str) -> str | None:
-    """Why a sample cannot be trained on (for the DLQ), or None."""
-    n = len(s.token_ids)
-    if s.policy != policy:
-        return f"sample is for policy {s.policy!r}, this trainer trains {policy!r}"
-    if n < 2:
-        return "sample has fewer than 2 tokens"
-    if len(s.loss_mask) != n or len(s.behaviour_logprobs) != n:
-        return f"token_ids ({n}), loss_mask ({len(s.loss_mask)}) and behaviour_logprobs ({len(s.behaviour_logprobs)}) differ in length"
-    if not np.isfinite(s.advantage) or not np.all(np.isfinite(s.behaviour_logprobs[s.loss_mask.astype(bool)])):
-        return "advantage or behaviour logprobs are not finite"
-    return None
 
 
 def collate(samples: Sequence[TrainSample], pad_id: int = 0) -> dict[str, torch.Tensor]:
@@ -106,6 +107,30 @@ def collate(samples: Sequence[TrainSample], pad_id: int = 0) -> dict[str, torch.
 # ---- the stream ----------------------------------------------------------------------------------
 
 
+def flush_patiently(producer: RecordProducer, what: str, should_stop: Callable[[], bool] | None = None) -> bool:
+    """Wait until every queued record of `producer` is acknowledged, however long Kafka is away.
+
+    Returns False if `should_stop` said to give up first. Records Kafka rejects (not a timeout:
+    the trainer's producers never time out) raise ProduceError.
+    """
+    waited = 0.0
+    while producer.raw.flush(10.0):
+        waited += 10.0
+        if should_stop is not None and should_stop():
+            return False
+        if waited % 60 == 10:
+            log.warning("waiting for Kafka to acknowledge %s (%.0f s so far); training resumes once it does", what, waited)
+    producer.flush(0)  # raises on rejected records
+    return True
+
+
+TRAINER_PRODUCER = {
+    # A broker outage must not fail a record: wait for Kafka indefinitely (librdkafka's default
+    # message.timeout.ms of 5 minutes would drop dead letters and metrics after a 5-minute outage).
+    "message.timeout.ms": 0,
+}
+
+
 @dataclass
 class _Item:
     partition: int
@@ -113,6 +138,7 @@ class _Item:
     sample: TrainSample | None  # None: dead-lettered, consumed without training
     size: int = 0  # tokens
     ts: int = 0  # Kafka timestamp (ms): partitions are merged oldest first
+    msg: Message | None = None  # the raw record, for dead-lettering (kept while its batch is in flight)
 
 
 class TrainStream(IterableDataset):
@@ -122,7 +148,7 @@ class TrainStream(IterableDataset):
         self,
         kafka: KafkaSettings,
         topic: str,
-        policy: str,
+        policy: str | SampleLimits,
         *,
         limits: BatchLimits = BatchLimits(),
         pad_id: int = 0,
@@ -134,10 +160,20 @@ class TrainStream(IterableDataset):
         group_id: str | None = None,
         dlq: DeadLetterWriter | None = None,
         should_stop: Callable[[], bool] | None = None,
+        window: SampleWindow | None = None,
     ) -> None:
         super().__init__()
         self.should_stop = should_stop  # polled while waiting for samples (e.g. "SIGTERM received")
-        self.kafka, self.topic, self.policy, self.limits, self.pad_id = kafka, topic, policy, limits, pad_id
+        if isinstance(policy, str):  # no model at hand: only the policy and generic bounds are checked
+            policy = SampleLimits(policy, vocab_size=2**31 - 1, max_len=1 << 20)
+        self.sample_limits = policy
+        self.kafka, self.topic, self.policy, self.limits, self.pad_id = kafka, topic, policy.policy, limits, pad_id
+        self.window = window if window is not None else SampleWindow(100_000)  # trained ids (the data module's)
+        self.newest_version: int | None = None  # newest published version (set by the publisher)
+        self.rejected = 0  # records dead-lettered: undecodable, invalid or duplicate
+        self._inflight: dict[int, list[_Item]] = {}  # batch seq -> its items, until trained
+        self._inflight_ids: set[str] = set()  # sample ids of in-flight batches
+        self._seq = 0
         self.max_wait_s, self.start, self.stop_when_idle_s, self.deadline = max_wait_s, start, stop_when_idle_s, deadline
         self.group_id = group_id or f"{topic}.trainer"
         self.dlq = dlq
@@ -167,12 +203,18 @@ class TrainStream(IterableDataset):
                 "fetch.message.max.bytes": self.serde.max_record_bytes + 64 * 1024,
             }
         )
-        try:
-            md = c.list_topics(self.topic, timeout=10)
-            parts = sorted(md.topics[self.topic].partitions) if md.topics[self.topic].error is None else []
-        except KafkaException as exc:
-            c.close()
-            raise KafkaLayerError(f"cannot read the partitions of {self.topic}: {exc}") from exc
+        waited = 0.0
+        while True:  # Kafka may be away (outage, restart): wait for it rather than exit
+            try:
+                md = c.list_topics(self.topic, timeout=10)
+                parts = sorted(md.topics[self.topic].partitions) if md.topics[self.topic].error is None else []
+                break
+            except KafkaException as exc:
+                waited += 10
+                if self.stopping:
+                    c.close()
+                    raise KafkaLayerError(f"cannot read the partitions of {self.topic}: {exc}") from exc
+                log.warning("cannot reach Kafka for %s (%.0f s): %s; retrying", self.topic, waited, exc)
         if not parts:
             c.close()
             raise TopicError(f"train topic {self.topic} does not exist; create it with `astraflow topics create`")
@@ -232,16 +274,39 @@ class TrainStream(IterableDataset):
         p, o = msg.partition(), msg.offset()
         try:
             s = self.serde.loads(msg.value(), TrainSample)
-            problem = sample_problem(s, self.policy)
         except SerdeError as exc:
-            s, problem = None, exc
-        if problem is not None:
-            if self.dlq is not None:
-                self.dlq.send(msg, problem if isinstance(problem, BaseException) else ValueError(problem))
-            else:  # ranks other than 0 (rank 0 dead-letters), or no DLQ configured
-                log.warning("skipping %s[%d]@%d: %s", self.topic, p, o, problem)
+            self._reject(msg, exc)
             return _Item(p, o, None, 0, msg.timestamp()[1])
-        return _Item(p, o, s, len(s.token_ids), msg.timestamp()[1])
+        return _Item(p, o, s, len(s.token_ids), msg.timestamp()[1], msg)
+
+    def _reject(self, msg: Message, error: BaseException) -> None:
+        self.rejected += 1
+        if self.dlq is not None:
+            self.dlq.send(msg, error)
+        else:  # ranks other than 0 (rank 0 dead-letters), or no DLQ configured
+            log.warning("skipping %s[%d]@%d: %s", self.topic, msg.partition(), msg.offset(), error)
+
+    def _admit(self, item: _Item, batch_ids: set[str]) -> None:
+        """Validate a taken record against the limits and the trained ids; refuse it if need be.
+
+        Checked when taken, not when decoded: a duplicate's verdict depends on what was trained
+        before it, and `newest_version` on what was published by then.
+        """
+        s = item.sample
+        if s is None:
+            return
+        problem = sample_problem(s, self.sample_limits, self.newest_version)
+        error: InvalidSampleError | None = None
+        if problem is not None:
+            error = InvalidSampleError(problem)
+        elif s.sample_id in self.window or s.sample_id in self._inflight_ids or s.sample_id in batch_ids:
+            error = DuplicateSampleError(f"sample_id {s.sample_id!r} was already trained; dropped (trainer.dedup_window)")
+        if error is not None:
+            assert item.msg is not None
+            self._reject(item.msg, error)
+            item.sample, item.size = None, 0
+        else:
+            batch_ids.add(s.sample_id)
 
     # -- batching ----------------------------------------------------------------------------------
 
@@ -263,6 +328,7 @@ class TrainStream(IterableDataset):
     def next_batch(self) -> list[_Item] | None:
         """The next batch's items (dead-lettered ones included), or None when the stream ends."""
         items: list[_Item] = []
+        batch_ids: set[str] = set()
         n = longest = 0
         first_at: float | None = None
         idle_since = time.monotonic()
@@ -273,6 +339,7 @@ class TrainStream(IterableDataset):
                 if it.sample is not None and n >= self.min_samples and not self.limits.fits(n, longest, it.size):
                     return items
                 self._take(it)
+                self._admit(it, batch_ids)
                 items.append(it)
                 if it.sample is not None:
                     n, longest = n + 1, max(longest, it.size)
@@ -290,10 +357,11 @@ class TrainStream(IterableDataset):
             if self._fill(max(0.05, min(wait, 0.5))):
                 idle_since = time.monotonic()
 
-    def _fetch_planned(self, plan: list[tuple[int, int]]) -> list[_Item]:
-        """Non-zero ranks: read exactly the records rank 0 planned."""
+    def _fetch_planned(self, plan: list[tuple[int, int, bool]]) -> list[_Item]:
+        """Non-zero ranks: read exactly the records rank 0 planned, with its verdicts."""
         want = collections.defaultdict(set)
-        for p, o in plan:
+        keep = {(p, o): ok for p, o, ok in plan}
+        for p, o, _ in plan:
             want[p].add(o)
         got: dict[tuple[int, int], _Item] = {}
         deadline = time.monotonic() + 120
@@ -306,7 +374,11 @@ class TrainStream(IterableDataset):
                 if time.monotonic() > deadline:
                     raise KafkaLayerError(f"rank could not read the planned records of {self.topic} in 120 s")
                 self._fill(0.5)
-        return [got[k] for k in plan]
+        items = [got[(p, o)] for p, o, _ in plan]
+        for it in items:
+            if not keep[(it.partition, it.offset)]:
+                it.sample = None
+        return items
 
     def __len__(self) -> int:
         """A stream has no length; this bound exists so that Lightning does not prefetch.
@@ -328,7 +400,7 @@ class TrainStream(IterableDataset):
             else:
                 rank = dist[0]
                 items = self.next_batch() if rank == 0 else None
-                plan = _broadcast(None if items is None else [(i.partition, i.offset) for i in items])
+                plan = _broadcast(None if items is None else [(i.partition, i.offset, i.sample is not None) for i in items])
                 if plan is None:
                     items = None
                 elif rank != 0:
@@ -336,19 +408,31 @@ class TrainStream(IterableDataset):
             if items is None:
                 return
             if self.dlq is not None and self.dlq.count:
-                self.dlq.producer.flush()  # dead letters are durable before their offsets count as consumed
-            samples = [i for i in items if i.sample is not None]
-            if dist is not None:
-                samples = samples[dist[0] :: dist[1]]
+                # dead letters are durable before their offsets count as consumed
+                flush_patiently(self.dlq.producer, "dead letters", lambda: self.stopping)
+            kept = [i for i in items if i.sample is not None]
+            samples = kept if dist is None else kept[dist[0] :: dist[1]]
             if not samples:
                 continue  # only dead letters: their offsets ride along with the next batch
+            self._seq += 1
+            self._inflight[self._seq] = kept
+            self._inflight_ids.update(i.sample.sample_id for i in kept)  # type: ignore[union-attr]
             batch: dict[str, Any] = dict(collate([s.sample for s in samples], self.pad_id))  # type: ignore[misc]
             batch["meta"] = {
+                "seq": self._seq,
                 "offsets": dict(self.positions),
-                "samples": [[s.partition, s.offset, s.sample.sample_id] for s in samples],  # type: ignore[union-attr]
-                "batch_samples": sum(i.sample is not None for i in items),  # over all ranks
+                # every sample of the batch over all ranks: [partition, offset, sample_id]
+                "samples": [[i.partition, i.offset, i.sample.sample_id] for i in kept],  # type: ignore[union-attr]
+                "batch_samples": len(kept),
             }
             yield batch
+
+    def settle(self, seq: int) -> list[_Item]:
+        """The batch `seq` was trained (or skipped): forget its items and return them."""
+        items = self._inflight.pop(seq, [])
+        for i in items:
+            self._inflight_ids.discard(i.sample.sample_id)  # type: ignore[union-attr]
+        return items
 
 
 def _distributed() -> tuple[int, int] | None:
@@ -369,14 +453,16 @@ def _broadcast(plan: list[tuple[int, int]] | None) -> list[tuple[int, int]] | No
 
 
 class KafkaTrainData(L.LightningDataModule):
-    """Owns the TrainStream and the trained offsets that go into each checkpoint."""
+    """Owns the TrainStream, and the trained offsets and sample ids that go into each checkpoint."""
 
-    def __init__(self, stream_kwargs: dict[str, Any], dlq_topic: str | None = None) -> None:
+    def __init__(self, stream_kwargs: dict[str, Any], dlq_topic: str | None = None, dedup_window: int = 100_000) -> None:
         super().__init__()
         self.stream_kwargs = stream_kwargs  # TrainStream keyword arguments (kafka, topic, policy, ...)
         self.dlq_topic = dlq_topic
         self.trained: dict[int, int] = {}  # next offset per partition after the last trained batch
         self.trained_samples = 0  # samples trained so far, across restarts
+        self.skipped_samples = 0  # samples of skipped (non-finite) steps, across restarts
+        self.window = SampleWindow(dedup_window)  # ids of the samples trained last
         self.resumed_from: dict[int, int] | None = None  # offsets restored from a checkpoint
         self.stream: TrainStream | None = None
         self._producer: RecordProducer | None = None
@@ -385,26 +471,47 @@ class KafkaTrainData(L.LightningDataModule):
         if self.stream is None:
             dlq = None
             if self.dlq_topic is not None:
-                self._producer = RecordProducer(self.stream_kwargs["kafka"])
+                self._producer = RecordProducer(self.stream_kwargs["kafka"], **TRAINER_PRODUCER)
                 dlq = DeadLetterWriter(self._producer, self.dlq_topic, component="trainer")
             resume = dict(self.resumed_from) if self.resumed_from is not None else None
             # Lightning's SIGTERM handler only flags the trainer and acts between batches; the
             # stream polls the flag so that a trainer waiting for samples stops too.
-            self.stream = TrainStream(**self.stream_kwargs, resume_offsets=resume, dlq=dlq,
+            self.stream = TrainStream(**self.stream_kwargs, resume_offsets=resume, dlq=dlq, window=self.window,
                                       should_stop=lambda: bool(getattr(self.trainer, "received_sigterm", False)))
         # batch_size=None: the stream yields whole batches; one process reads Kafka (no workers).
         return DataLoader(self.stream, batch_size=None, num_workers=0)
 
     def mark_trained(self, meta: dict[str, Any]) -> None:
-        """Called by the module inside training_step: these offsets are now part of the weights."""
+        """Called by the module inside training_step: these offsets and ids are now consumed."""
         self.trained = {int(p): int(o) for p, o in meta["offsets"].items()}
         self.trained_samples += int(meta["batch_samples"])
+        self.window.extend(str(i) for _, _, i in meta["samples"])
         if self.stream is not None:
             self.stream.commit(self.trained)
 
+    def finish_step(self, meta: dict[str, Any], skipped: str | None) -> None:
+        """After the optimizer step of the batch `meta`: release its records; when the step was
+        skipped (`skipped` says why), its samples go to the DLQ instead of counting as trained."""
+        items = self.stream.settle(int(meta["seq"])) if self.stream is not None else []
+        if skipped is None:
+            return
+        self.trained_samples -= int(meta["batch_samples"])
+        self.skipped_samples += int(meta["batch_samples"])
+        if self.stream is not None and self.stream.dlq is not None:
+            for it in items:
+                if it.msg is not None:
+                    self.stream.dlq.send(it.msg, NonFiniteStepError(skipped))
+            flush_patiently(self.stream.dlq.producer, "dead letters of a skipped step")
+
     def state_dict(self) -> dict[str, Any]:
         topic = self.stream_kwargs["topic"]
-        return {"topic": topic, "offsets": dict(self.trained), "trained_samples": self.trained_samples}
+        return {
+            "topic": topic,
+            "offsets": dict(self.trained),
+            "trained_samples": self.trained_samples,
+            "skipped_samples": self.skipped_samples,
+            "window": self.window.to_list(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         topic = self.stream_kwargs["topic"]
@@ -416,6 +523,10 @@ class KafkaTrainData(L.LightningDataModule):
         self.trained = {int(p): int(o) for p, o in state["offsets"].items()}
         self.resumed_from = dict(self.trained)
         self.trained_samples = int(state.get("trained_samples", 0))
+        self.skipped_samples = int(state.get("skipped_samples", 0))
+        self.window = SampleWindow(self.window.capacity, state.get("window", []))
+        if self.stream is not None:
+            self.stream.window = self.window
 
     def teardown(self, stage: str) -> None:
         if self.stream is not None:
@@ -423,5 +534,4 @@ class KafkaTrainData(L.LightningDataModule):
             self.stream.close()
             self.stream = None
         if self._producer is not None:
-            self._producer.flush()
-
+            flush_patiently(self._producer, "dead letters")

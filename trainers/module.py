@@ -6,11 +6,17 @@ per-token behaviour logprobs recorded at rollout (for PPO's ratio or decoupled P
 importance weights), one advantage per sequence (GRPO), and the sample's `min_version` for the
 staleness histogram (trainer version - min_version). The optional reference policy for the KL
 term is a frozen copy kept out of the checkpoint.
+
+A step whose loss or gradients are not finite is skipped: the gradients are dropped before the
+optimizer sees them (AdamW leaves a parameter without a gradient untouched: no update, no
+weight decay, no moment change), `skipped_reason` says why, the `step_skipped` / `steps_skipped`
+metrics report it, and the publishing callback dead-letters the batch's samples.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +27,8 @@ import torch
 from astraflow.errors import ModelError
 from astraflow.rl import PolicyLossConfig, entropy_from_logits, policy_loss, sequence_logprobs
 from trainers.config import LossSettings
+
+log = logging.getLogger(__name__)
 
 # Staleness buckets (versions behind the trainer): 0, 1, 2, 3, 4-7, 8+.
 STALENESS_BUCKETS = ((0, 0, "0"), (1, 1, "1"), (2, 2, "2"), (3, 3, "3"), (4, 7, "4-7"), (8, None, "8+"))
@@ -83,6 +91,9 @@ class PolicyTrainer(L.LightningModule):
             ref.eval().requires_grad_(False)
             self._ref.append(ref)
         self.policy_version = 0  # last published version (set by the publishing callback)
+        self.skipped_reason: str | None = None  # why the current step was skipped (None: it was not)
+        self.steps_skipped = 0  # steps skipped for non-finite loss or gradients, across restarts
+        self._loss_finite = True
         self.last_metrics: dict[str, float] = {}  # metrics of the last step, for the Kafka metrics callback
         self.last_staleness: dict[str, int] = {}
         self._last_step_at: float | None = None
@@ -128,7 +139,11 @@ class PolicyTrainer(L.LightningModule):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         now = time.perf_counter()
+        self.skipped_reason = None
         loss, metrics = self.compute_loss(batch)
+        self._loss_finite = bool(torch.isfinite(loss.detach()))
+        metrics["step_skipped"] = 0.0
+        metrics["steps_skipped"] = float(self.steps_skipped)
         if self._last_step_at is not None:
             metrics["tokens_per_s"] = metrics["tokens"] / max(now - self._last_step_at, 1e-9)
         self._last_step_at = now
@@ -147,6 +162,22 @@ class PolicyTrainer(L.LightningModule):
             dm.mark_trained(meta)
         return loss
 
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Skip the step (drop every gradient) when the loss or a gradient is not finite."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        finite = self._loss_finite and (not grads or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads))))
+        if self._trainer is not None:  # FSDP shards gradients: skip on every rank or on none
+            finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
+        if finite:
+            return
+        for p in self.model.parameters():
+            p.grad = None
+        self.skipped_reason = "loss is not finite" if not self._loss_finite else "gradients are not finite"
+        self.steps_skipped += 1
+        self.last_metrics = {**self.last_metrics, "step_skipped": 1.0, "steps_skipped": float(self.steps_skipped)}
+        step = self.trainer.global_step + 1 if self._trainer is not None else -1
+        log.warning("step %d skipped: %s (%d skipped so far); its samples go to the DLQ", step, self.skipped_reason, self.steps_skipped)
+
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(self.model.parameters(), lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
         if self.warmup_steps <= 0:
@@ -156,7 +187,9 @@ class PolicyTrainer(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["astraflow"] = {"policy_version": self.policy_version}
+        checkpoint["astraflow"] = {"policy_version": self.policy_version, "steps_skipped": self.steps_skipped}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.policy_version = int(checkpoint.get("astraflow", {}).get("policy_version", 0))
+        saved = checkpoint.get("astraflow", {})
+        self.policy_version = int(saved.get("policy_version", 0))
+        self.steps_skipped = int(saved.get("steps_skipped", 0))

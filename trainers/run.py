@@ -2,9 +2,10 @@
 
 `run_training(config)` is what `astraflow train` calls. It trains whenever a batch is
 available (never waiting for rollout nodes), resumes from the newest checkpoint in the
-checkpoint directory (weights, optimizer and consumed offsets together), publishes a policy
-version every K steps and stops on max_steps / max_time / idleness / Ctrl-C (graceful: a final
-checkpoint and version) or SIGTERM (checkpoint between batches).
+checkpoint directory (weights, optimizer, consumed offsets and trained sample ids together),
+publishes a policy version every K steps, each only after a checkpoint of the state that
+produced it (`trainers.publishing`), and stops on max_steps / max_time / idleness / Ctrl-C
+(graceful: a final checkpoint and version) or SIGTERM (checkpoint between batches).
 """
 
 from __future__ import annotations
@@ -27,20 +28,15 @@ from astraflow.config import write_resolved
 from astraflow.errors import ConfigError, ModelError
 from astraflow.kafka.clients import RecordProducer
 from astraflow.kafka.topics import TopicAdmin, Topics, topic_specs
+from astraflow.rl.samples import SampleLimits
 from astraflow.weights.publish import PublishSettings, WeightPublisher
 from astraflow.weights.store import WeightStore
-from trainers.callbacks import (
-    AtomicCheckpointIO,
-    KafkaMetrics,
-    PublishWeights,
-    SnapshotRequests,
-    StepCheckpoint,
-    TrainedLog,
-    newest_checkpoint,
-)
+from trainers.callbacks import AtomicCheckpointIO, KafkaMetrics, SnapshotRequests, newest_checkpoint
 from trainers.config import TrainRunConfig
-from trainers.data import BatchLimits, KafkaTrainData
+from trainers.crash import CrashPoints
+from trainers.data import TRAINER_PRODUCER, BatchLimits, KafkaTrainData
 from trainers.module import PolicyTrainer
+from trainers.publishing import DurablePublication, TrainedSampleLog
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +48,7 @@ class TrainSummary:
     steps: int  # optimizer steps in total (restored steps included)
     trained_samples: int  # samples in total (restored included)
     offsets: dict[int, int]  # next offset per partition after the last trained batch
-    version: int | None  # last published version
+    version: int | None  # version of the final weights (published by this run or adopted)
     resumed_from: Path | None  # checkpoint the run started from
     seconds: float  # wall time of this call
     stopped_by: str  # "max_steps", "idle", "time", "interrupt" or "sigterm"
@@ -70,6 +66,14 @@ def _pad_id(model_dir: Path) -> int:
         pass
     cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     return int(getattr(cfg, "pad_token_id", None) or 0)
+
+
+def sample_limits(config: TrainRunConfig, model: torch.nn.Module) -> SampleLimits:
+    """What this trainer accepts: the model's vocabulary (embedding rows) and context length."""
+    tc = config.trainer
+    vocab = int(model.get_input_embeddings().num_embeddings)
+    max_len = tc.max_seq_len or int(getattr(getattr(model, "config", None), "max_position_embeddings", 0) or 32768)
+    return SampleLimits(tc.policy, vocab, max_len, tc.max_abs_advantage, tc.min_behaviour_logprob)
 
 
 def _strategy(name: str, model: torch.nn.Module) -> Any:
@@ -136,7 +140,7 @@ def run_training(config: TrainRunConfig) -> TrainSummary:
         {
             "kafka": config.kafka,
             "topic": topics.train(tc.policy),
-            "policy": tc.policy,
+            "policy": sample_limits(config, module.model),
             "limits": BatchLimits(tc.batch_size, tc.token_budget),
             "pad_id": _pad_id(Path(tc.model_dir)),
             "max_wait_s": tc.max_wait_s,
@@ -146,17 +150,26 @@ def run_training(config: TrainRunConfig) -> TrainSummary:
             "group_id": f"af.{config.experiment}.{tc.policy}.trainer",
         },
         dlq_topic=topics.dlq,
+        dedup_window=tc.dedup_window,
     )
     store = WeightStore(tc.weight_store) if tc.weight_store else None
     settings = PublishSettings(tc.publish_dtype, tc.snapshot_every_versions, tc.chunk_bytes, tc.inband_max_bytes)
-    publisher = WeightPublisher(config.kafka, config.experiment, tc.policy, settings, store=store)
+    crash = CrashPoints()
+    # One transactional id per policy: a restarted trainer fences its predecessor and aborts
+    # the version it may have left half-sent.
+    publisher = WeightPublisher(
+        config.kafka, config.experiment, tc.policy, settings, store=store,
+        transactional_id=f"af.{config.experiment}.{tc.policy}.publisher", on_progress=crash,
+    )
+    durable = DurablePublication(
+        publisher, ckpt_dir, publish_every=tc.publish_every_steps, checkpoint_every=tc.checkpoint_every_steps,
+        keep=tc.keep_checkpoints, sample_log=TrainedSampleLog(config.trained_log()),
+        requests=SnapshotRequests(config.kafka, topics, tc.policy), crash=crash,
+    )
     callbacks: list[L.Callback] = [
-        PublishWeights(publisher, tc.publish_every_steps, SnapshotRequests(config.kafka, topics, tc.policy)),
-        StepCheckpoint(ckpt_dir, tc.checkpoint_every_steps, tc.keep_checkpoints),
-        KafkaMetrics(RecordProducer(config.kafka), topics, tc.policy, tc.metrics_every_steps),
+        durable,
+        KafkaMetrics(RecordProducer(config.kafka, **TRAINER_PRODUCER), topics, tc.policy, tc.metrics_every_steps),
     ]
-    if tc.trained_log is not None:
-        callbacks.append(TrainedLog(tc.trained_log))
     trainer = L.Trainer(
         accelerator=tc.accelerator,
         devices=tc.devices,
@@ -167,7 +180,7 @@ def run_training(config: TrainRunConfig) -> TrainSummary:
         gradient_clip_val=tc.grad_clip,
         logger=_logger(tc.logger, log_dir),
         callbacks=callbacks,
-        enable_checkpointing=False,  # StepCheckpoint does it, with the offsets, atomically
+        enable_checkpointing=False,  # DurablePublication does it, with the offsets, atomically
         plugins=[AtomicCheckpointIO()],
         log_every_n_steps=1,
         enable_progress_bar=tc.progress_bar,
@@ -206,7 +219,7 @@ def run_training(config: TrainRunConfig) -> TrainSummary:
         steps=trainer.global_step,
         trained_samples=data.trained_samples,
         offsets=dict(data.trained),
-        version=publisher.version,
+        version=durable.version,
         resumed_from=resume,
         seconds=time.monotonic() - t0,
         stopped_by=stopped_by["value"],

@@ -2,11 +2,17 @@
 
 Trainer side: `VersionEncoder` (pure) turns successive state dicts into payloads in the
 published dtype: a lossless sparse delta against the previous version, or a full snapshot for
-the first version, every `snapshot_every` versions and on request. `WeightPublisher` sends
-each version to ``<policy>.weights`` (one partition, key = policy): the PolicyVersion manifest,
-then its WeightChunks (in-band), or only the manifest with the URI and sha256 of a blob that it
-wrote to the `WeightStore` first (claim-check). Once those are acknowledged, the manifest goes
-to the compacted ``policies`` topic, which therefore always names the latest version.
+the first version, every `snapshot_every` versions and on request. It refuses weights that are
+not finite (`NonFiniteWeightsError`): such a version is never published. `WeightPublisher`
+sends each version to ``<policy>.weights`` (one partition, key = policy): the PolicyVersion
+manifest, then its WeightChunks (in-band), or only the manifest with the URI and sha256 of a
+blob that it wrote to the `WeightStore` first (claim-check). Once those are acknowledged, the
+manifest goes to the compacted ``policies`` topic, which therefore always names the latest
+version. With a `transactional_id` (what the trainer uses) all of this is one Kafka
+transaction: readers (read_committed) see a version whole or not at all, a publisher killed
+mid-version leaves nothing visible, and a second publisher with the same id fences the first.
+A broker outage only delays a publication: the publisher waits for Kafka, and retries the same
+version (same number, same weights) when the transaction had to be aborted.
 
 Receiver side: `WeightFollower` (pure: feed it records in topic order) reassembles chunks,
 checks each chunk's crc32, the payload's sha256 and the resulting state checksum, and applies
@@ -18,16 +24,17 @@ ask the trainer for a fresh snapshot over the control topic. Details: docs/train
 
 from __future__ import annotations
 
+import logging
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from astraflow.config import KafkaSettings
-from astraflow.errors import KafkaLayerError, SerdeError, WeightsError
+from astraflow.errors import KafkaLayerError, ProduceError, SerdeError, WeightsError
 from astraflow.kafka.clients import RecordProducer, watermarks
 from astraflow.kafka.topics import Topics
 from astraflow.records import Control, PolicyVersion, WeightChunk, WeightKind
@@ -36,6 +43,8 @@ from astraflow.weights.bits import Manifest
 from astraflow.weights.delta import encode
 from astraflow.weights.snapshot import snapshot as snapshot_bytes
 from astraflow.weights.store import WeightStore, sha256_hex
+
+log = logging.getLogger(__name__)
 
 DTYPES = ("bfloat16", "float16", "float32")
 SNAPSHOT_OFFSET = "latest_snapshot_offset"  # metadata: weights-topic offset of the latest snapshot's manifest
@@ -46,6 +55,16 @@ CONTROL_APP = "trainer"  # Control records asking a trainer for a snapshot: app,
 class PayloadError(WeightsError):
     """Raised when in-band chunks are missing, out of order or fail their crc32, or a payload
     fails its sha256 or does not produce the version its manifest announces."""
+
+
+class NonFiniteWeightsError(WeightsError):
+    """Raised when weights to publish hold NaN or infinity (in the published dtype: a float16
+    overflow counts); nothing is published. Lower the learning rate or publish in bfloat16."""
+
+
+class PublisherFencedError(WeightsError):
+    """Raised when another publisher with the same transactional id (another trainer of this
+    policy) took over: this one must stop publishing."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +99,15 @@ def published_state(state: Mapping[str, Any], dtype: str = "bfloat16") -> dict[s
         cast = t.detach().to(device="cpu", dtype=target if t.is_floating_point() else t.dtype, copy=True)
         out[name] = cast.contiguous()
     return out
+
+
+def check_finite(state: Mapping[str, Any]) -> None:
+    """Raise NonFiniteWeightsError naming the first floating tensor that holds NaN or infinity."""
+    import torch
+
+    for name, t in state.items():
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            raise NonFiniteWeightsError(f"weights {name!r} hold NaN or infinity; this version is not published")
 
 
 def split_chunks(policy: str, version: int, payload: bytes, chunk_bytes: int) -> list[WeightChunk]:
@@ -128,9 +156,11 @@ class VersionEncoder:
         trained_samples: int = 0,
         snapshot: bool = False,
     ) -> Publication:
-        """Encode `state` (any dtype, any device) as the next version."""
+        """Encode `state` (any dtype, any device) as the next version; NonFiniteWeightsError (and
+        no change to the encoder) if a published tensor is not finite."""
         version = self.next_version
         new = published_state(state, self.settings.dtype)
+        check_finite(new)
         as_snapshot = (
             snapshot or self._prev is None or self._since_snapshot + 1 >= self.settings.snapshot_every
         )
@@ -163,6 +193,18 @@ class VersionEncoder:
         return Publication(record, payload, new)
 
 
+TRANSACTION_TIMEOUT_MS = 15 * 60 * 1000  # the broker's default transaction.max.timeout.ms
+
+
+def publisher_producer_config(transactional_id: str | None) -> dict[str, Any]:
+    """Producer settings of a weight publisher (on top of the shared ones)."""
+    if transactional_id is None:
+        return {"message.timeout.ms": 0}  # wait for Kafka through any outage
+    # Transactional: records wait for Kafka up to the transaction timeout (librdkafka caps
+    # message.timeout.ms there); a transaction aborted by then is retried whole.
+    return {"transactional.id": transactional_id, "transaction.timeout.ms": TRANSACTION_TIMEOUT_MS}
+
+
 class WeightPublisher:
     """Sends versions to ``<policy>.weights`` and the latest to ``policies``; see the module doc."""
 
@@ -175,6 +217,8 @@ class WeightPublisher:
         *,
         store: WeightStore | None = None,
         producer: RecordProducer | None = None,
+        transactional_id: str | None = None,
+        on_progress: Callable[[str], None] | None = None,
     ) -> None:
         self.kafka, self.topics, self.policy, self.settings, self.store = (
             kafka,
@@ -183,18 +227,39 @@ class WeightPublisher:
             settings,
             store,
         )
-        self.producer = producer or RecordProducer(kafka)
+        # A given producer must have been built with publisher_producer_config(transactional_id).
+        self.producer = producer or RecordProducer(kafka, **publisher_producer_config(transactional_id))
+        self.transactional = transactional_id is not None
+        self.on_progress = on_progress  # called with "chunks_sent" mid-publication (crash tests)
         self.encoder = VersionEncoder(policy, settings)
         self.latest: PolicyVersion | None = None  # last version published by this process
+        self.committed: PolicyVersion | None = None  # latest version on `policies` when `start` ran
         self._snapshot: tuple[int, str | None, int] | None = None  # (version, uri, weights-topic offset)
         self._snapshot_requested = False
+        self._txn_ready = False
 
     def start(self, timeout_s: float = 10.0) -> int | None:
         """Continue the numbering after any version already on the topics; returns that version.
 
+        Transactional: first fences any earlier publisher with the same id and aborts its open
+        transaction (a version it left half-sent disappears), so what is read next is final.
+        Waits for Kafka as long as it takes: a version number is never guessed.
         The first publication of this process is always a snapshot (no delta base in memory).
         """
-        last = last_published_version(self.kafka, self.topics, self.policy, timeout_s)
+        waited = 0.0
+        while True:
+            try:
+                if self.transactional and not self._txn_ready:
+                    self.producer.raw.init_transactions(timeout_s)
+                    self._txn_ready = True
+                self.committed = latest_policy_version(self.kafka, self.topics, self.policy, timeout_s, strict=True)
+                last = last_published_version(self.kafka, self.topics, self.policy, timeout_s, latest=self.committed)
+                break
+            except (KafkaException, KafkaLayerError) as exc:
+                if isinstance(exc, KafkaException) and exc.args[0].fatal():
+                    raise PublisherFencedError(f"cannot start publishing {self.policy}: {exc}") from exc
+                waited += timeout_s
+                log.warning("waiting for Kafka to read the versions of %s (%.0f s): %s", self.policy, waited, exc)
         self.encoder.next_version = 0 if last is None else last + 1
         return last
 
@@ -214,8 +279,12 @@ class WeightPublisher:
         trainer_step: int = 0,
         trained_samples: int = 0,
         snapshot: bool = False,
+        version: int | None = None,
     ) -> PolicyVersion:
-        """Encode `state` as the next version and send it; returns its manifest once acknowledged."""
+        """Encode `state` as the next version (or as `version`, e.g. one a checkpoint promised)
+        and send it; returns its manifest once acknowledged (committed)."""
+        if version is not None:
+            self.encoder.next_version = version
         pub = self.encoder.encode(
             state,
             trainer_step=trainer_step,
@@ -223,13 +292,50 @@ class WeightPublisher:
             snapshot=snapshot or self._snapshot_requested,
         )
         try:
-            manifest = self._send(pub)
+            manifest = self._send_transaction(pub) if self.transactional else self._send(pub)
         except BaseException:
             self.encoder.reset()  # receivers may lack this version: never delta against it
             raise
         self._snapshot_requested = False
         self.latest = manifest
         return manifest
+
+    def _send_transaction(self, pub: Publication, attempts: int = 5) -> PolicyVersion:
+        raw = self.producer.raw
+        for attempt in range(1, attempts + 1):
+            try:
+                raw.begin_transaction()
+                latest = self._send(pub)
+                while True:
+                    try:
+                        raw.commit_transaction(60.0)
+                        return latest
+                    except KafkaException as exc:
+                        if not exc.args[0].retriable():
+                            raise
+                        log.warning("waiting for Kafka to commit version %d: %s", pub.manifest.version, exc)
+            except (KafkaException, ProduceError) as exc:
+                err = exc.args[0] if isinstance(exc, KafkaException) else None
+                if err is not None and err.fatal():
+                    raise PublisherFencedError(
+                        f"publishing {self.policy} v{pub.manifest.version} failed for good ({err.str()}); "
+                        "another trainer of this policy took over, or the broker fenced this one: restart it"
+                    ) from exc
+                log.warning("version %d: transaction failed (%s); retrying it whole", pub.manifest.version, exc)
+                try:
+                    raw.abort_transaction(60.0)
+                except KafkaException as abort_exc:
+                    log.warning("abort failed (%s)", abort_exc)
+                if attempt == attempts:
+                    raise KafkaLayerError(f"could not publish version {pub.manifest.version} in {attempts} attempts: {exc}") from exc
+        raise AssertionError("unreachable")
+
+    def _flush(self) -> None:
+        waited = 0.0
+        while self.producer.raw.flush(10.0):
+            waited += 10.0
+            log.warning("waiting for Kafka to acknowledge weights of %s (%.0f s)", self.policy, waited)
+        self.producer.flush(0)  # raises ProduceError on records Kafka rejected
 
     def _send(self, pub: Publication) -> PolicyVersion:
         m = pub.manifest
@@ -255,7 +361,9 @@ class WeightPublisher:
         )
         for chunk in chunks:
             self.producer.send(topic, chunk, key=self.policy)
-        self.producer.flush()
+        self._flush()
+        if self.on_progress is not None:
+            self.on_progress("chunks_sent")
         if not offsets:
             raise KafkaLayerError(f"no delivery report for version {m.version} on {topic}")
         if is_snap:
@@ -263,11 +371,11 @@ class WeightPublisher:
             m.metadata = {**m.metadata, SNAPSHOT_OFFSET: str(offsets[0])}
         latest = replace(m, metadata={**m.metadata, OFFSET: str(offsets[0])})
         self.producer.send(self.topics.policies, latest, key=self.policy)
-        self.producer.flush()
+        self._flush()
         return latest
 
     def close(self) -> None:
-        self.producer.flush()
+        self._flush()
 
 
 # ---- reading the topics ---------------------------------------------------------------------------
@@ -281,21 +389,24 @@ def _consumer(kafka: KafkaSettings, serde: AvroSerde) -> Consumer:
             "enable.auto.commit": False,
             "auto.offset.reset": "earliest",
             "enable.partition.eof": True,
+            "isolation.level": "read_committed",  # a version is visible once its transaction commits
             "fetch.message.max.bytes": serde.max_record_bytes + 64 * 1024,
         }
     )
 
 
 def _read_range(
-    kafka: KafkaSettings, topic: str, start: int | None, serde: AvroSerde, timeout_s: float
+    kafka: KafkaSettings, topic: str, start: int | None, serde: AvroSerde, timeout_s: float, strict: bool = False
 ) -> list[Any]:
-    """Decoded records of partition 0 of `topic` from `start` (None: the last record) to its end."""
+    """Decoded committed records of partition 0 of `topic` from `start` (None: the last 64
+    offsets) to its end. `strict`: raise KafkaLayerError instead of returning what was read by
+    the timeout."""
     consumer = _consumer(kafka, serde)
     try:
         low, high = watermarks(consumer, topic, 0, timeout_s)
         if high <= low:
             return []
-        first = high - 1 if start is None else max(start, low)
+        first = max(high - 64, low) if start is None else max(start, low)
         consumer.assign([TopicPartition(topic, 0, first)])
         out: list[Any] = []
         deadline = time.monotonic() + timeout_s
@@ -311,28 +422,43 @@ def _read_range(
                     out.append(serde.loads(msg.value()))
                 except SerdeError:
                     continue  # not ours to judge here; the follower skips what it cannot decode
+        if strict and pos < high:
+            raise KafkaLayerError(f"could not read {topic} to its end ({pos} of {high}) in {timeout_s:.0f} s")
         return out
     finally:
         consumer.close()
 
 
 def latest_policy_version(
-    kafka: KafkaSettings, topics: Topics, policy: str, timeout_s: float = 10.0, serde: AvroSerde | None = None
+    kafka: KafkaSettings,
+    topics: Topics,
+    policy: str,
+    timeout_s: float = 10.0,
+    serde: AvroSerde | None = None,
+    strict: bool = False,
 ) -> PolicyVersion | None:
-    """The newest PolicyVersion of `policy` on the compacted ``policies`` topic (None if none)."""
-    records = _read_range(kafka, topics.policies, 0, serde or AvroSerde(), timeout_s)
+    """The newest PolicyVersion of `policy` on the compacted ``policies`` topic (None if none);
+    `strict`: KafkaLayerError rather than an answer from a partial read."""
+    records = _read_range(kafka, topics.policies, 0, serde or AvroSerde(), timeout_s, strict)
     found = [r for r in records if isinstance(r, PolicyVersion) and r.policy == policy]
     return max(found, key=lambda r: r.version) if found else None
 
 
 def last_published_version(
-    kafka: KafkaSettings, topics: Topics, policy: str, timeout_s: float = 10.0
+    kafka: KafkaSettings,
+    topics: Topics,
+    policy: str,
+    timeout_s: float = 10.0,
+    latest: PolicyVersion | None = None,
 ) -> int | None:
-    """Highest version number already used for `policy`: on ``policies`` or, after a crash
-    between the two sends, as the last record of the weights topic."""
+    """Highest version number already used for `policy`: on ``policies`` (`latest`, when the
+    caller read it already) or, after a crash between the two sends of a publisher without
+    transactions, among the last records of the weights topic. Raises KafkaLayerError when
+    Kafka cannot be read to the end."""
     serde = AvroSerde()
-    latest = latest_policy_version(kafka, topics, policy, timeout_s, serde)
-    tail = _read_range(kafka, topics.weights(policy), None, serde, timeout_s)
+    if latest is None:
+        latest = latest_policy_version(kafka, topics, policy, timeout_s, serde, strict=True)
+    tail = _read_range(kafka, topics.weights(policy), None, serde, timeout_s, strict=True)
     versions = [r.version for r in tail if isinstance(r, PolicyVersion | WeightChunk)]
     versions += [latest.version] if latest else []
     return max(versions) if versions else None
@@ -370,13 +496,17 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "NonFiniteWeightsError",
     "PayloadError",
     "Publication",
     "PublishSettings",
+    "PublisherFencedError",
     "VersionEncoder",
     "WeightPublisher",
+    "check_finite",
     "latest_policy_version",
     "published_state",
+    "publisher_producer_config",
     "request_snapshot",
     "split_chunks",
 ]

@@ -23,7 +23,7 @@ from astraflow.config import load_config
 from astraflow.models.tiny import init_tiny
 from astraflow.records import TrainSample
 from trainers.config import LossSettings, TrainRunConfig
-from trainers.data import BatchLimits, collate, sample_problem
+from trainers.data import BatchLimits, collate
 from trainers.module import PolicyTrainer, staleness_histogram
 from trainers.synthetic import make_samples, mean_reward
 
@@ -71,14 +71,6 @@ def test_batch_limits_by_samples_and_token_budget() -> None:
     assert by_tokens.fits(3, 16, 16) and not by_tokens.fits(4, 16, 8)  # 5 x 16 > 64
     assert not by_tokens.fits(1, 16, 40)  # 2 x 40 > 64
     assert by_tokens.fits(0, 0, 1000)  # an oversized sample still trains, alone
-
-
-def test_sample_problems_are_named() -> None:
-    assert sample_problem(_sample(6, 3), "policy") is None
-    assert "policy" in sample_problem(_sample(6, 3), "other")
-    bad = _sample(6, 3)
-    bad.loss_mask = bad.loss_mask[:-1]
-    assert "length" in sample_problem(bad, "policy")
 
 
 def test_staleness_histogram_buckets() -> None:

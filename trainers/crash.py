@@ -1,0 +1,41 @@
+"""Deliberate crashes for tests: the trainer SIGKILLs itself at a named point of its cycle.
+
+`ASTRAFLOW_TRAINER_CRASH_AT=<point>[:<n>]` makes the trainer process kill itself with SIGKILL
+(no cleanup, no flush: a faithful `kill -9`) the n-th time (default 1) it reaches `<point>`:
+
+- ``step_trained``: an optimizer step is done, nothing of it is checkpointed or published;
+- ``after_checkpoint``: the checkpoint of a version is durable, the version is not published;
+- ``chunks_sent``: a version's manifest and chunks are acknowledged inside their transaction,
+  the transaction is not committed;
+- ``after_publish``: the version is committed, the next step has not started.
+
+Unset (the default), every point is a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+ENV = "ASTRAFLOW_TRAINER_CRASH_AT"
+POINTS = ("step_trained", "after_checkpoint", "chunks_sent", "after_publish")
+
+
+class CrashPoints:
+    """Counts arrivals at each point and kills the process at the configured one."""
+
+    def __init__(self, spec: str | None = None) -> None:
+        spec = os.environ.get(ENV, "") if spec is None else spec
+        self.point, self.nth = None, 1
+        if spec:
+            name, _, nth = spec.partition(":")
+            if name not in POINTS:
+                raise ValueError(f"{ENV}={spec!r}: the point must be one of {', '.join(POINTS)}")
+            self.point, self.nth = name, int(nth or 1)
+        self.reached: dict[str, int] = {}
+
+    def __call__(self, point: str) -> None:
+        """Mark arrival at `point`; SIGKILL this process if it is the configured arrival."""
+        self.reached[point] = self.reached.get(point, 0) + 1
+        if point == self.point and self.reached[point] == self.nth:
+            os.kill(os.getpid(), signal.SIGKILL)

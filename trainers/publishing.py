@@ -1,0 +1,269 @@
+"""Checkpoint, then publish: the trainer's versions survive `kill -9` at any point.
+
+The invariant: **a version is published only once the state that produced it is durable.** At
+every publication step `DurablePublication` (1) checks that the weights, in the published dtype,
+are finite; (2) writes a checkpoint holding the weights, the optimizer, the consumed offsets,
+the trained sample-id window and the version number it promises (`pending`); (3) appends the
+trained-sample log lines of that version; (4) publishes the version in one Kafka transaction.
+
+On start it reconciles the restored state with the committed versions (after fencing any
+earlier publisher, which aborts a version left half-sent):
+
+- a checkpoint promised version v and the topic ends before v: publish v now, from exactly the
+  checkpointed weights (killed between checkpoint and commit);
+- the newest committed version has exactly the restored weights (state checksum): adopt its
+  number, publish nothing (killed after a commit, or a fresh run restarted before training);
+- otherwise (a checkpoint between publications, or no checkpoint): publish the restored weights
+  as a snapshot under the next free number.
+
+So a number is never reused for other weights, and every published version descends from every
+earlier one: weights trained after the last checkpoint are never published, so their samples,
+trained again after the restart, enter the followed lineage once. Details: docs/training.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from astraflow.weights.bits import Manifest
+from astraflow.weights.publish import WeightPublisher, check_finite, published_state
+from trainers.callbacks import SnapshotRequests, save_checkpoint
+from trainers.crash import CrashPoints
+
+log = logging.getLogger(__name__)
+
+_TAIL_BYTES = 8 * 1024 * 1024  # how much of the log's end is searched for a version's lines
+
+
+class TrainedSampleLog:
+    """JSONL, one line per sample in published weights: which step trained it, which version
+    first carries it. Lines of one version are appended (fsynced) before the version is
+    published; `write` skips lines already present, so a restart never duplicates them."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def _repair(self) -> None:
+        """Drop a torn last line (a kill mid-write)."""
+        if not self.path.exists():
+            return
+        with open(self.path, "rb+") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size == 0:
+                return
+            f.seek(max(0, size - _TAIL_BYTES))
+            tail = f.read()
+            if tail.endswith(b"\n"):
+                return
+            cut = tail.rfind(b"\n")
+            f.truncate(size - len(tail) + cut + 1 if cut >= 0 else max(0, size - len(tail)))
+
+    def recorded(self, version: int) -> set[str]:
+        """Sample ids already logged under `version` (searched in the log's tail)."""
+        if not self.path.exists():
+            return set()
+        with open(self.path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - _TAIL_BYTES))
+            lines = f.read().split(b"\n")
+        found = set()
+        for line in lines:
+            if f'"version": {version},'.encode() in line:
+                found.add(json.loads(line)["sample_id"])
+        return found
+
+    def write(self, version: int, samples: list[list[Any]]) -> None:
+        """Append `samples` ([sample_id, step, partition, offset]) under `version`, durably."""
+        if not samples:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._repair()
+        done = self.recorded(version)
+        lines = [
+            json.dumps({"sample_id": sid, "step": step, "version": version, "partition": p, "offset": o})
+            for sid, step, p, o in samples
+            if sid not in done
+        ]
+        if not lines:
+            return
+        with open(self.path, "a") as f:
+            f.write("\n".join(lines) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+class DurablePublication(L.Callback):
+    """Checkpoints and publishes in the order of the module docstring; also checkpoints every
+    `checkpoint_every` steps between publications, at the end and on SIGTERM."""
+
+    def __init__(
+        self,
+        publisher: WeightPublisher,
+        checkpoint_dir: Path,
+        *,
+        publish_every: int = 1,
+        checkpoint_every: int = 10,
+        keep: int = 2,
+        sample_log: TrainedSampleLog,
+        requests: SnapshotRequests | None = None,
+        crash: CrashPoints | None = None,
+    ) -> None:
+        self.publisher, self.checkpoint_dir, self.keep = publisher, Path(checkpoint_dir), keep
+        self.publish_every, self.checkpoint_every = publish_every, checkpoint_every
+        self.sample_log, self.requests = sample_log, requests
+        self.crash = crash or CrashPoints("")
+        # checkpointed state
+        self.version: int | None = None  # version of the weights last published (or promised)
+        self.pending = False  # this checkpoint's weights are `version`, maybe not yet published
+        self.unpublished: list[list[Any]] = []  # [sample_id, step, partition, offset] since `version`
+        self._started = False
+        self._saved_step = -1
+        self._published_step = -1
+        self.last_checkpoint_s = 0.0  # seconds the last checkpoint took (reported in metrics)
+
+    # -- Lightning state ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "pending": self.pending, "unpublished": list(self.unpublished)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.version = state_dict.get("version")
+        self.pending = bool(state_dict.get("pending", False))
+        self.unpublished = [list(x) for x in state_dict.get("unpublished", [])]
+
+    # -- pieces -----------------------------------------------------------------------------------
+
+    def _checkpoint(self, trainer: L.Trainer) -> None:
+        t0 = time.perf_counter()
+        save_checkpoint(trainer, self.checkpoint_dir, self.keep)
+        self.last_checkpoint_s = time.perf_counter() - t0
+        self._saved_step = trainer.global_step
+
+    def _weights(self, trainer: L.Trainer) -> dict[str, Any] | None:
+        state = trainer.strategy.lightning_module_state_dict()  # full state on rank 0 (FSDP gathers)
+        if not trainer.is_global_zero:
+            return None
+        weights = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
+        new = published_state(weights, self.publisher.settings.dtype)
+        check_finite(new)  # before any checkpoint: a non-finite state is never made durable
+        return new
+
+    def _send(self, trainer: L.Trainer, weights: dict[str, Any], version: int, snapshot: bool) -> int:
+        if self.requests is not None and self.requests.pending():
+            snapshot = True
+        dm = trainer.datamodule
+        manifest = self.publisher.publish(
+            weights,
+            trainer_step=trainer.global_step,
+            trained_samples=getattr(dm, "trained_samples", 0),
+            snapshot=snapshot,
+            version=version,
+        )
+        return manifest.version
+
+    def _set_version(self, trainer: L.Trainer, module: L.LightningModule, version: int | None) -> None:
+        version = trainer.strategy.broadcast(version, src=0)
+        self.version = int(version)
+        module.policy_version = int(version)
+        stream = getattr(trainer.datamodule, "stream", None)
+        if stream is not None:
+            stream.newest_version = int(version)
+        self._published_step = trainer.global_step
+
+    def publish_durably(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        """Finite check, checkpoint (promising the version), log lines, publish."""
+        weights = self._weights(trainer)
+        version = self.publisher.encoder.next_version if trainer.is_global_zero else None
+        version = trainer.strategy.broadcast(version, src=0)
+        self.version, self.pending = int(version), True
+        module.policy_version = int(version)
+        self._checkpoint(trainer)
+        self.crash("after_checkpoint")
+        if trainer.is_global_zero:
+            assert weights is not None
+            self.sample_log.write(int(version), self.unpublished)
+            self._send(trainer, weights, int(version), snapshot=False)
+        self.crash("after_publish")
+        self.unpublished, self.pending = [], False
+        self._set_version(trainer, module, int(version))
+
+    def reconcile(self, trainer: L.Trainer, module: L.LightningModule, resumed: bool) -> None:
+        """What the restored state means for the weights topic; see the module docstring."""
+        version = None
+        if trainer.is_global_zero:
+            last = self.publisher.start()
+            weights = self._weights(trainer)
+            assert weights is not None
+            committed = self.publisher.committed
+            same = committed is not None and committed.version == last and (
+                committed.state_checksum == Manifest.of(weights).checksum().hex()
+            )
+            if resumed and self.pending and self.version is not None and (last is None or last < self.version):
+                self.sample_log.write(self.version, self.unpublished)
+                version = self._send(trainer, weights, self.version, snapshot=True)
+                log.info("published version %d promised by the checkpoint of step %d", version, trainer.global_step)
+            elif same:
+                assert last is not None
+                self.sample_log.write(last, self.unpublished)
+                version = last
+                log.info("restored weights are version %d, already published", last)
+            else:
+                if self.pending:  # promised a number that is used: its samples are logged under it
+                    self.unpublished = []
+                version = self.publisher.encoder.next_version
+                self.sample_log.write(version, self.unpublished)
+                version = self._send(trainer, weights, version, snapshot=True)
+        self.unpublished, self.pending = [], False
+        self._set_version(trainer, module, version)
+        self._started = True
+
+    # -- hooks ------------------------------------------------------------------------------------
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # A fresh run publishes before Lightning waits for the first batch, so followers have a
+        # version at once; a resumed run waits for on_train_start, when step counters are back.
+        self._started = False
+        if trainer.ckpt_path is None:
+            self.reconcile(trainer, pl_module, resumed=False)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._started:
+            self.reconcile(trainer, pl_module, resumed=True)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.crash("step_trained")
+        meta = batch.get("meta") if isinstance(batch, dict) else None
+        skipped = getattr(pl_module, "skipped_reason", None)
+        dm = trainer.datamodule
+        if meta is not None:
+            if hasattr(dm, "finish_step"):
+                dm.finish_step(meta, skipped)
+            if skipped is None:
+                self.unpublished += [[sid, trainer.global_step, p, o] for p, o, sid in meta["samples"]]
+        step = trainer.global_step
+        if step % self.publish_every == 0:
+            self.publish_durably(trainer, pl_module)
+        elif step % self.checkpoint_every == 0:
+            self._checkpoint(trainer)
+        if hasattr(pl_module, "last_metrics"):
+            pl_module.last_metrics = {**pl_module.last_metrics, "checkpoint_s": self.last_checkpoint_s}
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step != self._published_step:
+            self.publish_durably(trainer, pl_module)
+        self.publisher.close()
+        if self.requests is not None:
+            self.requests.close()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # Lightning raises SIGTERMException only between batches, where weights and offsets agree.
+        if isinstance(exception, SIGTERMException) and trainer.global_step != self._saved_step and trainer.global_step:
+            self._checkpoint(trainer)
