@@ -417,6 +417,8 @@ class TrainStream(IterableDataset):
             self._seq += 1
             self._inflight[self._seq] = kept
             self._inflight_ids.update(i.sample.sample_id for i in kept)  # type: ignore[union-attr]
+            while len(self._inflight) > 8:  # a reader that never settles (no data module) stays bounded
+                self.settle(min(self._inflight))
             batch: dict[str, Any] = dict(collate([s.sample for s in samples], self.pad_id))  # type: ignore[misc]
             batch["meta"] = {
                 "seq": self._seq,
@@ -464,6 +466,7 @@ class KafkaTrainData(L.LightningDataModule):
         self.skipped_samples = 0  # samples of skipped (non-finite) steps, across restarts
         self.window = SampleWindow(dedup_window)  # ids of the samples trained last
         self.resumed_from: dict[int, int] | None = None  # offsets restored from a checkpoint
+        self.newest_version: int | None = None  # newest published version (set by the publisher)
         self.stream: TrainStream | None = None
         self._producer: RecordProducer | None = None
 
@@ -478,6 +481,7 @@ class KafkaTrainData(L.LightningDataModule):
             # stream polls the flag so that a trainer waiting for samples stops too.
             self.stream = TrainStream(**self.stream_kwargs, resume_offsets=resume, dlq=dlq, window=self.window,
                                       should_stop=lambda: bool(getattr(self.trainer, "received_sigterm", False)))
+            self.stream.newest_version = self.newest_version
         # batch_size=None: the stream yields whole batches; one process reads Kafka (no workers).
         return DataLoader(self.stream, batch_size=None, num_workers=0)
 

@@ -173,9 +173,11 @@ class DurablePublication(L.Callback):
         version = trainer.strategy.broadcast(version, src=0)
         self.version = int(version)
         module.policy_version = int(version)
-        stream = getattr(trainer.datamodule, "stream", None)
-        if stream is not None:
-            stream.newest_version = int(version)
+        dm = trainer.datamodule
+        if hasattr(dm, "newest_version"):  # samples may not claim newer versions than this
+            dm.newest_version = int(version)
+            if dm.stream is not None:
+                dm.stream.newest_version = int(version)
         self._published_step = trainer.global_step
 
     def publish_durably(self, trainer: L.Trainer, module: L.LightningModule) -> None:

@@ -1,10 +1,8 @@
 """Publishing policy versions on Kafka (the receiving side is in `astraflow.weights.follow`).
 
-Trainer side: `VersionEncoder` (pure) turns successive state dicts into payloads in the
-published dtype: a lossless sparse delta against the previous version, or a full snapshot for
-the first version, every `snapshot_every` versions and on request. It refuses weights that are
-not finite (`NonFiniteWeightsError`): such a version is never published. `WeightPublisher`
-sends each version to ``<policy>.weights`` (one partition, key = policy): the PolicyVersion
+Trainer side: `VersionEncoder` (pure, `astraflow.weights.encoder`, re-exported here) turns
+successive state dicts into payloads in the published dtype, deltas or snapshots, and refuses
+weights that are not finite (`NonFiniteWeightsError`). `WeightPublisher` sends each version to ``<policy>.weights`` (one partition, key = policy): the PolicyVersion
 manifest, then its WeightChunks (in-band), or only the manifest with the URI and sha256 of a
 blob that it wrote to the `WeightStore` first (claim-check). Once those are acknowledged, the
 manifest goes to the compacted ``policies`` topic, which therefore always names the latest
@@ -26,9 +24,8 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
@@ -39,14 +36,19 @@ from astraflow.kafka.clients import RecordProducer, watermarks
 from astraflow.kafka.topics import Topics
 from astraflow.records import Control, PolicyVersion, WeightChunk, WeightKind
 from astraflow.serde import AvroSerde
-from astraflow.weights.bits import Manifest
-from astraflow.weights.delta import encode
-from astraflow.weights.snapshot import snapshot as snapshot_bytes
-from astraflow.weights.store import WeightStore, sha256_hex
+from astraflow.weights.encoder import (
+    NonFiniteWeightsError,
+    Publication,
+    PublishSettings,
+    VersionEncoder,
+    check_finite,
+    published_state,
+    split_chunks,
+)
+from astraflow.weights.store import WeightStore
 
 log = logging.getLogger(__name__)
 
-DTYPES = ("bfloat16", "float16", "float32")
 SNAPSHOT_OFFSET = "latest_snapshot_offset"  # metadata: weights-topic offset of the latest snapshot's manifest
 OFFSET = "offset"  # metadata (policies topic only): weights-topic offset of this version's manifest
 CONTROL_APP = "trainer"  # Control records asking a trainer for a snapshot: app, slot "<policy>.snapshot"
@@ -57,152 +59,29 @@ class PayloadError(WeightsError):
     fails its sha256 or does not produce the version its manifest announces."""
 
 
-class NonFiniteWeightsError(WeightsError):
-    """Raised when weights to publish hold NaN or infinity (in the published dtype: a float16
-    overflow counts); nothing is published. Lower the learning rate or publish in bfloat16."""
-
-
 class PublisherFencedError(WeightsError):
     """Raised when another publisher with the same transactional id (another trainer of this
     policy) took over: this one must stop publishing."""
 
 
-@dataclass(frozen=True)
-class PublishSettings:
-    """How versions are encoded and where their payloads travel."""
-
-    dtype: str = "bfloat16"  # published dtype (the trainer keeps its own fp32 master weights)
-    snapshot_every: int = 20  # a snapshot after this many versions (deltas in between)
-    chunk_bytes: int = 1024 * 1024 - 64 * 1024  # in-band chunk size, below the topic's max.message.bytes
-    inband_max_bytes: int = 64 * 1024 * 1024  # larger payloads go to the store (when one is set)
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise WeightsError(f"publish dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if self.snapshot_every < 1 or self.chunk_bytes < 1024:
-            raise WeightsError("snapshot_every must be >= 1 and chunk_bytes >= 1024")
-
-
-def published_state(state: Mapping[str, Any], dtype: str = "bfloat16") -> dict[str, Any]:
-    """CPU copies of `state` in `dtype`; tied aliases (the same storage under a second name, e.g.
-    ``lm_head.weight`` tied to the embeddings) are dropped, so load with ``strict=False``."""
-    import torch
-
-    target = getattr(torch, dtype)
-    out: dict[str, Any] = {}
-    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
-    for name, t in state.items():
-        ident = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
-        if t.numel() and ident in seen:
-            continue
-        seen.add(ident)
-        cast = t.detach().to(device="cpu", dtype=target if t.is_floating_point() else t.dtype, copy=True)
-        out[name] = cast.contiguous()
-    return out
-
-
-def check_finite(state: Mapping[str, Any]) -> None:
-    """Raise NonFiniteWeightsError naming the first floating tensor that holds NaN or infinity."""
-    import torch
-
-    for name, t in state.items():
-        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
-            raise NonFiniteWeightsError(f"weights {name!r} hold NaN or infinity; this version is not published")
-
-
-def split_chunks(policy: str, version: int, payload: bytes, chunk_bytes: int) -> list[WeightChunk]:
-    """Cut a payload into WeightChunks with a crc32 each (at least one chunk)."""
-    n = max(1, -(-len(payload) // chunk_bytes))
-    parts = [payload[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(n)]
-    return [WeightChunk(policy, version, i, n, p, zlib.crc32(p)) for i, p in enumerate(parts)]
-
-
-@dataclass
-class Publication:
-    """One encoded version, before it is sent."""
-
-    manifest: PolicyVersion  # uri, snapshot offsets and num_chunks are filled in by the publisher
-    payload: bytes  # the delta or snapshot stream
-    state: dict[str, Any]  # the published weights of this version (dtype of the settings)
-
-
-class VersionEncoder:
-    """Pure: state dicts in, `Publication`s out; remembers the previous published version."""
-
-    def __init__(
-        self, policy: str, settings: PublishSettings = PublishSettings(), next_version: int = 0
-    ) -> None:
-        self.policy = policy
-        self.settings = settings
-        self.next_version = next_version  # number the next publication gets
-        self._prev: dict[str, Any] | None = None  # last published state (None: next is a snapshot)
-        self._prev_manifest: Manifest | None = None
-        self._since_snapshot = 0  # versions published since the last snapshot
-
-    @property
-    def state(self) -> dict[str, Any] | None:
-        """The last published weights, or None before the first (or after `reset`)."""
-        return self._prev
-
-    def reset(self) -> None:
-        """Forget the previous version (e.g. a send failed), so the next publication is a snapshot."""
-        self._prev = self._prev_manifest = None
-
-    def encode(
-        self,
-        state: Mapping[str, Any],
-        *,
-        trainer_step: int = 0,
-        trained_samples: int = 0,
-        snapshot: bool = False,
-    ) -> Publication:
-        """Encode `state` (any dtype, any device) as the next version; NonFiniteWeightsError (and
-        no change to the encoder) if a published tensor is not finite."""
-        version = self.next_version
-        new = published_state(state, self.settings.dtype)
-        check_finite(new)
-        as_snapshot = (
-            snapshot or self._prev is None or self._since_snapshot + 1 >= self.settings.snapshot_every
-        )
-        if as_snapshot:
-            payload = snapshot_bytes(new, version)
-            manifest = Manifest.of(new)
-            base = None
-        else:
-            assert self._prev is not None and self._prev_manifest is not None
-            delta = encode(
-                self._prev, new, base_version=version - 1, version=version, base_manifest=self._prev_manifest
-            )
-            payload, manifest, base = delta.to_bytes(), delta.manifest or Manifest.of(new), version - 1
-        record = PolicyVersion(
-            policy=self.policy,
-            version=version,
-            kind=WeightKind.SNAPSHOT if as_snapshot else WeightKind.DELTA,
-            base_version=base,
-            dtype=self.settings.dtype,
-            num_chunks=0,
-            payload_bytes=len(payload),
-            sha256=sha256_hex(payload),
-            state_checksum=manifest.checksum().hex(),
-            trainer_step=trainer_step,
-            trained_samples=trained_samples,
-        )
-        self._prev, self._prev_manifest = new, manifest
-        self._since_snapshot = 0 if as_snapshot else self._since_snapshot + 1
-        self.next_version = version + 1
-        return Publication(record, payload, new)
-
-
 TRANSACTION_TIMEOUT_MS = 15 * 60 * 1000  # the broker's default transaction.max.timeout.ms
+
+
+def _log_kafka_error(err: KafkaError) -> None:
+    # An error callback keeps librdkafka's error events out of delivery callbacks (without one,
+    # a fatal error such as fencing is raised inside them); failures still reach `publish`
+    # through delivery reports and the transaction calls.
+    log.log(logging.ERROR if err.fatal() else logging.WARNING, "weights producer: %s", err.str())
 
 
 def publisher_producer_config(transactional_id: str | None) -> dict[str, Any]:
     """Producer settings of a weight publisher (on top of the shared ones)."""
     if transactional_id is None:
-        return {"message.timeout.ms": 0}  # wait for Kafka through any outage
+        return {"message.timeout.ms": 0, "error_cb": _log_kafka_error}  # wait for Kafka through any outage
     # Transactional: records wait for Kafka up to the transaction timeout (librdkafka caps
     # message.timeout.ms there); a transaction aborted by then is retried whole.
-    return {"transactional.id": transactional_id, "transaction.timeout.ms": TRANSACTION_TIMEOUT_MS}
+    return {"transactional.id": transactional_id, "transaction.timeout.ms": TRANSACTION_TIMEOUT_MS,
+            "error_cb": _log_kafka_error}
 
 
 class WeightPublisher:
@@ -315,27 +194,38 @@ class WeightPublisher:
                             raise
                         log.warning("waiting for Kafka to commit version %d: %s", pub.manifest.version, exc)
             except (KafkaException, ProduceError) as exc:
-                err = exc.args[0] if isinstance(exc, KafkaException) else None
-                if err is not None and err.fatal():
-                    raise PublisherFencedError(
-                        f"publishing {self.policy} v{pub.manifest.version} failed for good ({err.str()}); "
-                        "another trainer of this policy took over, or the broker fenced this one: restart it"
-                    ) from exc
                 log.warning("version %d: transaction failed (%s); retrying it whole", pub.manifest.version, exc)
                 try:
+                    if isinstance(exc, KafkaException) and exc.args[0].fatal():
+                        raise exc
                     raw.abort_transaction(60.0)
-                except KafkaException as abort_exc:
-                    log.warning("abort failed (%s)", abort_exc)
+                except KafkaException as fatal:
+                    if fatal.args[0].fatal():
+                        raise PublisherFencedError(
+                            f"publishing {self.policy} v{pub.manifest.version} failed for good ({fatal.args[0].str()}); "
+                            "another trainer of this policy took over, or the broker fenced this one: restart it"
+                        ) from exc
+                    log.warning("abort failed (%s)", fatal)
                 if attempt == attempts:
                     raise KafkaLayerError(f"could not publish version {pub.manifest.version} in {attempts} attempts: {exc}") from exc
         raise AssertionError("unreachable")
 
     def _flush(self) -> None:
         waited = 0.0
-        while self.producer.raw.flush(10.0):
+        while self._flush_once():
             waited += 10.0
             log.warning("waiting for Kafka to acknowledge weights of %s (%.0f s)", self.policy, waited)
         self.producer.flush(0)  # raises ProduceError on records Kafka rejected
+
+    def _flush_once(self) -> int:
+        try:
+            return self.producer.raw.flush(10.0)
+        except SystemError as exc:
+            # confluent-kafka raises a fatal error (fencing) while a delivery callback runs, which
+            # surfaces as SystemError with the KafkaException as its cause.
+            if isinstance(exc.__cause__, KafkaException):
+                raise exc.__cause__ from None
+            raise ProduceError(f"the producer failed while flushing ({exc}); the transaction is aborted") from exc
 
     def _send(self, pub: Publication) -> PolicyVersion:
         m = pub.manifest
@@ -357,7 +247,7 @@ class WeightPublisher:
         offsets: list[int] = []
         topic = self.topics.weights(self.policy)
         self.producer.send(
-            topic, m, key=self.policy, on_delivery=lambda err, msg: offsets.append(msg.offset())
+            topic, m, key=self.policy, on_delivery=lambda err, msg: err is None and offsets.append(msg.offset())
         )
         for chunk in chunks:
             self.producer.send(topic, chunk, key=self.policy)

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -283,3 +284,90 @@ def test_claim_checked_versions_through_the_store(kafka: KafkaSettings, experime
     assert [e.result.status for e in events] == [ApplyStatus.APPLIED] * 4
     assert _bits_equal(dict(follower.follower.state), published[3][1])
 
+
+
+def test_poisoned_samples_go_to_the_dlq_with_their_reason_and_training_goes_on(
+    kafka: KafkaSettings, experiment: str, tmp_path: Path, one_thread: None
+) -> None:
+    """Each kind of bad record between good ones: dead-lettered with the field and the limit,
+    its offset consumed, never in a batch; every good sample is trained."""
+    import dataclasses
+
+    import numpy as np
+
+    from astraflow.records import DeadLetter
+
+    topics = Topics(experiment)
+    model_dir = init_tiny(tmp_path / "tiny", vocab_size=512, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64)
+    initial, _ = load_tiny(model_dir)
+    good = make_samples(initial, prompts=2, group_size=8, policy="policy")
+    base = good[0]
+
+    def bad(**changes: object) -> object:
+        return dataclasses.replace(base, sample_id=f"bad-{uuid.uuid4().hex[:6]}", **changes)
+
+    n = len(base.token_ids)
+    huge = 60_000
+    poison = {  # reason (a substring of the dead letter's error) -> record or raw bytes
+        "outside the vocabulary [0, 512)": bad(token_ids=np.full(n, 512, np.int32)),
+        "advantage: nan": bad(advantage=float("nan")),
+        f"{huge} tokens exceed trainer.max_seq_len=512": bad(
+            token_ids=np.full(huge, 5, np.int32), loss_mask=np.ones(huge, np.uint8),
+            behaviour_logprobs=np.full(huge, -1.0, np.float32), versions=np.zeros(huge, np.int32)),
+        "loss_mask has 3": bad(loss_mask=np.ones(3, np.uint8)),
+        "behaviour_logprobs: position": bad(behaviour_logprobs=np.full(n, np.inf, np.float32)),
+        "does not start with an Avro": b"\xffnot avro at all",
+        "expected a astraflow.TrainSample record": Metric("m", 1.0, "x", "y"),
+        "already trained": base,  # the same sample_id again: a duplicate
+    }
+    producer = RecordProducer(kafka)
+    topic = topics.train("policy")
+    for s in good[:8]:
+        producer.send(topic, s, key="k")
+    for record in poison.values():
+        if isinstance(record, bytes):
+            producer.send_raw(topic, record, key="k")
+        else:
+            producer.send(topic, record, key="k")  # type: ignore[arg-type]
+    for s in good[8:]:
+        producer.send(topic, s, key="k")
+    producer.flush()
+    cfg = TrainRunConfig.model_validate({
+        "experiment": experiment, "run_dir": str(tmp_path / "runs"), "kafka": kafka.model_dump(),
+        "topics": {"partitions": 2},
+        "trainer": {"model_dir": str(model_dir), "batch_size": 8, "max_wait_s": 0.3, "stop_when_idle_s": 1.5,
+                    "logger": "none", "progress_bar": False},
+    })
+    summary = run_training(cfg)
+    assert summary.trained_samples == len(good) and summary.steps == 2
+    assert sum(summary.offsets.values()) == len(good) + len(poison)  # the bad records are consumed too
+
+    serde = AvroSerde()
+    c = Consumer({**kafka.client_config(), "group.id": uuid.uuid4().hex, "auto.offset.reset": "earliest"})
+    c.assign([TopicPartition(topics.dlq, 0, 0)])
+    dead = [serde.loads(m.value(), DeadLetter) for m in c.consume(500, 5.0) if m.error() is None]
+    c.close()
+    assert len(dead) == len(poison) and all(d.component == "trainer" and d.topic == topic for d in dead)
+    for reason in poison:
+        assert any(reason in d.error for d in dead), (reason, [d.error for d in dead])
+    trained = [json.loads(x)["sample_id"] for x in cfg.trained_log().read_text().splitlines()]
+    assert sorted(trained) == sorted(s.sample_id for s in good)
+
+
+def test_a_second_publisher_of_the_policy_fences_the_first(kafka: KafkaSettings, experiment: str) -> None:
+    """Same transactional id (a restarted trainer): the old one can no longer publish, and the
+    new one numbers after the last committed version."""
+    from astraflow.weights.publish import PublisherFencedError
+
+    tid = f"af.{experiment}.policy.publisher"
+    old = WeightPublisher(kafka, experiment, "policy", transactional_id=tid)
+    assert old.start() is None
+    weights = {"w": torch.ones(8)}
+    assert old.publish(weights).version == 0
+    new = WeightPublisher(kafka, experiment, "policy", transactional_id=tid)
+    assert new.start() == 0 and new.committed is not None and new.committed.version == 0
+    with pytest.raises(PublisherFencedError):
+        old.publish({"w": torch.full((8,), 2.0)})
+    assert new.publish({"w": torch.full((8,), 3.0)}).version == 1
+    latest = latest_policy_version(kafka, Topics(experiment), "policy")
+    assert latest is not None and latest.version == 1

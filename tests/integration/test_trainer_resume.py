@@ -1,16 +1,22 @@
-"""Exactly-once training across `kill -9`: the trainer process is killed mid-run and restarted.
+"""Exactly-once training and one set of weights per version number, across `kill -9`.
 
-The first `astraflow train` process trains on a 2-partition train topic until it is killed with
-SIGKILL. The restarted process resumes from the newest checkpoint. Judged from the checkpoint's
-offsets and the trainers' JSONL log of trained records (partition, offset, sample id per step):
+`astraflow train` processes run one after another on the same checkpoint directory; each but the
+last SIGKILLs itself (`ASTRAFLOW_TRAINER_CRASH_AT`, a faithful crash: no cleanup) at a chosen
+point: between a checkpoint and its publication, mid-publication (chunks sent, transaction
+open), right after a publication, and after a step that no checkpoint holds yet. The input
+also repeats some samples (same sample_id at other offsets). Judged from the weights topic read
+`read_committed` and the trainer's trained-sample log:
 
-- per partition, the restarted run's first trained offset is exactly the checkpoint's offset;
-- the steps of run 1 up to the checkpoint plus every step of run 2 train each record exactly
-  once, and run 2 ends at the end of every partition.
+- no version number carries two different weights (state checksums), and each is committed once;
+- every sample is in exactly one version (never two steps of the followed lineage, never lost),
+  and in a version whose trainer_step range contains the step that trained it;
+- the repeated copies are dead-lettered as duplicates; a read_uncommitted view shows the
+  aborted half-version (the mid-publication kill really hit an open transaction).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -20,16 +26,21 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
+from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from astraflow.config import KafkaSettings
 from astraflow.kafka.clients import RecordProducer
 from astraflow.kafka.topics import Topics
 from astraflow.models.tiny import init_tiny
-from astraflow.records import TrainSample
+from astraflow.records import DeadLetter, PolicyVersion, TrainSample
+from astraflow.serde import AvroSerde
+from astraflow.weights.publish import latest_policy_version
 from trainers.callbacks import newest_checkpoint
 
-N_SAMPLES = 480  # 120 steps of 4: the kill lands well before the end
+N_SAMPLES = 96  # 24 steps of 4
+N_REPEATED = 8  # of them sent a second time, later in the topic
 
 
 def _samples(n: int) -> list[TrainSample]:
@@ -48,78 +59,104 @@ def _samples(n: int) -> list[TrainSample]:
     return out
 
 
-def _train(kafka: KafkaSettings, experiment: str, model: Path, run_dir: Path, log: Path, *extra: str) -> subprocess.Popen:
+def _train(kafka: KafkaSettings, experiment: str, model: Path, run_dir: Path, crash: str | None, *extra: str) -> subprocess.Popen:
     sets = [
         f"kafka.bootstrap_servers={kafka.bootstrap_servers}", f"run_dir={run_dir}", "topics.partitions=2",
-        "trainer.batch_size=4", "trainer.max_wait_s=0.2", "trainer.checkpoint_every_steps=3",
-        "trainer.publish_every_steps=5", "trainer.logger=none", "trainer.progress_bar=false",
-        f"trainer.trained_log={log}", "trainer.lr=1e-4", *extra,
+        "trainer.batch_size=4", "trainer.max_wait_s=0.2", "trainer.publish_every_steps=2",
+        "trainer.checkpoint_every_steps=3", "trainer.snapshot_every_versions=3", "trainer.logger=none",
+        "trainer.progress_bar=false", "trainer.lr=1e-4", *extra,
     ]
     cmd = [sys.executable, "-m", "astraflow.cli.main", "train", "-e", experiment, "-p", "policy", "-m", str(model)]
     for s in sets:
         cmd += ["--set", s]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if k != "ASTRAFLOW_TRAINER_CRASH_AT"}
+    env["OMP_NUM_THREADS"] = "1"
+    if crash:
+        env["ASTRAFLOW_TRAINER_CRASH_AT"] = crash
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _lines(log: Path) -> list[dict]:
-    if not log.exists():
-        return []
-    return [json.loads(line) for line in log.read_text().splitlines() if line.endswith("}")]
+def _read(kafka: KafkaSettings, topic: str, isolation: str) -> list:
+    serde = AvroSerde()
+    c = Consumer({**kafka.client_config(), "group.id": "audit", "isolation.level": isolation,
+                  "enable.partition.eof": True, "auto.offset.reset": "earliest"})
+    parts = c.list_topics(topic, timeout=10).topics[topic].partitions
+    c.assign([TopicPartition(topic, p, 0) for p in parts])
+    out, eof, deadline = [], set(), time.monotonic() + 30
+    while len(eof) < len(parts) and time.monotonic() < deadline:
+        for m in c.consume(500, 1.0):
+            if m.error() is not None:
+                if m.error().code() == KafkaError._PARTITION_EOF:
+                    eof.add(m.partition())
+                continue
+            out.append(serde.loads(m.value()))
+    c.close()
+    return out
 
 
-def test_kill_9_and_restart_trains_every_record_exactly_once(kafka: KafkaSettings, experiment: str, tmp_path: Path) -> None:
-    topic = Topics(experiment).train("policy")
+@pytest.mark.slow
+def test_kill_9_at_every_point_of_the_publish_cycle(kafka: KafkaSettings, experiment: str, tmp_path: Path) -> None:
+    topics = Topics(experiment)
     model = init_tiny(tmp_path / "tiny", vocab_size=512, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64)
     producer = RecordProducer(kafka)
-    sent = {}
-    for s in _samples(N_SAMPLES):
-        producer.send(topic, s, key=s.group_id, on_delivery=lambda err, msg: sent.__setitem__((msg.partition(), msg.offset()), None))
+    samples = _samples(N_SAMPLES)
+    for s in samples + samples[10 : 10 + N_REPEATED]:  # the repeats arrive after their originals
+        producer.send(topics.train("policy"), s, key=s.group_id)
     producer.flush()
-    ids = {s.sample_id for s in _samples(N_SAMPLES)}
-    ends = {p: 1 + max(o for q, o in sent if q == p) for p in (0, 1)}
 
-    run_dir, log = tmp_path / "runs", tmp_path / "trained.jsonl"
-    ckpt_dir = run_dir / experiment / "policy" / "checkpoints"
-    first = _train(kafka, experiment, model, run_dir, log)  # no idle stop: only the kill ends it
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and (len(_lines(log)) < 10 or newest_checkpoint(ckpt_dir) is None):
-        assert first.poll() is None, first.communicate()[0][-3000:]
-        time.sleep(0.02)
-    os.kill(first.pid, signal.SIGKILL)
-    first.wait(30)
-    ckpt_path = newest_checkpoint(ckpt_dir)
-    assert ckpt_path is not None
-    ckpt = torch.load(ckpt_path, weights_only=False)
-    ckpt_step, ckpt_offsets = ckpt["global_step"], {int(p): o for p, o in ckpt["KafkaTrainData"]["offsets"].items()}
-    run1 = _lines(log)
-    assert ckpt_step < N_SAMPLES // 4, "run 1 finished before the kill; the test needs more records"
+    run_dir = tmp_path / "runs"
+    # (crash point, nth arrival): counted from each process start; publications happen at even
+    # steps and at start (the reconciliation), checkpoints also at multiples of 3.
+    crashes = ["after_checkpoint:2", "chunks_sent:2", "after_publish:2", "step_trained:3", None]
+    outcomes = []
+    for crash in crashes:
+        extra = ("trainer.stop_when_idle_s=4",) if crash is None else ()
+        proc = _train(kafka, experiment, model, run_dir, crash, *extra)
+        out, _ = proc.communicate(timeout=240)
+        if crash is None:
+            assert proc.returncode == 0, out[-3000:]
+            break
+        assert proc.returncode == -signal.SIGKILL, f"{crash}: {out[-3000:]}"
+        # What the kill left: the newest checkpoint's promise against the committed versions.
+        ckpt = torch.load(newest_checkpoint(run_dir / experiment / "policy" / "checkpoints"), weights_only=False)
+        promise = ckpt["callbacks"]["DurablePublication"]
+        last = latest_policy_version(kafka, topics, "policy", strict=True)
+        outcomes.append((crash, ckpt["global_step"], promise["version"], promise["pending"], last.version if last else None))
+        if crash.startswith(("after_checkpoint", "chunks_sent")):
+            assert promise["pending"] and last is not None and last.version < promise["version"]
+        elif crash.startswith("after_publish"):
+            assert promise["pending"] and last is not None and last.version == promise["version"]
 
-    second = _train(kafka, experiment, model, run_dir, log, "trainer.stop_when_idle_s=3")
-    out, _ = second.communicate(timeout=180)
-    assert second.returncode == 0, out[-3000:]
-    lines = _lines(log)
-    run2 = lines[len(run1) :]
-    assert {line["run"] for line in run2} != {line["run"] for line in run1}
+    committed = [r for r in _read(kafka, topics.weights("policy"), "read_committed") if isinstance(r, PolicyVersion)]
+    uncommitted = [r for r in _read(kafka, topics.weights("policy"), "read_uncommitted") if isinstance(r, PolicyVersion)]
+    checksums = collections.defaultdict(set)
+    for m in committed:
+        checksums[m.version].add(m.state_checksum)
+    assert all(len(c) == 1 for c in checksums.values()), "a version number carries two different weights"
+    numbers = [m.version for m in committed]
+    assert numbers == sorted(set(numbers)), f"versions committed twice or out of order: {numbers}"
+    assert len(uncommitted) > len(committed), "the mid-publication kill left no aborted version behind"
 
-    # Per partition, run 2 starts exactly at the checkpoint's offsets.
-    for p in (0, 1):
-        firsts = [o for line in run2 for q, o, _ in line["samples"] if q == p]
-        assert firsts and min(firsts) == ckpt_offsets[p], (p, ckpt_offsets, firsts[:5])
-    assert run2[0]["step"] == ckpt_step + 1
-    # Run 1 up to the checkpoint + run 2: every record exactly once, in order per partition.
-    effective = [tuple(x) for line in run1 if line["step"] <= ckpt_step for x in line["samples"]]
-    effective += [tuple(x) for line in run2 for x in line["samples"]]
-    for p in (0, 1):
-        offsets = [o for q, o, _ in effective if q == p]
-        assert offsets == list(range(ends[p])), f"partition {p}: not every offset exactly once"
-    assert sorted(i for _, _, i in effective) == sorted(ids)
-    assert {int(p): o for p, o in run2[-1]["offsets"].items()} == ends
-    final = torch.load(newest_checkpoint(ckpt_dir), weights_only=False)
-    assert {int(p): o for p, o in final["KafkaTrainData"]["offsets"].items()} == ends
-    assert final["KafkaTrainData"]["trained_samples"] == N_SAMPLES
-    print(f"\nkilled after checkpoint step {ckpt_step} (offsets {ckpt_offsets}, run 1 logged {len(run1)} steps); "
-          f"run 2 trained {len(run2)} steps to {ends}")
+    lines = [json.loads(x) for x in (run_dir / experiment / "policy" / "trained-samples.jsonl").read_text().splitlines()]
+    per_sample = collections.defaultdict(set)
+    for line in lines:
+        per_sample[line["sample_id"]].add((line["step"], line["version"]))
+    twice = {k: v for k, v in per_sample.items() if len(v) > 1}
+    assert not twice, f"trained twice in the followed lineage: {twice}"
+    assert set(per_sample) == {s.sample_id for s in samples}, "samples lost"
+    step_of = {m.version: m.trainer_step for m in committed}
+    versions = sorted(step_of)
+    for line in lines:
+        v = line["version"]
+        assert v in step_of, f"log names version {v}, never committed"
+        previous = max((step_of[u] for u in versions if u < v), default=0)
+        assert previous < line["step"] <= step_of[v], (line, previous, step_of[v])
+
+    dead = [r for r in _read(kafka, topics.dlq, "read_committed") if isinstance(r, DeadLetter)]
+    duplicates = [d for d in dead if d.error_class == "DuplicateSampleError"]
+    assert len(duplicates) == N_REPEATED and not [d for d in dead if d.error_class != "DuplicateSampleError"]
+    print(f"\n(kill point, checkpoint step, promised version, pending, last committed): {outcomes}; {len(committed)} versions committed ({len(uncommitted) - len(committed)} aborted), "
+          f"{len(lines)} samples in the lineage, {len(duplicates)} duplicates dropped")
 
 
 def test_sigterm_stops_a_trainer_that_waits_for_samples(kafka: KafkaSettings, experiment: str, tmp_path: Path) -> None:
@@ -127,7 +164,7 @@ def test_sigterm_stops_a_trainer_that_waits_for_samples(kafka: KafkaSettings, ex
     from astraflow.weights.follow import KafkaWeightFollower
 
     model = init_tiny(tmp_path / "tiny", vocab_size=512, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64)
-    proc = _train(kafka, experiment, model, tmp_path / "runs", tmp_path / "trained.jsonl", "trainer.max_wait_s=600")
+    proc = _train(kafka, experiment, model, tmp_path / "runs", None, "trainer.max_wait_s=600")
     follower = KafkaWeightFollower(kafka, experiment, "policy", request_snapshots=False)
     follower.start(offset=0)
     try:

@@ -1,0 +1,155 @@
+"""Encoding policy versions (pure): state dicts in, payloads and PolicyVersion manifests out.
+
+`VersionEncoder` turns successive state dicts into payloads in the published dtype: a lossless
+sparse delta against the previous version, or a full snapshot for the first version, every
+`snapshot_every` versions and on request. It refuses weights that are not finite
+(`NonFiniteWeightsError`), so such a version is never published. `astraflow.weights.publish`
+sends what it produces.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from astraflow.errors import WeightsError
+from astraflow.records import PolicyVersion, WeightChunk, WeightKind
+from astraflow.weights.bits import Manifest
+from astraflow.weights.delta import encode
+from astraflow.weights.snapshot import snapshot as snapshot_bytes
+from astraflow.weights.store import sha256_hex
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+class NonFiniteWeightsError(WeightsError):
+    """Raised when weights to publish hold NaN or infinity (in the published dtype: a float16
+    overflow counts); nothing is published. Lower the learning rate or publish in bfloat16."""
+
+
+@dataclass(frozen=True)
+class PublishSettings:
+    """How versions are encoded and where their payloads travel."""
+
+    dtype: str = "bfloat16"  # published dtype (the trainer keeps its own fp32 master weights)
+    snapshot_every: int = 20  # a snapshot after this many versions (deltas in between)
+    chunk_bytes: int = 1024 * 1024 - 64 * 1024  # in-band chunk size, below the topic's max.message.bytes
+    inband_max_bytes: int = 64 * 1024 * 1024  # larger payloads go to the store (when one is set)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise WeightsError(f"publish dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.snapshot_every < 1 or self.chunk_bytes < 1024:
+            raise WeightsError("snapshot_every must be >= 1 and chunk_bytes >= 1024")
+
+
+def published_state(state: Mapping[str, Any], dtype: str = "bfloat16") -> dict[str, Any]:
+    """CPU copies of `state` in `dtype`; tied aliases (the same storage under a second name, e.g.
+    ``lm_head.weight`` tied to the embeddings) are dropped, so load with ``strict=False``."""
+    import torch
+
+    target = getattr(torch, dtype)
+    out: dict[str, Any] = {}
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+    for name, t in state.items():
+        ident = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+        if t.numel() and ident in seen:
+            continue
+        seen.add(ident)
+        cast = t.detach().to(device="cpu", dtype=target if t.is_floating_point() else t.dtype, copy=True)
+        out[name] = cast.contiguous()
+    return out
+
+
+def check_finite(state: Mapping[str, Any]) -> None:
+    """Raise NonFiniteWeightsError naming the first floating tensor that holds NaN or infinity."""
+    import torch
+
+    for name, t in state.items():
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            raise NonFiniteWeightsError(f"weights {name!r} hold NaN or infinity; this version is not published")
+
+
+def split_chunks(policy: str, version: int, payload: bytes, chunk_bytes: int) -> list[WeightChunk]:
+    """Cut a payload into WeightChunks with a crc32 each (at least one chunk)."""
+    n = max(1, -(-len(payload) // chunk_bytes))
+    parts = [payload[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(n)]
+    return [WeightChunk(policy, version, i, n, p, zlib.crc32(p)) for i, p in enumerate(parts)]
+
+
+@dataclass
+class Publication:
+    """One encoded version, before it is sent."""
+
+    manifest: PolicyVersion  # uri, snapshot offsets and num_chunks are filled in by the publisher
+    payload: bytes  # the delta or snapshot stream
+    state: dict[str, Any]  # the published weights of this version (dtype of the settings)
+
+
+class VersionEncoder:
+    """Pure: state dicts in, `Publication`s out; remembers the previous published version."""
+
+    def __init__(
+        self, policy: str, settings: PublishSettings = PublishSettings(), next_version: int = 0
+    ) -> None:
+        self.policy = policy
+        self.settings = settings
+        self.next_version = next_version  # number the next publication gets
+        self._prev: dict[str, Any] | None = None  # last published state (None: next is a snapshot)
+        self._prev_manifest: Manifest | None = None
+        self._since_snapshot = 0  # versions published since the last snapshot
+
+    @property
+    def state(self) -> dict[str, Any] | None:
+        """The last published weights, or None before the first (or after `reset`)."""
+        return self._prev
+
+    def reset(self) -> None:
+        """Forget the previous version (e.g. a send failed), so the next publication is a snapshot."""
+        self._prev = self._prev_manifest = None
+
+    def encode(
+        self,
+        state: Mapping[str, Any],
+        *,
+        trainer_step: int = 0,
+        trained_samples: int = 0,
+        snapshot: bool = False,
+    ) -> Publication:
+        """Encode `state` (any dtype, any device) as the next version; NonFiniteWeightsError (and
+        no change to the encoder) if a published tensor is not finite."""
+        version = self.next_version
+        new = published_state(state, self.settings.dtype)
+        check_finite(new)
+        as_snapshot = (
+            snapshot or self._prev is None or self._since_snapshot + 1 >= self.settings.snapshot_every
+        )
+        if as_snapshot:
+            payload = snapshot_bytes(new, version)
+            manifest = Manifest.of(new)
+            base = None
+        else:
+            assert self._prev is not None and self._prev_manifest is not None
+            delta = encode(
+                self._prev, new, base_version=version - 1, version=version, base_manifest=self._prev_manifest
+            )
+            payload, manifest, base = delta.to_bytes(), delta.manifest or Manifest.of(new), version - 1
+        record = PolicyVersion(
+            policy=self.policy,
+            version=version,
+            kind=WeightKind.SNAPSHOT if as_snapshot else WeightKind.DELTA,
+            base_version=base,
+            dtype=self.settings.dtype,
+            num_chunks=0,
+            payload_bytes=len(payload),
+            sha256=sha256_hex(payload),
+            state_checksum=manifest.checksum().hex(),
+            trainer_step=trainer_step,
+            trained_samples=trained_samples,
+        )
+        self._prev, self._prev_manifest = new, manifest
+        self._since_snapshot = 0 if as_snapshot else self._since_snapshot + 1
+        self.next_version = version + 1
+        return Publication(record, payload, new)
