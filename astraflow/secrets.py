@@ -19,15 +19,16 @@ MASK = "**********"
 
 _KNOWN: set[str] = set()
 _LOCK = threading.Lock()
-_SECRET_KEY = re.compile(r"(pass(word|wd)?|secret|token|api[_.-]?key|credential|private[_.-]?key|sasl[_.]?jaas)", re.I)
+# Field names are split at '.', '_' and '-': a part from this set makes the field secret
+# (`sasl_password`, `ssl.key.password`, `aws_secret_access_key`, `api-key`), `max_tokens` is not.
+_SECRET_PARTS = frozenset({"password", "passwd", "pass", "pwd", "secret", "token", "apikey", "credential", "credentials", "jaas"})
+_PARTS = re.compile(r"[._-]+")
 # scheme://user:password@host -> scheme://user:**********@host. The password runs to the first
 # '@' (a literal '@' in a URL password must be percent-encoded); '/' and '+' are allowed since
 # cloud secret keys contain them.
 _URL_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<pw>[^@\s]+?)@")
-# key=value / key: value / "key": "value" for secret-looking keys inside free text.
-_KV = re.compile(
-    r"(?P<key>[\w.-]*(pass(word|wd)?|secret|token|api[_.-]?key)[\w.-]*)(?P<sep>\"?\s*[=:]\s*\"?)(?P<val>[^\s\"',;&]+)", re.I
-)
+# key=value / key: value / "key": "value" inside free text; the key is then checked by its parts.
+_KV = re.compile(r"(?P<key>[A-Za-z][\w.-]*)(?P<sep>\"?\s*[=:]\s*\"?)(?P<val>[^\s\"',;&]+)")
 
 
 def register_secret(value: str | None) -> None:
@@ -45,7 +46,7 @@ def redact_url(url: str) -> str:
 def redact_text(text: str) -> str:
     """Masks URL passwords, `password=...`-style pairs and every registered secret in `text`."""
     text = redact_url(text)
-    text = _KV.sub(lambda m: f"{m['key']}{m['sep']}{MASK}", text)
+    text = _KV.sub(lambda m: f"{m['key']}{m['sep']}{MASK}" if is_secret_key(m["key"]) else m[0], text)
     with _LOCK:
         known = sorted(_KNOWN, key=len, reverse=True)
     for value in known:
@@ -55,7 +56,9 @@ def redact_text(text: str) -> str:
 
 
 def is_secret_key(key: str) -> bool:
-    return bool(_SECRET_KEY.search(key))
+    parts = [p.lower() for p in _PARTS.split(key) if p]
+    joined = "".join(parts)
+    return any(p in _SECRET_PARTS for p in parts) or "apikey" in joined or "privatekey" in joined
 
 
 def redact_tree(obj: Any) -> Any:

@@ -91,3 +91,13 @@ def test_metrics_endpoint_listens_on_loopback_unless_told_otherwise() -> None:
     finally:
         env_server.close()
     assert start_from_env({}) is None
+
+
+def test_secret_fields_are_named_like_secrets_and_nothing_else_is() -> None:
+    from astraflow.secrets import is_secret_key
+
+    for key in ("sasl_password", "ssl.key.password", "aws_secret_access_key", "api-key", "access_token", "sasl.jaas.config"):
+        assert is_secret_key(key), key
+    for key in ("max_tokens", "max_new_tokens", "passes", "compass", "tokenizer", "sasl_username", "key"):
+        assert not is_secret_key(key), key
+    assert redact_text("max_tokens=512 sasl.password=abc123 token: xyz") == f"max_tokens=512 sasl.password={MASK} token: {MASK}"
