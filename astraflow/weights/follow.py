@@ -79,7 +79,7 @@ class FollowEvent:
         return self.result.status == ApplyStatus.REFUSED or self.result.error is not None
 
 
-BlobFetcher = Callable[[str, "str | None"], bytes]
+BlobFetcher = Callable[[str, str, int], bytes]  # (uri, sha256, announced size) -> payload
 
 
 class WeightFollower:
@@ -103,8 +103,8 @@ class WeightFollower:
         self.policy = policy
         self.limits = limits
         self.chain = chain or WeightChain(layout, limits.max_state_bytes)
-        # (uri, sha256) -> bytes, for claim-checked payloads (the default checks location and size)
-        self.fetch: BlobFetcher = fetch or (lambda uri, sha: fetch_bounded(uri, sha, limits))
+        # claim-checked payloads: the default checks the location and reads at most the announced size
+        self.fetch: BlobFetcher = fetch or (lambda uri, sha, size: fetch_bounded(uri, sha, limits, size))
         self.snapshot_hint: SnapshotHint | None = None  # set while deltas cannot advance the chain
         self.newest: PolicyVersion | None = None  # newest well-formed manifest (its snapshot fields drive hints)
         self.ledger = VersionLedger()  # versions applied: a number never means other weights
@@ -150,7 +150,7 @@ class WeightFollower:
             )
             return [FollowEvent(hint.version, WeightKind.SNAPSHOT,
                                 ApplyResult(ApplyStatus.SNAPSHOT_NEEDED, self.chain.version, str(error), error))]
-        return [self._apply(m, hint.offset, lambda: self.fetch(m.uri, m.sha256))]
+        return [self._apply(m, hint.offset, lambda: self.fetch(hint.uri or "", m.sha256, m.payload_bytes))]
 
     def _refuse(self, m: PolicyVersion, offset: int | None, error: WeightsError) -> FollowEvent:
         return FollowEvent(m.version, m.kind, ApplyResult(ApplyStatus.REFUSED, self.chain.version, str(error), error),
@@ -191,7 +191,7 @@ class WeightFollower:
             )
         elif m.num_chunks == 0:  # claim-checked (check_manifest refused one with no uri)
             uri = m.uri or ""
-            events.append(self._apply(m, offset, lambda: self.fetch(uri, m.sha256)))
+            events.append(self._apply(m, offset, lambda: self.fetch(uri, m.sha256, m.payload_bytes)))
         else:
             self._pending, self._pending_offset, self._parts, self._pending_bytes = m, offset, [], 0
         return events

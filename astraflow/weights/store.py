@@ -3,7 +3,9 @@
 The trainer writes a payload here FIRST and only then publishes the PolicyVersion that names
 its URI and sha256, so a receiver that sees the record can always fetch the blob. A store is a
 local directory or any fsspec URI (``s3://bucket/prefix``, ``gs://...``, ``memory://...``);
-receivers need only the URI in the record (`fetch_blob`), never the trainer's configuration.
+receivers need only the URI in the record, never the trainer's configuration; followers read it
+through `astraflow.weights.verify.fetch_bounded`, which checks the location against their
+allowed prefixes first and bounds the read (`fetch_blob` with `max_bytes`).
 
 Local writes go to a temporary file in the same directory and are renamed into place, so a
 crash never leaves a half-written blob under a published name; object stores are atomic per
@@ -95,22 +97,43 @@ class WeightStore:
             raise WeightStoreError(f"cannot delete {uri} from the weight store: {exc}") from exc
 
 
+_READ_BLOCK = 8 * 1024 * 1024
+
+
 def fetch_blob(
-    uri: str, sha256: str | None = None, storage_options: Mapping[str, Any] | None = None
+    uri: str,
+    sha256: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    max_bytes: int | None = None,
 ) -> bytes:
     """Reads the payload at `uri` (file://, s3://, any fsspec URI) and checks its sha256.
 
-    Raises `WeightStoreError` if it cannot be read or does not match `sha256`.
+    With `max_bytes`, reads at most that many bytes (plus one, to notice a larger blob).
+    Raises `WeightStoreError` if it cannot be read, is larger than `max_bytes` or does not
+    match `sha256`. It opens whatever `uri` names: readers of untrusted records go through
+    `astraflow.weights.verify.fetch_bounded`.
     """
     import fsspec
 
+    parts: list[bytes] = []
+    got = 0
     try:
         with fsspec.open(uri, "rb", **dict(storage_options or {})) as f:
-            data = f.read()
+            while max_bytes is None or got <= max_bytes:
+                want = _READ_BLOCK if max_bytes is None else min(_READ_BLOCK, max_bytes + 1 - got)
+                block = f.read(want)
+                if not block:
+                    break
+                parts.append(block)
+                got += len(block)
     except (OSError, ValueError, ImportError) as exc:
         raise WeightStoreError(
             f"cannot read {uri} from the weight store: {exc}; is the store reachable from this machine?"
         ) from exc
+    if max_bytes is not None and got > max_bytes:
+        raise WeightStoreError(f"{uri} holds more than the {max_bytes:,} bytes announced or allowed "
+                               "(weights.max_payload_bytes)")
+    data = b"".join(parts)
     if sha256 is not None and sha256_hex(data) != sha256:
-        raise WeightStoreError(f"{uri} does not match its recorded sha256 (corrupt or overwritten blob)")
+        raise WeightStoreError(f"{uri} does not match its recorded sha256 (corrupt, truncated or replaced)")
     return data

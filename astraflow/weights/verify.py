@@ -29,11 +29,10 @@ from urllib.parse import unquote, urlsplit
 from astraflow.config import WeightFollowSettings
 from astraflow.errors import WeightsError
 from astraflow.records import PolicyVersion, WeightKind
-from astraflow.weights.store import WeightStoreError, sha256_hex
+from astraflow.weights.store import fetch_blob
 
 PUBLISHED_DTYPES = ("bfloat16", "float16", "float32")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_READ_BLOCK = 8 * 1024 * 1024
 
 
 class WeightRefusedError(WeightsError):
@@ -94,29 +93,9 @@ def check_uri(uri: str, limits: FollowLimits) -> None:
 
 def fetch_bounded(uri: str, sha256: str | None, limits: FollowLimits, size: int | None = None) -> bytes:
     """Read a claim-checked payload: allowed location, at most `size` (or the limit) bytes, sha256."""
-    import fsspec
-
     check_uri(uri, limits)
     bound = min(limits.max_payload_bytes, size if size is not None else limits.max_payload_bytes)
-    parts: list[bytes] = []
-    got = 0
-    try:
-        with fsspec.open(uri, "rb") as f:
-            while got <= bound:
-                block = f.read(min(_READ_BLOCK, bound + 1 - got))
-                if not block:
-                    break
-                parts.append(block)
-                got += len(block)
-    except (OSError, ValueError, ImportError) as exc:
-        raise WeightStoreError(f"cannot read {uri} from the weight store: {exc}") from exc
-    if got > bound:
-        raise WeightRefusedError(f"{uri} holds more than the {bound:,} bytes announced or allowed "
-                                 "(weights.max_payload_bytes)")
-    data = b"".join(parts)
-    if sha256 is not None and sha256_hex(data) != sha256:
-        raise WeightRefusedError(f"{uri} does not match its recorded sha256 (corrupt, truncated or replaced)")
-    return data
+    return fetch_blob(uri, sha256, max_bytes=bound)
 
 
 def check_manifest(m: PolicyVersion, limits: FollowLimits) -> None:

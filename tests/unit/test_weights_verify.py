@@ -31,7 +31,7 @@ from astraflow.weights.format import (
 from astraflow.weights.layout import ModelLayout
 from astraflow.weights.publish import split_chunks
 from astraflow.weights.snapshot import snapshot
-from astraflow.weights.store import WeightStore, sha256_hex
+from astraflow.weights.store import WeightStore, WeightStoreError, sha256_hex
 from astraflow.weights.verify import (
     FollowLimits,
     VersionLedger,
@@ -212,12 +212,14 @@ def test_fetch_reads_at_most_the_bound(tmp_path) -> None:
     data = bytes(5000)
     uri = store.put("p/v1", data)
     limits = FollowLimits(allowed_uri_prefixes=(store.root,), max_payload_bytes=4096)
-    with pytest.raises(WeightRefusedError, match="more than the 4,096 bytes"):
+    with pytest.raises(WeightStoreError, match="more than the 4,096 bytes"):
         fetch_bounded(uri, sha256_hex(data), limits)
     roomy = dataclasses.replace(limits, max_payload_bytes=8192)
     assert fetch_bounded(uri, sha256_hex(data), roomy) == data
-    with pytest.raises(WeightRefusedError, match="sha256"):
+    with pytest.raises(WeightStoreError, match="sha256"):
         fetch_bounded(uri, "00" * 32, roomy)
+    with pytest.raises(WeightRefusedError, match="outside weights.allowed_uri_prefixes"):
+        fetch_bounded(uri, None, FollowLimits())
 
 
 @pytest.mark.parametrize(
