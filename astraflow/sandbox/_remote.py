@@ -6,7 +6,8 @@ Shipped into both sandboxes of `astraflow.sandbox.split` as `_astraflow_remote.p
   requests about the objects it holds;
 * the **driver** side calls `connect(fd_in, fd_out)` and gets the solution's top-level names as
   plain values or `Remote` proxies, whose calls, attributes, items, length, iteration,
-  membership, truth and text are requests to the solution.
+  membership, truth and text are requests to the solution. Arguments are copied over; what a
+  call did to a list, dict or set argument is copied back into the caller's object.
 
 Only plain data crosses the pipes, as JSON lines: None, bool, int (huge ones tagged), float
 (nan and infinities tagged), str, list, and tagged tuple, set, frozenset, dict, bytes and complex. Anything else (an
@@ -26,6 +27,7 @@ import sys
 
 MAX_LINE = 16 * 1024 * 1024  # largest message either side accepts
 _TAGS = ("$t", "$s", "$F", "$d", "$b", "$c", "$f", "$h", "$x")
+_MUTABLE = (list, dict, set)  # containers whose changes by a call are copied back to the caller
 _BIG = 10**1000  # ints this large cross as hex: JSON's decimal form is capped at 4,300 digits
 
 
@@ -161,12 +163,13 @@ def serve(fd_in, fd_out, path="solution.py"):
         pipe.send({"load_error": f"{type(exc).__name__}: {str(exc)[:500]}"})
         return
     while (msg := pipe.receive()) is not None:
+        args, kwargs = [], {}
         try:
             target = resolve(msg["target"])
             args = decode(msg.get("args", []), resolve)
+            kwargs = decode(msg.get("kwargs", {"$d": []}), resolve)
             op = msg["op"]
             if op == "call":
-                kwargs = decode(msg.get("kwargs", {"$d": []}), resolve)
                 out = target(*args, **kwargs)
             elif op == "getattr":
                 out = getattr(target, *args)
@@ -192,6 +195,11 @@ def serve(fd_in, fd_out, path="solution.py"):
             else:
                 raise ValueError(f"unknown operation {op!r}")
             reply = {"value": encode(out, handle)}
+        except BaseException as exc:
+            reply = fail(exc)
+        try:  # what the call did to mutable arguments goes back, so in-place changes are seen
+            reply["after"] = [encode(a, handle) if type(a) in _MUTABLE else None for a in args]
+            reply["kwafter"] = {k: encode(v, handle) for k, v in dict(kwargs).items() if type(v) in _MUTABLE}
         except BaseException as exc:
             reply = fail(exc)
         pipe.send(reply)
@@ -278,18 +286,31 @@ class _Connection:
             raise SolutionGone(self.gone)
         return msg
 
+    def _copy_back(self, args, after, kwargs, kwafter):
+        """Applies the solution's changes to list, dict and set arguments to ours, in place."""
+        pairs = list(zip(args, after if type(after) is list else [], strict=False))
+        if type(kwafter) is dict:
+            pairs += [(kwargs[k], v) for k, v in kwafter.items() if k in kwargs]
+        for mine, theirs in pairs:
+            if type(mine) not in _MUTABLE or theirs is None:
+                continue
+            new = decode(theirs, self.resolve)
+            if type(new) is not type(mine):
+                raise ValueError("an argument came back as another type")
+            if type(mine) is list:
+                mine[:] = new
+            else:
+                mine.clear()
+                mine.update(new)
+
     def request(self, op, target, args, kwargs):
         if self.gone is not None:
             raise SolutionGone(self.gone)
-        def refuse(obj):
-            raise TypeError(f"only plain data can be passed to the solution, not {type(obj).__name__}")
-        handles = []
 
         def handle(obj):  # a proxy goes back as its own handle; nothing else of ours crosses
             if type(obj) is Remote and object.__getattribute__(obj, "_conn") is self:
-                handles.append(obj)
                 return object.__getattribute__(obj, "_id")
-            return refuse(obj)
+            raise TypeError(f"only plain data can be passed to the solution, not {type(obj).__name__}")
 
         message = {"op": op, "target": target, "args": encode(args, handle), "kwargs": encode(kwargs, handle)}
         try:
@@ -299,6 +320,7 @@ class _Connection:
             raise SolutionGone(self.gone) from None
         reply = self._receive()
         try:
+            self._copy_back(args, reply.get("after"), kwargs, reply.get("kwafter"))
             if "value" in reply:
                 return decode(reply["value"], self.resolve)
             names, message = reply["raise"], str(reply.get("message", ""))

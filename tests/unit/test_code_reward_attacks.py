@@ -103,6 +103,12 @@ ATTACKS = {
 SORT_TESTS = ["assert sort_list([3, 1, 2]) == sorted([3, 1, 2])"]
 
 HONEST = {
+    "in_place_changes_to_arguments": (
+        "def rotate(nums, k):\n    nums[:] = nums[-k:] + nums[:-k]\n\n"
+        "def fill(d=None, seen=None):\n    d['x'] = 1\n    seen.add(2)\n",
+        ["a = [1, 2, 3, 4]\nrotate(a, 1)\nassert a == [4, 1, 2, 3]",
+         "d, s = {}, set()\nfill(d=d, seen=s)\nassert d == {'x': 1} and s == {2}"],
+    ),
     "class_methods_len_iter": (
         "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n        self.items.append(x)\n"
         "    def pop(self):\n        return self.items.pop()\n    def __len__(self):\n        return len(self.items)\n"
