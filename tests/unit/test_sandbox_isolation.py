@@ -11,6 +11,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -162,3 +163,45 @@ def test_cgroups_left_by_a_dead_process_are_removed() -> None:
         assert not any(directory.exists() for directory in stale)
     finally:
         remove_cgroup(parent)
+
+
+def test_a_run_dies_with_the_process_that_started_it() -> None:
+    marker = f"orphan-{uuid.uuid4().hex}"
+    parent = f"astraflow-sandbox-test-{uuid.uuid4().hex[:8]}"
+    code = (
+        "import sys\n"
+        "from astraflow.sandbox import SandboxLimits, SandboxSettings, run_python\n"
+        "sleeper = 'import os, time\\nos.fork()\\nprint(\"up\", flush=True)\\ntime.sleep(60)'\n"
+        f"run_python(sleeper, args=[{marker!r}], limits=SandboxLimits(wall_s=60),\n"
+        f"           settings=SandboxSettings(cgroup_parent={parent!r}))\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    host = subprocess.Popen([sys.executable, "-c", code], cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    try:
+        deadline = time.monotonic() + 20
+        # the host, bwrap, bwrap's reaper, the run and the run's child all carry the marker
+        while _processes_with(marker) < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _processes_with(marker) >= 5
+        host.kill()  # SIGKILL: no cleanup code of ours runs
+        host.wait()
+        deadline = time.monotonic() + 5
+        while _processes_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _processes_with(marker) == 0  # bwrap died with its parent, the namespace with bwrap
+    finally:
+        host.kill()
+        host.wait()
+        remove_cgroup(parent)
+
+
+def _processes_with(marker: str) -> int:
+    """Processes on this machine whose command line contains `marker`."""
+    n = 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                n += marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+    return n
