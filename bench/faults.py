@@ -13,7 +13,8 @@ every sample of every task must reach the trainer, and the trainer logs every sa
 
 The run is a sequence of **phases**, one per fault kind. A phase resumes the curator, injects
 its faults at random times (the harness is the supervisor: a killed role is started again at
-once, as systemd or Kubernetes would), pauses the curator at its end and drains (waits until
+once, as systemd or Kubernetes would; a role is killed again only once it is back at work, a
+random 0.5-4 s after it wrote something, so every kill hits work in flight), pauses the curator at its end and drains (waits until
 every task issued so far is trained or accounted for, or nothing moved for `--drain-idle-s`).
 So each phase's tasks are counted against that phase's faults:
 
@@ -53,6 +54,7 @@ from _pipeline import PipelineSpec, app_role, create_experiment, node_role, pipe
 from astraflow.config import load_config
 from astraflow.demo.run import role_env
 from astraflow.demo.supervisor import Role, Supervisor, tail
+from astraflow.kafka.clients import watermarks
 from astraflow.kafka.topics import Topics
 
 ROLE_KILLS = ("curator", "reward", "curate", "trainer", "nodes")
@@ -99,6 +101,7 @@ class Harness:
         self.phases: list[PhaseRecord] = []
         self.restart_due: dict[str, float] = {}  # role -> earliest restart after an exit of its own
         self.trained_log = self.work / "trained.jsonl"
+        self.restarted_at: dict[str, int] = {}  # role -> its output when it was last killed
 
     # ---- setup -----------------------------------------------------------------------------------
 
@@ -121,11 +124,10 @@ class Harness:
         from confluent_kafka import Consumer
         from confluent_kafka.admin import AdminClient
 
-        probe = Consumer({**self.cfg.kafka.client_config(), "group.id": f"{self.exp}-probe"})
+        self.probe = Consumer({**self.cfg.kafka.client_config(), "group.id": f"{self.exp}-probe", "log_level": 2})
         wait_ready(AdminClient(self.cfg.kafka.client_config()),
-                   [f"af.{self.exp}.raas", f"af.{self.exp}.reward", f"af.{self.exp}.curate"], probe,
+                   [f"af.{self.exp}.raas", f"af.{self.exp}.reward", f"af.{self.exp}.curate"], self.probe,
                    self.topics.weights("policy"), self.sup, a.ready_timeout_s)
-        probe.close()
         self.ledger = Ledger(self.cfg.kafka, self.topics.tasks, self.topics.dlq, self.trained_log)
 
     # ---- supervision -----------------------------------------------------------------------------
@@ -153,9 +155,25 @@ class Harness:
 
     # ---- faults ----------------------------------------------------------------------------------
 
-    def kill_role(self, name: str) -> FaultEvent:
+    def output(self, role: str) -> int:
+        """How much the role has written so far (records of its output topic; trainer: steps logged)."""
+        if role == "trainer":
+            return _lines(self.trained_log)
+        topic = {"curator": self.topics.tasks, "reward": self.topics.scored, "curate": self.topics.train("policy")}.get(
+            role, self.topics.rollouts)  # a node: any node's rollouts
+        return sum(watermarks(self.probe, topic, p)[1] for p in range(self.cfg.topics.partitions))
+
+    def kill_role(self, name: str, phase: PhaseRecord) -> FaultEvent:
+        """kill -9 once the role is at work again (it wrote something since its last restart), at a
+        random moment a little later, so every kill hits a role with work in flight."""
+        mark = self.restarted_at.get(name)
+        deadline = time.time() + self.args.busy_timeout_s
+        while mark is not None and self.output(name) <= mark and time.time() < deadline:
+            self.wait(1.0, phase)
+        self.wait(self.rng.uniform(0.5, 4.0), phase)
         ev = FaultEvent("kill", name, time.time())
         self.sup.kill(self.roles[name])
+        self.restarted_at[name] = self.output(name)
         self.sup.restart(self.roles[name])
         ev.end = time.time()
         return ev
@@ -226,7 +244,7 @@ class Harness:
         for (kind, target), t in zip(faults, at, strict=True):
             self.wait(max(0.0, t0 + t - time.time()), phase)
             if kind == "kill":
-                ev = self.kill_role(target)
+                ev = self.kill_role(target, phase)
             elif kind == "broker-restart":
                 ev = self.broker_kill(phase, kind, 0.0)
             elif kind == "broker-outage":
@@ -276,6 +294,8 @@ class Harness:
             self.sup.stop_all()
             if getattr(self, "ledger", None) is not None:
                 self.ledger.close()
+            if getattr(self, "probe", None) is not None:
+                self.probe.close()
             self.brokers.down()
 
     def settings(self) -> dict:
@@ -318,6 +338,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="kill: kill -9, restarted after the outage; stop: SIGSTOP, SIGCONT after it")
     ap.add_argument("--one-down-s", type=float, default=60.0, help="how long one broker of three stays down")
     ap.add_argument("--rebalance-hold-s", type=float, default=40.0, help="how long the extra workers stay")
+    ap.add_argument("--busy-timeout-s", type=float, default=120.0,
+                    help="longest wait for a restarted role to be at work before it is killed again")
     ap.add_argument("--drain-idle-s", type=float, default=60.0)
     ap.add_argument("--drain-timeout-s", type=float, default=300.0)
     ap.add_argument("--ready-timeout-s", type=float, default=300.0)
