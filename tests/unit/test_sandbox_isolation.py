@@ -38,11 +38,17 @@ def cgroup_dirs(parent: str) -> list[Path]:
 
 
 def remove_cgroup(parent: str) -> None:
+    """Removes a test's parent cgroup and its runs' (retried while their last processes exit)."""
+    deadline = time.monotonic() + 5
     for directory in cgroup_dirs(parent):
-        for child in directory.glob("*-*-*"):
-            child.rmdir()
-        if directory.is_dir():
-            directory.rmdir()
+        for path in [*directory.glob("*-*-*"), directory]:
+            while path.is_dir():
+                try:
+                    path.rmdir()
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
 
 
 def test_bwrap_filesystem_holds_only_the_interpreter_and_a_private_tmp() -> None:
