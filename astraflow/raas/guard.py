@@ -18,13 +18,15 @@ cancelled, or the loop shutting down) still propagates as usual.
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import inspect
 import logging
 import weakref
 from dataclasses import dataclass
 
 from astraflow.raas.workflows import RolloutContext, Workflow
-from astraflow.records import Trajectory, TrajectoryStatus
+from astraflow.records import Task, Trajectory, TrajectoryStatus
 
 log = logging.getLogger("astraflow.raas")
 
@@ -48,27 +50,27 @@ async def _contained(workflow: Workflow, ctx: RolloutContext) -> Trajectory | _F
         return _Failed(exc)
 
 
-def problem_with(traj: object, ctx: RolloutContext) -> str | None:
-    """Why `traj` cannot be published as sample `ctx.sample_index` of `ctx.task`, or None."""
+def problem_with(traj: object, task: Task, index: int) -> str | None:
+    """Why `traj` cannot be published as sample `index` of `task`, or None."""
     if not isinstance(traj, Trajectory):
         return f"workflow returned {type(traj).__name__}, not a Trajectory (return ctx.finish(...))"
-    t = ctx.task
-    want = {"trajectory_id": Trajectory.make_id(t.task_id, ctx.sample_index), "task_id": t.task_id,
-            "group_id": t.group_id, "sample_index": ctx.sample_index, "group_size": t.n_samples}
+    t = task
+    want = {"trajectory_id": Trajectory.make_id(t.task_id, index), "task_id": t.task_id,
+            "group_id": t.group_id, "sample_index": index, "group_size": t.n_samples}
     for name, value in want.items():
         if getattr(traj, name) != value:
             return f"workflow returned a Trajectory with {name}={getattr(traj, name)!r}, expected {value!r}"
     return None
 
 
-def error_trajectory(ctx: RolloutContext, error: str, *, keep_segments: bool = True) -> Trajectory:
-    """An ERROR trajectory of this sample (with what it generated so far, unless told not to).
+def error_trajectory(ctx: RolloutContext, task: Task, error: str, *, keep_segments: bool = True) -> Trajectory:
+    """An ERROR trajectory of sample `ctx.sample_index` of `task` (the record as read, whatever the
+    workflow did to its own copy), with what it generated so far unless told not to.
 
     Lists are copied: an abandoned workflow may still append to its context afterwards."""
-    traj = ctx.finish(None, TrajectoryStatus.ERROR, error[:2000])
-    traj.segments = list(traj.segments) if keep_segments else []
-    traj.tool_calls = list(traj.tool_calls) if keep_segments else []
-    return traj
+    keep = dataclasses.replace(ctx, task=task, segments=list(ctx.segments) if keep_segments else [],
+                               tool_calls=list(ctx.tool_calls) if keep_segments else [])
+    return keep.finish(None, TrajectoryStatus.ERROR, error[:2000])
 
 
 async def run_workflow(workflow: Workflow, ctx: RolloutContext, timeout_s: float,
@@ -76,6 +78,8 @@ async def run_workflow(workflow: Workflow, ctx: RolloutContext, timeout_s: float
     """Run one rollout, contained and bounded by `timeout_s`; see the module doc. The workflow's
     task is added to `running` (what `astraflow.raas.watchdog` may interrupt)."""
     label = f"{ctx.task.workflow[:200]} on {ctx.task.task_id}/{ctx.sample_index}"
+    record = ctx.task
+    ctx.task = copy.deepcopy(record)  # the workflow's own copy: what it does to it never reaches the record
     task = asyncio.ensure_future(_contained(workflow, ctx))
     if running is not None:
         running.add(task)
@@ -88,21 +92,22 @@ async def run_workflow(workflow: Workflow, ctx: RolloutContext, timeout_s: float
         task.cancel()  # not awaited: a workflow that ignores cancellation must not hold the node
         task.add_done_callback(_discard)
         log.error("workflow %s exceeded the %.1f s deadline", label, timeout_s)
-        return error_trajectory(ctx, f"rollout exceeded the deadline of {timeout_s:g} s (raas.rollout_timeout_s)",
+        return error_trajectory(ctx, record,
+                                f"rollout exceeded the deadline of {timeout_s:g} s (raas.rollout_timeout_s)",
                                 keep_segments=False)
     try:
         result = task.result()
     except asyncio.CancelledError:  # the workflow cancelled itself
-        return error_trajectory(ctx, "workflow was cancelled")
+        return error_trajectory(ctx, record, "workflow was cancelled")
     if isinstance(result, _Failed):
         exc = result.error
         log.error("workflow %s raised %s: %s", label, type(exc).__name__, exc,
                   exc_info=exc if isinstance(exc, Exception) else None)
-        return error_trajectory(ctx, f"{type(exc).__name__}: {exc}")
-    problem = problem_with(result, ctx)
+        return error_trajectory(ctx, record, f"{type(exc).__name__}: {exc}")
+    problem = problem_with(result, record, ctx.sample_index)
     if problem is not None:
         log.error("workflow %s: %s", label, problem)
-        return error_trajectory(ctx, problem)
+        return error_trajectory(ctx, record, problem)
     return result  # type: ignore[return-value]
 
 

@@ -189,7 +189,7 @@ class RaasNode:
 
     async def _serve(self, rec: Received[Task], workflow: Workflow, epoch: int) -> None:
         task = rec.record
-        contexts = [RolloutContext(task, i, self.backends, self.tools, self.node) for i in range(task.n_samples)]
+        contexts = [RolloutContext(task, i, dict(self.backends), self.tools, self.node) for i in range(task.n_samples)]
         results = await asyncio.gather(*(self._rollout(ctx, workflow) for ctx in contexts))
         acked = asyncio.get_running_loop().create_future()
         remaining = [len(results)]
@@ -209,8 +209,7 @@ class RaasNode:
                 log.error("task %s/%d: trajectory cannot be encoded (%s); sending an ERROR trajectory", task.task_id,
                           ctx.sample_index, exc)
                 self.rollouts_failed += traj.error is None  # not counted yet
-                bare = error_trajectory(ctx, f"trajectory cannot be encoded: {exc}", keep_segments=False)
-                bare.metadata = {k: v for k, v in task.metadata.items() if isinstance(k, str) and isinstance(v, str)}
+                bare = error_trajectory(ctx, task, f"trajectory cannot be encoded: {exc}", keep_segments=False)
                 self.producer.send(self.topics.rollouts, bare, key=task.group_id, on_delivery=on_delivery)
         while not acked.done():
             self.producer.poll(0)

@@ -168,3 +168,16 @@ def test_the_watchdog_leaves_code_that_is_not_a_workflow_alone() -> None:
         return dog.interrupted
 
     assert asyncio.run(main()) == 0
+
+
+def test_what_a_workflow_does_to_its_task_never_reaches_the_answer() -> None:
+    ctx = _ctx()
+    record = ctx.task
+
+    async def meddling(ctx: RolloutContext) -> Trajectory:
+        ctx.task.task_id, ctx.task.metadata = "someone-else", {1: object()}  # type: ignore[dict-item]
+        return ctx.finish("x")
+
+    traj = asyncio.run(run_workflow(meddling, ctx, 5.0))
+    assert "trajectory_id='someone-else/1', expected 'task-7/1'" in traj.error
+    assert traj.trajectory_id == "task-7/1" and traj.metadata == record.metadata and record.task_id == "task-7"
