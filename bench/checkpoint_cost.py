@@ -50,7 +50,7 @@ def measure(name: str, kwargs: dict[str, Any], steps: int, window: int, work: Pa
     def sample(i: int) -> TrainSample:
         n, gen = 96, 64
         mask = np.r_[np.zeros(n - gen, np.uint8), np.ones(gen, np.uint8)]
-        return TrainSample(f"s{i}", "t", "g", "p", "policy", rng.integers(3, 900, n, dtype=np.int32), mask,
+        return TrainSample(f"s{i}", "t", "g", "p", "policy", rng.integers(3, 600, n, dtype=np.int32), mask,
                            np.where(mask == 1, -2.0, 0).astype(np.float32), np.where(mask == 1, 0, -1).astype(np.int32),
                            float(rng.normal()), 0.5, 0)
 
@@ -61,7 +61,7 @@ def measure(name: str, kwargs: dict[str, Any], steps: int, window: int, work: Pa
             self.window = SampleWindow(window, (f"{uuid.uuid4()}#0-96" for _ in range(window)))
 
         def state_dict(self) -> dict[str, Any]:
-            return {"window": self.window.to_list()}
+            return {"window": self.window.dumps()}
 
     class Timer(L.Callback):
         def __init__(self) -> None:

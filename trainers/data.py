@@ -7,7 +7,7 @@ batch's first sample: the trainer never waits for a full batch.
 
 Exactly-once training: each batch carries the next offset of every partition after its
 samples (``batch["meta"]["offsets"]``). The LightningModule hands them to
-`KafkaTrainData.mark_trained` inside `training_step`, before the optimizer step and before
+`trainers.datamodule.KafkaTrainData.mark_trained` inside `training_step`, before the optimizer step and before
 any checkpoint of that step, and `KafkaTrainData.state_dict` puts them in every Lightning
 checkpoint. On restart Lightning restores that state before it builds the dataloader, and the
 stream seeks every partition to exactly those offsets, so no record is trained twice or skipped
@@ -34,11 +34,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import lightning as L
 import numpy as np
 import torch
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import IterableDataset
 
 from astraflow.config import KafkaSettings
 from astraflow.errors import KafkaLayerError, SerdeError, TopicError
@@ -47,7 +46,6 @@ from astraflow.records import TrainSample
 from astraflow.rl.samples import (
     DuplicateSampleError,
     InvalidSampleError,
-    NonFiniteStepError,
     SampleLimits,
     SampleWindow,
     sample_problem,
@@ -449,93 +447,3 @@ def _broadcast(plan: list[tuple[int, int]] | None) -> list[tuple[int, int]] | No
     box = [plan]
     torch.distributed.broadcast_object_list(box, src=0)  # in-cluster control message, never on the wire
     return box[0]
-
-
-# ---- Lightning data module ------------------------------------------------------------------------
-
-
-class KafkaTrainData(L.LightningDataModule):
-    """Owns the TrainStream, and the trained offsets and sample ids that go into each checkpoint."""
-
-    def __init__(self, stream_kwargs: dict[str, Any], dlq_topic: str | None = None, dedup_window: int = 100_000) -> None:
-        super().__init__()
-        self.stream_kwargs = stream_kwargs  # TrainStream keyword arguments (kafka, topic, policy, ...)
-        self.dlq_topic = dlq_topic
-        self.trained: dict[int, int] = {}  # next offset per partition after the last trained batch
-        self.trained_samples = 0  # samples trained so far, across restarts
-        self.skipped_samples = 0  # samples of skipped (non-finite) steps, across restarts
-        self.window = SampleWindow(dedup_window)  # ids of the samples trained last
-        self.resumed_from: dict[int, int] | None = None  # offsets restored from a checkpoint
-        self.newest_version: int | None = None  # newest published version (set by the publisher)
-        self.stream: TrainStream | None = None
-        self._producer: RecordProducer | None = None
-
-    def train_dataloader(self) -> DataLoader:
-        if self.stream is None:
-            dlq = None
-            if self.dlq_topic is not None:
-                self._producer = RecordProducer(self.stream_kwargs["kafka"], **TRAINER_PRODUCER)
-                dlq = DeadLetterWriter(self._producer, self.dlq_topic, component="trainer")
-            resume = dict(self.resumed_from) if self.resumed_from is not None else None
-            # Lightning's SIGTERM handler only flags the trainer and acts between batches; the
-            # stream polls the flag so that a trainer waiting for samples stops too.
-            self.stream = TrainStream(**self.stream_kwargs, resume_offsets=resume, dlq=dlq, window=self.window,
-                                      should_stop=lambda: bool(getattr(self.trainer, "received_sigterm", False)))
-            self.stream.newest_version = self.newest_version
-        # batch_size=None: the stream yields whole batches; one process reads Kafka (no workers).
-        return DataLoader(self.stream, batch_size=None, num_workers=0)
-
-    def mark_trained(self, meta: dict[str, Any]) -> None:
-        """Called by the module inside training_step: these offsets and ids are now consumed."""
-        self.trained = {int(p): int(o) for p, o in meta["offsets"].items()}
-        self.trained_samples += int(meta["batch_samples"])
-        self.window.extend(str(i) for _, _, i in meta["samples"])
-        if self.stream is not None:
-            self.stream.commit(self.trained)
-
-    def finish_step(self, meta: dict[str, Any], skipped: str | None) -> None:
-        """After the optimizer step of the batch `meta`: release its records; when the step was
-        skipped (`skipped` says why), its samples go to the DLQ instead of counting as trained."""
-        items = self.stream.settle(int(meta["seq"])) if self.stream is not None else []
-        if skipped is None:
-            return
-        self.trained_samples -= int(meta["batch_samples"])
-        self.skipped_samples += int(meta["batch_samples"])
-        if self.stream is not None and self.stream.dlq is not None:
-            for it in items:
-                if it.msg is not None:
-                    self.stream.dlq.send(it.msg, NonFiniteStepError(skipped))
-            flush_patiently(self.stream.dlq.producer, "dead letters of a skipped step")
-
-    def state_dict(self) -> dict[str, Any]:
-        topic = self.stream_kwargs["topic"]
-        return {
-            "topic": topic,
-            "offsets": dict(self.trained),
-            "trained_samples": self.trained_samples,
-            "skipped_samples": self.skipped_samples,
-            "window": self.window.to_list(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        topic = self.stream_kwargs["topic"]
-        if state.get("topic") != topic:
-            raise KafkaLayerError(
-                f"checkpoint was trained on {state.get('topic')!r}, not {topic!r}; "
-                "use another checkpoint_dir or set trainer.resume=false"
-            )
-        self.trained = {int(p): int(o) for p, o in state["offsets"].items()}
-        self.resumed_from = dict(self.trained)
-        self.trained_samples = int(state.get("trained_samples", 0))
-        self.skipped_samples = int(state.get("skipped_samples", 0))
-        self.window = SampleWindow(self.window.capacity, state.get("window", []))
-        if self.stream is not None:
-            self.stream.window = self.window
-
-    def teardown(self, stage: str) -> None:
-        if self.stream is not None:
-            self.stream.commit(self.trained)
-            self.stream.close()
-            self.stream = None
-        if self._producer is not None:
-            flush_patiently(self._producer, "dead letters")

@@ -34,7 +34,8 @@ from astraflow.weights.store import WeightStore
 from trainers.callbacks import AtomicCheckpointIO, KafkaMetrics, SnapshotRequests, newest_checkpoint
 from trainers.config import TrainRunConfig
 from trainers.crash import CrashPoints
-from trainers.data import TRAINER_PRODUCER, BatchLimits, KafkaTrainData
+from trainers.data import TRAINER_PRODUCER, BatchLimits
+from trainers.datamodule import KafkaTrainData
 from trainers.module import PolicyTrainer
 from trainers.publishing import DurablePublication, TrainedSampleLog
 

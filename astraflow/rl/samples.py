@@ -14,6 +14,7 @@ twice. Its content goes into every trainer checkpoint.
 from __future__ import annotations
 
 import collections
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from astraflow.errors import RLError
 from astraflow.records import TrainSample
 
 MAX_ID_CHARS = 512  # longest sample_id kept in the window (and so in checkpoints)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # never in a sample id: the window is stored newline-joined
 LOGPROB_SLACK = 1e-3  # logprobs are <= 0; float noise of an inference engine may exceed 0 slightly
 
 
@@ -49,6 +51,8 @@ def sample_problem(s: TrainSample, limits: SampleLimits, newest_version: int | N
         return f"policy: sample is for {s.policy!r}, this trainer trains {limits.policy!r}"
     if not s.sample_id or len(s.sample_id) > MAX_ID_CHARS:
         return f"sample_id: length {len(s.sample_id)} is not in [1, {MAX_ID_CHARS}]"
+    if _CONTROL.search(s.sample_id):
+        return "sample_id: contains a control character"
     if n < 2:
         return f"token_ids: {n} tokens, a sample needs at least 2"
     if n > limits.max_len:
@@ -119,8 +123,18 @@ class SampleWindow:
             self._ids.popitem(last=False)
 
     def to_list(self) -> list[str]:
-        """The ids, oldest first (what a checkpoint stores)."""
+        """The ids, oldest first."""
         return list(self._ids)
+
+    def dumps(self) -> str:
+        """The ids newline-joined, oldest first: what a checkpoint stores (one string pickles in
+        milliseconds; a list of 100,000 strings takes ~10x longer). Ids hold no control characters."""
+        return "\n".join(self._ids)
+
+    @classmethod
+    def loads(cls, capacity: int, text: str) -> SampleWindow:
+        """The window `dumps` wrote."""
+        return cls(capacity, text.split("\n") if text else [])
 
 
 class InvalidSampleError(RLError):

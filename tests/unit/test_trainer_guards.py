@@ -51,6 +51,7 @@ def test_a_valid_sample_passes() -> None:
     [
         ({"policy": "other"}, "policy", "'policy'"),
         ({"sample_id": ""}, "sample_id", "512"),
+        ({"sample_id": "a\nb"}, "sample_id", "control character"),
         ({"token_ids": np.array([3, 600, 5, 6, 7, 8, 9, 10], np.int32)}, "token_ids", "[0, 512)"),
         ({"token_ids": np.array([3, -1, 5, 6, 7, 8, 9, 10], np.int32)}, "token_ids", "[0, 512)"),
         ({"loss_mask": np.ones(7, np.uint8)}, "array lengths", "loss_mask has 7"),
@@ -87,7 +88,8 @@ def test_sample_window_is_bounded_and_round_trips() -> None:
     w.extend(["b"])  # seen again: now the newest
     w.extend(["e"])
     assert w.to_list() == ["d", "b", "e"]
-    assert SampleWindow(3, w.to_list()).to_list() == w.to_list()
+    assert SampleWindow.loads(3, w.dumps()).to_list() == w.to_list()
+    assert SampleWindow.loads(3, "").to_list() == []
     with pytest.raises(ValueError):
         SampleWindow(0)
 
