@@ -67,8 +67,8 @@ def sample_problem(s: TrainSample, limits: SampleLimits, newest_version: int | N
         return f"token_ids: id {bad} is outside the vocabulary [0, {limits.vocab_size})"
     if int(s.loss_mask.max()) > 1:
         return f"loss_mask: value {int(s.loss_mask.max())} is not 0 or 1"
-    trained = s.loss_mask[1:].astype(bool)  # position 0 has no context and is never trained
-    if not trained.any():
+    on = s.loss_mask.astype(bool)  # tokens this policy generated (curate's mask)
+    if not on[1:].any():  # position 0 has no context and is never trained
         return "loss_mask: no trained token after position 0"
     if not np.isfinite(s.advantage) or abs(s.advantage) > limits.max_abs_advantage:
         return f"advantage: {s.advantage} is not finite or |advantage| > trainer.max_abs_advantage={limits.max_abs_advantage}"
@@ -79,11 +79,11 @@ def sample_problem(s: TrainSample, limits: SampleLimits, newest_version: int | N
     if not finite.all():
         i = int(np.argmin(finite))
         return f"behaviour_logprobs: position {i} is {blp[i]} (not finite)"
-    lp = blp[1:][trained]
+    lp = blp[on]
     if lp.min() < limits.min_logprob or lp.max() > LOGPROB_SLACK:
         bad = float(lp.min() if lp.min() < limits.min_logprob else lp.max())
         return f"behaviour_logprobs: {bad} of a trained token is outside [trainer.min_behaviour_logprob={limits.min_logprob}, 0]"
-    versions = s.versions[1:][trained]
+    versions = s.versions[on]
     if int(versions.min()) < 0:
         return f"versions: a trained token has version {int(versions.min())} (< 0)"
     if newest_version is not None and int(versions.max()) > newest_version:
