@@ -25,7 +25,18 @@ def _local(ctx: typer.Context, data_dir: str | None, port: int | None, brokers: 
         overrides.append(f"local_kafka.brokers={brokers}")
     if secure:
         overrides.append("local_kafka.secure=true")
-    return LocalKafka(load(ctx, *overrides).local_kafka)
+    settings = load(ctx, *overrides).local_kafka
+    # A formatted data directory knows its cluster: `down`, `status`, `kill` need no --brokers.
+    layout = settings.data_dir.expanduser() / "layout.json"
+    if layout.exists():
+        found = json.loads(layout.read_text())
+        settings = settings.model_copy(update={
+            "brokers": brokers or found.get("brokers", settings.brokers),
+            "secure": secure or found.get("secure", settings.secure),
+            "port": port or found.get("port", settings.port),
+            "controller_port": (port + 1) if port else found.get("controller_port", settings.controller_port),
+        })
+    return LocalKafka(settings)
 
 
 DATA_DIR = typer.Option(None, "--data-dir", help="Where storage, logs, pid files (and credentials) live.")

@@ -37,6 +37,7 @@ READER_GROUPS = {
     "weights": "astraflow-weights-reader",  # astraflow/weights/publish.py (literal)
     "status": "af-status-",  # astraflow/ops/offsets.py
     "archive_source": "af-read-",  # astraflow/archive/kafka_source.py
+    "curator_lag": "af-curator-",  # stream_apps/curator.py, when it follows no trainer group
 }
 
 
@@ -86,6 +87,7 @@ def role_grants(experiment: str, policies: list[str]) -> list[Grant]:
         g(app, "TRANSACTIONAL_ID", f"{app_id}-", (WRITE,), "Faust exactly-once transactions", "PREFIXED")
     g("curator", "TOPIC", t.feedback, (READ,), "per-prompt statistics")
     g("curator", "TOPIC", t.tasks, (WRITE,), "tasks (and their end offsets: tasks issued)")
+    g("curator", "GROUP", READER_GROUPS["curator_lag"], (DESCRIBE,), "its offset reader's group (assign only)", "PREFIXED")
     g("reward", "TOPIC", t.rollouts, (READ,), "trajectories to score")
     g("reward", "TOPIC", t.scored, (WRITE,), "scored trajectories")
     g("curate", "TOPIC", t.scored, (READ,), "scored trajectories")

@@ -18,7 +18,6 @@ checked against ACLs (`astraflow.kafka.secure`, `astraflow.kafka.acl`).
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import json
 import os
@@ -26,97 +25,30 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from astraflow.config import KafkaSettings, LocalKafkaSettings
-from astraflow.errors import ClusterIdMismatchError, LocalKafkaError, PortInUseError, ToolMissingError
+from astraflow.errors import ClusterIdMismatchError, LocalKafkaError, PortInUseError
+from astraflow.kafka.nodes import (
+    LOG4J2,
+    KafkaStatus,
+    Node,
+    NodeStatus,
+    alive,
+    pid_of,
+    read_props,
+    require,
+    server_properties,
+)
+
+__all__ = ["KafkaStatus", "LocalKafka", "Node", "NodeStatus"]
 
 POM = Path(__file__).resolve().parents[2] / "docker" / "kafka" / "pom.xml"
 Echo = Callable[..., Any]
-
-_LOG4J2 = """\
-status = warn
-appender.file.type = File
-appender.file.name = FILE
-appender.file.fileName = {log}
-appender.file.layout.type = PatternLayout
-appender.file.layout.pattern = [%d] %p %m (%c)%n
-rootLogger.level = INFO
-rootLogger.appenderRef.file.ref = FILE
-logger.kafka.name = kafka
-logger.kafka.level = WARN
-logger.apache.name = org.apache.kafka
-logger.apache.level = WARN
-logger.started.name = kafka.server.KafkaRaftServer
-logger.started.level = INFO
-"""
-
-
-@dataclass(frozen=True)
-class Node:
-    """One KRaft node (broker and controller in one JVM) and where its files live."""
-
-    node_id: int
-    port: int  # client (and inter-broker) listener
-    controller_port: int
-    root: Path
-
-    @property
-    def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def storage(self) -> Path:
-        return self.root / "data"
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    @property
-    def pid_file(self) -> Path:
-        return self.root / "kafka.pid"
-
-    @property
-    def properties(self) -> Path:
-        return self.root / "server.properties"
-
-    @property
-    def log4j(self) -> Path:
-        return self.root / "log4j2.properties"
-
-
-@dataclass(frozen=True)
-class NodeStatus:
-    """One node as `status` sees it."""
-
-    node_id: int
-    running: bool  # our process for this node is alive
-    answering: bool  # registered and unfenced in the cluster's metadata
-    pid: int | None
-    bootstrap: str
-
-
-@dataclass(frozen=True)
-class KafkaStatus:
-    """What `status` reports: the cluster as a whole, then each node."""
-
-    running: bool  # every node's process is alive
-    answering: bool  # every node is registered in the cluster's metadata
-    pid: int | None  # node 1's process
-    bootstrap: str  # comma-separated, every node
-    data_dir: Path
-    nodes: tuple[NodeStatus, ...] = ()
-
-    def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "data_dir": str(self.data_dir)}
-
 
 class LocalKafka:
     """Manages the local node(s) rooted at `settings.data_dir`."""
@@ -158,7 +90,7 @@ class LocalKafka:
         if st.running and st.answering:
             echo(f"Kafka already running at {self.bootstrap} (pids {[n.pid for n in st.nodes]}); nothing to do")
             return st
-        java = _require("java", "install a Java 17+ runtime, e.g. `apt-get install openjdk-17-jre-headless`")
+        java = require("java", "install a Java 17+ runtime, e.g. `apt-get install openjdk-17-jre-headless`")
         todo = [self.node(n.node_id) for n in st.nodes if not n.running]
         for node in todo:
             self._check_ports(node)
@@ -185,7 +117,7 @@ class LocalKafka:
     def start(self, node_id: int, echo: Echo = print) -> NodeStatus:
         """(Re)starts one node of an already formatted cluster and waits until it is registered."""
         node = self.node(node_id)
-        if self._our_pid(node) is None:
+        if pid_of(node) is None:
             # Clients retrying a dead node's port may briefly hold it as their own source port
             # (a TCP self-connect when the port lies in the ephemeral range): retry a moment.
             deadline = time.monotonic() + 15.0
@@ -197,7 +129,7 @@ class LocalKafka:
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.5)
-            self._spawn(_require("java", "install a Java 17+ runtime"), node)
+            self._spawn(require("java", "install a Java 17+ runtime"), node)
             echo(f"Starting Apache Kafka node {node_id} at {node.bootstrap}")
         self._wait_ready()
         return self.status().nodes[node_id - 1]
@@ -205,23 +137,23 @@ class LocalKafka:
     def kill(self, node_id: int, sig: int = signal.SIGKILL, timeout_s: float = 30.0) -> int | None:
         """Sends `sig` (default: kill -9) to one node and waits until it is gone; returns its pid."""
         node = self.node(node_id)
-        pid = self._our_pid(node)
+        pid = pid_of(node)
         if pid is None:
             return None
         os.kill(pid, sig)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and _alive(pid):
+        while time.monotonic() < deadline and alive(pid):
             time.sleep(0.1)
-        if _alive(pid):
+        if alive(pid):
             os.kill(pid, signal.SIGKILL)
-            while _alive(pid):
+            while alive(pid):
                 time.sleep(0.1)
         node.pid_file.unlink(missing_ok=True)
         return pid
 
     def down(self, echo: Echo = print, timeout_s: float = 30.0) -> bool:
         """Stops every node this data directory started; returns False when none was running."""
-        pids = {n.node_id: p for n in self.nodes if (p := self._our_pid(n)) is not None}
+        pids = {n.node_id: p for n in self.nodes if (p := pid_of(n)) is not None}
         for n in self.nodes:
             if n.node_id not in pids:
                 n.pid_file.unlink(missing_ok=True)
@@ -231,10 +163,10 @@ class LocalKafka:
         for pid in pids.values():
             os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and any(_alive(p) for p in pids.values()):
+        while time.monotonic() < deadline and any(alive(p) for p in pids.values()):
             time.sleep(0.2)
         for node_id, pid in pids.items():
-            if _alive(pid):
+            if alive(pid):
                 echo(f"Kafka node {node_id} (pid {pid}) did not stop within {timeout_s:.0f}s; killing it")
                 self.kill(node_id)
             self.node(node_id).pid_file.unlink(missing_ok=True)
@@ -242,7 +174,7 @@ class LocalKafka:
         return True
 
     def status(self) -> KafkaStatus:
-        pids = [self._our_pid(n) for n in self.nodes]
+        pids = [pid_of(n) for n in self.nodes]
         registered = self._registered(timeout_s=3.0) if any(p is not None for p in pids) else set()
         nodes = tuple(
             NodeStatus(n.node_id, p is not None, p is not None and n.node_id in registered, p, n.bootstrap)
@@ -270,7 +202,7 @@ class LocalKafka:
             raise LocalKafkaError(f"{POM} is missing; the local Kafka needs the repo's docker/kafka/pom.xml")
         if (self.libs / ".resolved").exists():
             return
-        mvn = _require("mvn", "install Apache Maven, e.g. `apt-get install maven`")
+        mvn = require("mvn", "install Apache Maven, e.g. `apt-get install maven`")
         echo("Resolving Apache Kafka jars from Maven Central (first run only; Maven caches them)...")
         tmp = self.libs.with_name(f".{self.libs.name}.{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -289,41 +221,7 @@ class LocalKafka:
             shutil.rmtree(tmp, ignore_errors=True)
 
     def _write_configs(self, node: Node) -> None:
-        n = len(self.nodes)
-        rf, isr = str(min(3, n)), str(2 if n >= 3 else 1)
-        props = {
-            "process.roles": "broker,controller",
-            "node.id": str(node.node_id),
-            "listeners": f"PLAINTEXT://{node.bootstrap},CONTROLLER://127.0.0.1:{node.controller_port}",
-            "advertised.listeners": f"PLAINTEXT://{node.bootstrap}",
-            "controller.listener.names": "CONTROLLER",
-            "inter.broker.listener.name": "PLAINTEXT",
-            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
-            "log.dirs": str(node.storage),
-            "num.network.threads": "2",
-            "num.io.threads": "2",
-            "num.partitions": "4",
-            "default.replication.factor": rf,
-            "min.insync.replicas": isr,
-            "offsets.topic.num.partitions": "8",
-            "offsets.topic.replication.factor": rf,
-            "transaction.state.log.num.partitions": "4",
-            "transaction.state.log.replication.factor": rf,
-            "transaction.state.log.min.isr": isr,
-            "share.coordinator.state.topic.replication.factor": rf,
-            "share.coordinator.state.topic.min.isr": isr,
-            "unclean.leader.election.enable": "false",
-            "group.initial.rebalance.delay.ms": "0",
-            "auto.create.topics.enable": "false",
-            "log.cleaner.dedupe.buffer.size": str(16 * 1024 * 1024),
-            "message.max.bytes": str(64 * 1024 * 1024),
-            "replica.fetch.max.bytes": str(64 * 1024 * 1024),
-            "log.retention.check.interval.ms": "60000",
-        }
-        if n == 1:
-            props["controller.quorum.bootstrap.servers"] = f"127.0.0.1:{node.controller_port}"
-        else:
-            props["controller.quorum.voters"] = ",".join(f"{m.node_id}@127.0.0.1:{m.controller_port}" for m in self.nodes)
+        props = server_properties(self.nodes, node)
         if self.settings.secure:
             from astraflow.kafka.secure import CredentialStore, secure_server_props
 
@@ -331,12 +229,12 @@ class LocalKafka:
         node.root.mkdir(parents=True, exist_ok=True)
         node.properties.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
         node.properties.chmod(0o600)  # holds the admin password when secure
-        node.log4j.write_text(_LOG4J2.format(log=node.logs / "server.log"))
+        node.log4j.write_text(LOG4J2.format(log=node.logs / "server.log"))
 
     def _format(self, java: str, node: Node, cluster_id: str, echo: Echo) -> None:
         meta = node.storage / "meta.properties"
         if meta.exists():
-            found = _read_props(meta).get("cluster.id")
+            found = read_props(meta).get("cluster.id")
             if found != cluster_id:
                 raise ClusterIdMismatchError(
                     f"{node.storage} was formatted for cluster {found}, but {self.cluster_file} says {cluster_id}; "
@@ -369,12 +267,13 @@ class LocalKafka:
     def _check_layout(self) -> None:
         """One data directory holds one kind of cluster: refuse to reuse it for another."""
         want = {"brokers": len(self.nodes), "secure": self.settings.secure}
+        ports = {"port": self.settings.port, "controller_port": self.settings.controller_port}
         if self.layout_file.exists():
-            found = json.loads(self.layout_file.read_text())
+            found = {k: v for k, v in json.loads(self.layout_file.read_text()).items() if k in want}
         elif (self.root / "data" / "meta.properties").exists():
             found = {"brokers": 1, "secure": False}  # formatted before layout.json existed
-        else:
-            self.layout_file.write_text(json.dumps(want) + "\n")
+        else:  # the ports too, so later commands on this data directory find the nodes
+            self.layout_file.write_text(json.dumps({**want, **ports}) + "\n")
             return
         if found != want:
             raise LocalKafkaError(
@@ -407,7 +306,7 @@ class LocalKafka:
         want = {n.node_id for n in self.nodes}
         while time.monotonic() < deadline:
             for node in self.nodes:
-                if self._our_pid(node) is None:
+                if pid_of(node) is None:
                     raise LocalKafkaError(
                         f"Kafka node {node.node_id} exited during start-up. Last log lines:\n{self.log_tail(40)}"
                     )
@@ -429,53 +328,3 @@ class LocalKafka:
         except Exception:  # KafkaException while no node answers yet; missing credentials before format
             return set()
         return set(md.brokers)
-
-    def _our_pid(self, node: Node) -> int | None:
-        """The pid in the node's pid file, if that process is alive and is our broker."""
-        try:
-            pid = int(node.pid_file.read_text().strip())
-        except (FileNotFoundError, ValueError):
-            return None
-        for _ in range(20):
-            if not _alive(pid):
-                return None
-            try:
-                raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                return pid if sys.platform != "linux" else None
-            if raw:  # empty while the process is being exec'ed or reaped: look again
-                cmdline = raw.split(b"\0")
-                return pid if b"kafka.Kafka" in cmdline and str(node.properties).encode() in cmdline else None
-            time.sleep(0.05)
-        return None
-
-
-def _require(tool: str, hint: str) -> str:
-    path = shutil.which(tool)
-    if path is None:
-        raise ToolMissingError(f"`{tool}` is not on PATH; the local Kafka needs it: {hint}")
-    return path
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    with contextlib.suppress(OSError):  # a zombie child counts as gone
-        if Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z"):
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, os.WNOHANG)
-            return False
-    return True
-
-
-def _read_props(path: Path) -> dict[str, str]:
-    out = {}
-    for line in path.read_text().splitlines():
-        if "=" in line and not line.lstrip().startswith("#"):
-            k, v = line.split("=", 1)
-            out[k.strip()] = v.strip()
-    return out

@@ -7,9 +7,10 @@ partitions each topic gets and its configs (compaction, retention, message size)
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass, field
 
-from confluent_kafka import KafkaException
+from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from astraflow.config import KafkaSettings, TopicSettings
@@ -152,6 +153,11 @@ class TopicAdmin:
                 err = exc.args[0]
                 if getattr(err, "name", lambda: "")() == "TOPIC_ALREADY_EXISTS":
                     result[name] = "exists"
+                elif getattr(err, "name", lambda: "")() == "TOPIC_AUTHORIZATION_FAILED":
+                    raise TopicError(
+                        f"not allowed to create topic {name} (or to see that it exists): on a cluster with ACLs "
+                        "the operator creates an experiment's topics (`astraflow topics create`, see docs/deploy.md)"
+                    ) from exc
                 else:
                     raise TopicError(f"cannot create topic {name}: {err}") from exc
         return result
@@ -165,15 +171,28 @@ class TopicAdmin:
         return {n: len(t.partitions) for n, t in sorted(md.topics.items()) if n.startswith(prefix)}
 
     def describe(self, names: list[str], timeout_s: float = 10.0) -> dict[str, dict[str, str]]:
-        """Non-default configs of each topic."""
-        futures = self.admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, n) for n in names])
+        """Non-default configs of each topic.
+
+        On a cluster of several brokers a topic just created reaches each broker's metadata a
+        moment later: UNKNOWN_TOPIC_OR_PART is retried until `timeout_s`.
+        """
         out: dict[str, dict[str, str]] = {}
-        for res, fut in futures.items():
-            try:
-                entries = fut.result(timeout=timeout_s)
-            except KafkaException as exc:
-                raise TopicError(f"cannot describe topic {res.name}: {exc}") from exc
-            out[res.name] = {k: v.value for k, v in entries.items() if not v.is_default and v.value is not None}
+        deadline = time.monotonic() + timeout_s
+        todo = list(names)
+        while todo:
+            futures = self.admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, n) for n in todo])
+            todo = []
+            for res, fut in futures.items():
+                try:
+                    entries = fut.result(timeout=timeout_s)
+                except KafkaException as exc:
+                    if exc.args[0].code() == KafkaError.UNKNOWN_TOPIC_OR_PART and time.monotonic() < deadline:
+                        todo.append(res.name)
+                        continue
+                    raise TopicError(f"cannot describe topic {res.name}: {exc}") from exc
+                out[res.name] = {k: v.value for k, v in entries.items() if not v.is_default and v.value is not None}
+            if todo:
+                time.sleep(0.2)
         return out
 
     def delete(self, names: list[str], timeout_s: float = 30.0) -> None:

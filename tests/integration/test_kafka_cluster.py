@@ -6,7 +6,10 @@ because it kills a broker; the session's shared broker is never touched.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +45,13 @@ def test_three_nodes_report_and_experiment_topics_get_rf3_isr2(cluster: LocalKaf
     st = cluster.status()
     assert st.answering and [n.node_id for n in st.nodes if n.answering] == [1, 2, 3]
     assert len({n.pid for n in st.nodes}) == 3
+    # The CLI finds the cluster from its data directory alone (layout.json: nodes and ports).
+    res = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "kafka", "status", "--data-dir", str(cluster.root),
+                          "--json"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    shown = json.loads(res.stdout)
+    assert [(n["node_id"], n["answering"]) for n in shown["nodes"]] == [(1, True), (2, True), (3, True)]
+    assert shown["bootstrap"] == cluster.bootstrap
     kafka = cluster.admin_settings()
     admin = TopicAdmin(kafka)
     settings = TopicSettings(partitions=2, replication_factor=3, min_insync_replicas=2)

@@ -1,0 +1,38 @@
+"""The per-role ACL table: its shape, and docs/deploy.md showing exactly it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from astraflow.kafka.acl import kafka_acls_commands, principal_of, role_grants
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
+
+
+def test_docs_show_the_table_the_code_applies() -> None:
+    text = DOC.read_text()
+    start = text.index("| principal | resource |")
+    rows = text[start : text.index("\n\n", start)].splitlines()[2:]  # after the header and its rule
+    expected = [
+        f"| {g.principal} | {g.resource} | `{g.name}` | {g.pattern.lower()} | {', '.join(g.operations)} | {g.why} |"
+        for g in role_grants("exp1", ["solver"])
+    ]
+    assert rows == expected
+
+
+def test_only_a_policys_trainer_writes_its_weights() -> None:
+    grants = role_grants("e", ["a", "b"])
+    writers = {(g.principal, g.name) for g in grants if "WRITE" in g.operations and g.name.endswith(".weights")}
+    assert writers == {("trainer-a", "af.e.a.weights"), ("trainer-b", "af.e.b.weights")}
+    # No prefix grant reaches a weights topic except read-only roles' (archive, monitor).
+    for g in grants:
+        if g.pattern == "PREFIXED" and g.resource == "TOPIC" and "af.e.a.weights".startswith(g.name):
+            assert set(g.operations) <= {"READ", "DESCRIBE_CONFIGS", "CREATE", "DESCRIBE"}, g
+            assert g.principal in ("archive", "monitor", "operator"), g
+
+
+def test_principals_and_commands() -> None:
+    assert principal_of("raas") == "raas" and principal_of("trainer", "solver") == "trainer-solver"
+    cmd = kafka_acls_commands(role_grants("e", ["p"]))
+    assert any("--allow-principal User:trainer-p --operation Read --operation Write --topic 'af.e.p.weights'" in c for c in cmd)
+    assert any("--transactional-id 'af.e.curate-' --resource-pattern-type prefixed" in c for c in cmd)
