@@ -1,14 +1,14 @@
 """Brokers the fault harness may kill: its own local Kafka, never the shared one.
 
-`Brokers` wraps `astraflow.kafka.local.LocalKafka` on ports the caller chooses, with its own
-data directory, and adds what a fault needs: `kill` (SIGKILL, the process gone at once, its
-log segments as they were), `pause` / `resume` (SIGSTOP / SIGCONT: the process alive but mute,
-its TCP connections open) and `start` (the same data directory again, as an operator would).
+`Brokers` runs `astraflow.kafka.local.LocalKafka` (one node, or `--brokers 3`: replication factor
+3, min.insync.replicas 2) on ports the caller chooses, in its own data directory, and adds what
+the faults need: `kill` (SIGKILL: the process gone at once, its log segments as they were),
+`pause` / `resume` (SIGSTOP / SIGCONT: the process alive but mute, its connections open) and
+`start` (the same data directory again, as an operator would). `index` None means every node.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import time
@@ -18,71 +18,70 @@ from astraflow.config import LocalKafkaSettings
 from astraflow.errors import PortInUseError
 from astraflow.kafka.local import LocalKafka
 
+_QUIET = lambda *_: None  # noqa: E731
+
 
 class Brokers:
-    """One local KRaft broker+controller on `port` / `port + 1`, data under `data_dir`."""
+    """`count` local KRaft nodes; node i listens on port + 2(i-1), its controller one above."""
 
-    def __init__(self, data_dir: Path, port: int) -> None:
-        self.kafka = LocalKafka(LocalKafkaSettings(data_dir=data_dir, port=port, controller_port=port + 1))
-        self.count = 1
-        self.replication_factor = 1
+    def __init__(self, data_dir: Path, port: int, count: int = 1) -> None:
+        self.kafka = LocalKafka(LocalKafkaSettings(data_dir=data_dir, port=port, controller_port=port + 1, brokers=count))
+        self.count = count
+        self.replication_factor = 3 if count >= 3 else 1
+        self.min_insync_replicas = 2 if count >= 3 else None
 
     @property
     def bootstrap(self) -> str:
         return self.kafka.bootstrap
 
-    def up(self) -> None:
-        self.kafka.up(echo=lambda *_: None)
+    def _ids(self, index: int | None) -> list[int]:
+        return list(range(1, self.count + 1)) if index is None else [index]
 
-    def pid(self, index: int = 0) -> int:
-        pid = self.kafka.status().pid
+    def _pid(self, node_id: int) -> int:
+        pid = self.kafka.status().nodes[node_id - 1].pid
         if pid is None:
-            raise RuntimeError(f"broker {index} is not running ({self.kafka.root})")
+            raise RuntimeError(f"Kafka node {node_id} is not running ({self.kafka.root})")
         return pid
 
-    def kill(self, index: int | None = None) -> None:
-        """kill -9 broker `index` (None: all) and wait until it is gone."""
-        pid = self.pid(index or 0)
-        os.kill(pid, signal.SIGKILL)
-        while _alive(pid):
-            time.sleep(0.05)
+    def up(self, timeout_s: float = 120.0) -> None:
+        """Starts every node that is not running; returns once all answer.
 
-    def pause(self, index: int | None = None) -> None:
-        """SIGSTOP broker `index` (None: all)."""
-        os.kill(self.pid(index or 0), signal.SIGSTOP)
-
-    def resume(self, index: int | None = None) -> None:
-        os.kill(self.pid(index or 0), signal.SIGCONT)
-
-    def start(self, index: int | None = None, timeout_s: float = 120.0) -> None:
-        """Starts broker `index` (None: all) again on its data directory; returns once it answers.
-
-        While a broker is down, its clients keep connecting to its port; when that port lies in
-        the ephemeral range (here 39000 does), a connect may bind it as its own source port and
-        hold it for a moment (a TCP self-connect). So a port in use is retried, not fatal."""
+        While a node is down its clients keep connecting to its port; when that port lies in the
+        ephemeral range (39000 does) a connect may take it as its own source port for a moment
+        (a TCP self-connect), so a port in use is retried."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                self.kafka.up(echo=lambda *_: None)
+                self.kafka.up(echo=_QUIET)
                 return
             except PortInUseError:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.5)
 
+    def kill(self, index: int | None = None) -> None:
+        """kill -9 node `index` (None: every node); returns once the processes are gone."""
+        for node_id in self._ids(index):
+            self.kafka.kill(node_id)
+
+    def pause(self, index: int | None = None) -> None:
+        for node_id in self._ids(index):
+            os.kill(self._pid(node_id), signal.SIGSTOP)
+
+    def resume(self, index: int | None = None) -> None:
+        for node_id in self._ids(index):
+            os.kill(self._pid(node_id), signal.SIGCONT)
+
+    def start(self, index: int | None = None) -> None:
+        """Starts node `index` (None: every node) again on its data; returns once the cluster answers."""
+        if index is None:
+            self.up()
+        else:
+            self.kafka.start(index, echo=_QUIET)
+
     def down(self) -> None:
-        """Stops the broker (resumed first if it was paused)."""
-        pid = self.kafka.status().pid
-        if pid is not None:
-            os.kill(pid, signal.SIGCONT)
-        self.kafka.down(echo=lambda *_: None)
-
-
-def _alive(pid: int) -> bool:
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)  # our child when we started it: reap it
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][:1]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
+        """Stops every node (resumed first, in case one is paused)."""
+        for n in self.kafka.status().nodes:
+            if n.pid is not None:
+                os.kill(n.pid, signal.SIGCONT)
+        self.kafka.down(echo=_QUIET)

@@ -99,9 +99,9 @@ def app_role(exp: str, spec: PipelineSpec, env: dict[str, str], app: str, name: 
     return Role(name or app, [*PY, "app", "run", app, "-e", exp, *extra], env)
 
 
-def pipeline_roles(exp: str, spec: PipelineSpec, bootstrap: str, nodes: int = 1) -> list[Role]:
-    """curator, reward, curate, trainer and `nodes` RaaS nodes, as `Supervisor` roles."""
-    env = role_env(bootstrap)
+def pipeline_roles(exp: str, spec: PipelineSpec, env: dict[str, str], nodes: int = 1) -> list[Role]:
+    """curator, reward, curate, trainer and `nodes` RaaS nodes, as `Supervisor` roles with `env`
+    (`astraflow.demo.run.role_env`, plus any setting all roles share)."""
     sets = [f"run_dir={spec.run_dir}", f"trainer.lr={_rl.LR}", f"trainer.batch_size={spec.batch_size}",
             f"trainer.max_wait_s={spec.max_wait_s}", "trainer.progress_bar=false", "trainer.publish_dtype=float32",
             *spec.trainer_sets]
@@ -124,7 +124,7 @@ def _roles(exp: str, mode: str, workload: str, sigma: float, *, staleness: int, 
     ahead = _rl.PROMPTS_PER_STEP * (1 if mode == "sync" else 1 + staleness)
     spec = PipelineSpec(model_dir, dataset, run_dir, w["workflow"], _rl.GROUP, ahead, w["max_tokens"], w["max_turns"],
                         _rl.SLOTS, 600, _rl.SLOTS, ahead, seed, ("--tool-latency", f"calc={median_s}:{sigma}"))
-    return pipeline_roles(exp, spec, bootstrap)
+    return pipeline_roles(exp, spec, role_env(bootstrap))
 
 
 def create_experiment(cfg: AstraflowConfig, exp: str, *, filters_off: tuple[str, ...]) -> tuple[list, ControlWriter]:

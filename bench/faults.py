@@ -14,7 +14,8 @@ every sample of every task must reach the trainer, and the trainer logs every sa
 The run is a sequence of **phases**, one per fault kind. A phase resumes the curator, injects
 its faults at random times (the harness is the supervisor: a killed role is started again at
 once, as systemd or Kubernetes would; a role is killed again only once it is back at work, a
-random 0.5-4 s after it wrote something, so every kill hits work in flight), pauses the curator at its end and drains (waits until
+random 0.5-4 s after it wrote something, and a broker fault waits until the trainer trained
+again since the last one, so every fault hits work in flight), pauses the curator at its end and drains (waits until
 every task issued so far is trained or accounted for, or nothing moved for `--drain-idle-s`).
 So each phase's tasks are counted against that phase's faults:
 
@@ -93,15 +94,19 @@ class Harness:
         self.exp = f"faults-{uuid.uuid4().hex[:8]}"
         self.work = Path(args.work_dir) / self.exp
         self.work.mkdir(parents=True, exist_ok=True)
-        self.brokers = Brokers(self.work / "kafka", args.port)
-        self.cfg = load_config(env={}, overrides=[f"kafka.bootstrap_servers={self.brokers.bootstrap}"])
+        self.brokers = Brokers(self.work / "kafka", args.port, args.brokers)
+        b = self.brokers
+        self.cfg = load_config(env={}, overrides=[f"kafka.bootstrap_servers={b.bootstrap}",
+                                                  f"topics.replication_factor={b.replication_factor}",
+                                                  *([f"topics.min_insync_replicas={b.min_insync_replicas}"]
+                                                    if b.min_insync_replicas else [])])
         self.topics = Topics(self.exp)
         self.sup = Supervisor(self.work / "logs")
         self.roles: dict[str, Role] = {}
         self.phases: list[PhaseRecord] = []
         self.restart_due: dict[str, float] = {}  # role -> earliest restart after an exit of its own
         self.trained_log = self.work / "trained.jsonl"
-        self.restarted_at: dict[str, int] = {}  # role -> its output when it was last killed
+        self.marks: dict[str, int] = {}  # role -> its output at its last fault (see await_work)
 
     # ---- setup -----------------------------------------------------------------------------------
 
@@ -119,7 +124,7 @@ class Harness:
             curate_extra=("--group-timeout", str(a.group_timeout_s), *a.curate_arg),
             trainer_sets=(f"trainer.trained_log={self.trained_log}", *a.trainer_set))
         self.specs, self.control = create_experiment(self.cfg, self.exp, filters_off=FILTERS_OFF)
-        for role in pipeline_roles(self.exp, self.spec, self.brokers.bootstrap, nodes=a.nodes):
+        for role in pipeline_roles(self.exp, self.spec, self.env(), nodes=a.nodes):
             self.roles[role.name] = self.sup.start(role)
         from confluent_kafka import Consumer
         from confluent_kafka.admin import AdminClient
@@ -129,6 +134,12 @@ class Harness:
                    [f"af.{self.exp}.raas", f"af.{self.exp}.reward", f"af.{self.exp}.curate"], self.probe,
                    self.topics.weights("policy"), self.sup, a.ready_timeout_s)
         self.ledger = Ledger(self.cfg.kafka, self.topics.tasks, self.topics.dlq, self.trained_log)
+
+    def env(self) -> dict[str, str]:
+        """Every role's environment: the harness's cluster and its topic durability settings."""
+        t = self.cfg.topics
+        return {**role_env(self.brokers.bootstrap), "ASTRAFLOW__TOPICS__REPLICATION_FACTOR": str(t.replication_factor),
+                **({"ASTRAFLOW__TOPICS__MIN_INSYNC_REPLICAS": str(t.min_insync_replicas)} if t.min_insync_replicas else {})}
 
     # ---- supervision -----------------------------------------------------------------------------
 
@@ -163,17 +174,19 @@ class Harness:
             role, self.topics.rollouts)  # a node: any node's rollouts
         return sum(watermarks(self.probe, topic, p)[1] for p in range(self.cfg.topics.partitions))
 
-    def kill_role(self, name: str, phase: PhaseRecord) -> FaultEvent:
-        """kill -9 once the role is at work again (it wrote something since its last restart), at a
-        random moment a little later, so every kill hits a role with work in flight."""
-        mark = self.restarted_at.get(name)
+    def await_work(self, role: str, phase: PhaseRecord) -> None:
+        """Until `role` wrote something since its last fault (at most busy_timeout_s), then a random
+        0.5-4 s more: so every fault hits work in flight, not a role still starting."""
+        mark = self.marks.get(role)
         deadline = time.time() + self.args.busy_timeout_s
-        while mark is not None and self.output(name) <= mark and time.time() < deadline:
+        while mark is not None and self.output(role) <= mark and time.time() < deadline:
             self.wait(1.0, phase)
         self.wait(self.rng.uniform(0.5, 4.0), phase)
+
+    def kill_role(self, name: str) -> FaultEvent:
         ev = FaultEvent("kill", name, time.time())
         self.sup.kill(self.roles[name])
-        self.restarted_at[name] = self.output(name)
+        self.marks[name] = self.output(name)
         self.sup.restart(self.roles[name])
         ev.end = time.time()
         return ev
@@ -195,7 +208,7 @@ class Harness:
 
     def rebalance(self, phase: PhaseRecord, hold_s: float) -> FaultEvent:
         ev = FaultEvent("rebalance", "curate-2,reward-2,raas-3", time.time())
-        env = role_env(self.brokers.bootstrap)
+        env = self.env()
         extra = [app_role(self.exp, self.spec, env, "curate", "curate-2"), app_role(self.exp, self.spec, env, "reward", "reward-2"),
                  node_role(self.exp, self.spec, env, self.args.nodes + 1)]
         for r in extra:
@@ -243,8 +256,9 @@ class Harness:
         t0 = time.time()
         for (kind, target), t in zip(faults, at, strict=True):
             self.wait(max(0.0, t0 + t - time.time()), phase)
+            self.await_work(target if kind == "kill" else "trainer", phase)
             if kind == "kill":
-                ev = self.kill_role(target, phase)
+                ev = self.kill_role(target)
             elif kind == "broker-restart":
                 ev = self.broker_kill(phase, kind, 0.0)
             elif kind == "broker-outage":
@@ -254,6 +268,8 @@ class Harness:
             else:
                 ev = self.rebalance(phase, a.rebalance_hold_s)
             phase.faults.append(ev)
+            if kind != "kill":
+                self.marks["trainer"] = self.output("trainer")
             print(f"  {ev.kind} {ev.target} at +{ev.start - t0:.0f}s ({ev.end - ev.start:.1f}s)", flush=True)
         self.wait(max(0.0, t0 + duration - time.time()), phase)
         self.control.set("curator", "pause", "on", issued_by="faults")
@@ -327,7 +343,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="one phase of 5 role kills, one broker restart")
     ap.add_argument("--json", default=None, help="where to write the figures (default bench/results/faults.json)")
     ap.add_argument("--only", type=lambda s: s.split(","), default=None, help="phases to run, comma-separated")
-    ap.add_argument("--port", type=int, default=39000, help="the harness's own broker (port+1: controller)")
+    ap.add_argument("--port", type=int, default=39000,
+                    help="the harness's own Kafka: node i on port + 2(i-1), its controller one above")
+    ap.add_argument("--brokers", type=int, choices=(1, 3), default=1,
+                    help="3: a three-node cluster (RF 3, min ISR 2), which adds the broker-1-of-3 phase")
     ap.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "astraflow-faults"))
     ap.add_argument("--keep", action="store_true", help="keep the work dir (broker data, role logs, trained log)")
     ap.add_argument("--seed", type=int, default=0)
