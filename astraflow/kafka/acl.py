@@ -38,6 +38,7 @@ READER_GROUPS = {
     "status": "af-status-",  # astraflow/ops/offsets.py
     "archive_source": "af-read-",  # astraflow/archive/kafka_source.py
     "curator_lag": "af-curator-",  # stream_apps/curator.py, when it follows no trainer group
+    "trainer_control": "astraflow-trainer-control",  # trainers/callbacks.py: snapshot requests (literal)
 }
 
 
@@ -116,6 +117,7 @@ def role_grants(experiment: str, policies: list[str]) -> list[Grant]:
         g(who, "TOPIC", t.weights(p), (READ, WRITE), "publishes its policy's weights (reads the last one on restart)")
         g(who, "TOPIC", t.policies, (READ, WRITE), "latest version of its policy")
         g(who, "GROUP", READER_GROUPS["weights"], (DESCRIBE,), "weight reader's group (assign only)")
+        g(who, "GROUP", READER_GROUPS["trainer_control"], (DESCRIBE,), "snapshot-request reader's group (assign only)")
 
     g("archive", "TOPIC", pre, (READ,), "archives any stream of the experiment", "PREFIXED")
     g("archive", "GROUP", f"{pre}archive.", (READ,), "one group per archive destination", "PREFIXED")

@@ -22,7 +22,9 @@ from astraflow.kafka.acl import principal_of, principals, role_grants
 from astraflow.kafka.clients import consumer_config, producer_config
 from astraflow.kafka.local import LocalKafka
 from astraflow.kafka.secure import CredentialStore, upsert_users
-from astraflow.kafka.topics import TopicAdmin, topic_specs
+from astraflow.kafka.topics import TopicAdmin, Topics, topic_specs
+from astraflow.ops.status import collect_status
+from astraflow.weights.publish import last_published_version, latest_policy_version
 
 pytestmark = pytest.mark.slow
 
@@ -101,7 +103,7 @@ def _subscribe_errors(
     errors: dict[str, str] = {}
     deadline = time.monotonic() + timeout_s
     try:
-        while len([t for t in errors if t != "GROUP"]) < want and time.monotonic() < deadline:
+        while len(errors) < want and time.monotonic() < deadline:
             for m in c.consume(50, 0.5):
                 err = m.error()
                 if err is not None and err.code() != KafkaError._PARTITION_EOF:
@@ -202,6 +204,11 @@ def test_groups_are_refused_to_roles_they_do_not_belong_to(cluster: Cluster) -> 
     assert errs.get("GROUP") == "GROUP_AUTHORIZATION_FAILED", errs
     # Assign-only readers start (control reader) but cannot join or commit with their throwaway group.
     ControlReader(cluster.as_("raas"), EXP, "raas").start().close()
+    # The real readers of each role run under its principal (they raise on an authorization error).
+    assert latest_policy_version(cluster.as_("raas"), Topics(EXP), "solver") is None  # only probes there
+    last_published_version(cluster.as_(principal_of("trainer", "solver")), Topics(EXP), "solver")
+    report = collect_status(cluster.as_("monitor"), EXP)
+    assert {t.stream for t in report.topics} >= {"tasks", "rollouts", "control"}
     errs = _subscribe_errors(cluster.as_("raas"), "af-reader-join", [f"af.{EXP}.control"], want=1)
     assert errs.get("GROUP") == "GROUP_AUTHORIZATION_FAILED", errs
 
