@@ -57,7 +57,7 @@ from astraflow.weights.follow import KafkaWeightFollower
 READY_TIMEOUT_S = 180.0
 
 
-def _dataset(tasks: list[Task], path: Path) -> Path:
+def write_dataset(tasks: list[Task], path: Path) -> Path:
     path.write_text("".join(json.dumps({"id": t.prompt_id, "prompt": t.prompt, "reference": t.reference,
                                         "dataset": t.dataset}) + "\n" for t in tasks))
     return path
@@ -220,7 +220,7 @@ def run_pipeline(mode: str, workload: str, sigma: float, *, steps: int, eval_eve
     base, tokenizer = load_tiny(model_dir)
     try:
         for role in _roles(exp, mode, workload, sigma, staleness=staleness, median_s=median_s, seed=seed,
-                           model_dir=model_dir, dataset=_dataset(tasks, run_dir / "train.jsonl"), run_dir=run_dir,
+                           model_dir=model_dir, dataset=write_dataset(tasks, run_dir / "train.jsonl"), run_dir=run_dir,
                            bootstrap=cfg.kafka.bootstrap_servers):
             sup.start(role)
         admin = AdminClient(cfg.kafka.client_config())

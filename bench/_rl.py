@@ -108,6 +108,24 @@ def warm_model_dir() -> str:
     return str(warm_model(DemoSettings(), Console()))
 
 
+def tiny_model_dir() -> str:
+    """A freshly initialised tiny model, no warm start (the fault harness: what it learns does not
+    matter there), built on first use, then cached."""
+    import shutil
+    import uuid
+
+    from astraflow.config import default_home
+    from astraflow.models.tiny import init_tiny
+
+    out = default_home() / "bench-models" / "tiny-init"
+    if not (out / "config.json").exists():
+        tmp = out.with_suffix(f".tmp{uuid.uuid4().hex[:6]}")
+        init_tiny(tmp, seed=0)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    return str(out)
+
+
 def make_tasks(n_prompts: int, seed: int, workload: str) -> tuple[list[Task], list[tuple[str, str]]]:
     """Training tasks and held-out (prompt, answer) pairs, split as the demo splits them."""
     from astraflow.models.tasks import arithmetic_dataset, split_heldout

@@ -50,7 +50,15 @@ from pathlib import Path
 from _brokers import Brokers
 from _fault_report import Report, build_report, print_report
 from _ledger import Ledger
-from _pipeline import PipelineSpec, app_role, create_experiment, node_role, pipeline_roles, wait_ready
+from _pipeline import (
+    PipelineSpec,
+    app_role,
+    create_experiment,
+    node_role,
+    pipeline_roles,
+    wait_ready,
+    write_dataset,
+)
 
 from astraflow.config import load_config
 from astraflow.demo.run import role_env
@@ -112,14 +120,13 @@ class Harness:
 
     def setup(self) -> None:
         import _rl
-        from _pipeline import _dataset
 
         a = self.args
         self.brokers.up()
-        model = tiny_model()
+        model = _rl.tiny_model_dir()
         tasks, _ = _rl.make_tasks(a.prompts, a.seed, "a")
         self.spec = PipelineSpec(
-            model, _dataset(tasks, self.work / "train.jsonl"), self.work / "run", "rlvr", a.group, a.max_ahead,
+            model, write_dataset(tasks, self.work / "train.jsonl"), self.work / "run", "rlvr", a.group, a.max_ahead,
             a.max_tokens, 1, a.batch, a.max_wait_s, a.group * a.max_ahead, a.max_ahead, a.seed,
             curate_extra=("--group-timeout", str(a.group_timeout_s), *a.curate_arg),
             trainer_sets=(f"trainer.trained_log={self.trained_log}", *a.trainer_set))
@@ -322,20 +329,6 @@ class Harness:
 
 def _lines(path: Path) -> int:
     return path.read_text().count("\n") if path.exists() else 0
-
-
-def tiny_model() -> str:
-    """A freshly initialised tiny model (what it learns does not matter here), cached."""
-    from astraflow.config import default_home
-    from astraflow.models.tiny import init_tiny
-
-    out = default_home() / "bench-models" / "faults-tiny"
-    if not (out / "config.json").exists():
-        tmp = out.with_suffix(f".tmp{uuid.uuid4().hex[:6]}")
-        init_tiny(tmp, seed=0)
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-    return str(out)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

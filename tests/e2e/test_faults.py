@@ -5,8 +5,9 @@ killed), with the real pipeline as processes: curator, reward, curate, trainer, 
 One phase kills curate, the trainer, a node, reward and the curator (kill -9, restarted at
 once) at random times while tasks flow; a second kills the broker and starts it again. Every
 issued task's samples must be trained exactly once in the trainer's lineage (or be in the DLQ
-with a reason), no version number may carry two different weights, and no role may exit on its
-own. The harness's counting is unit-tested in tests/unit/test_bench_faults_ledger.py; this test
+with a reason), no sample may reach the train topic twice (exactly-once upstream, whatever the
+trainer's sample-id guard would drop), no version number may carry two different weights, and
+no role may exit on its own. The harness's counting is unit-tested in tests/unit/test_bench_faults_ledger.py; this test
 also checks that the faults happened while work flowed (training resumed after every fault,
 every issued task was trained), so a pass is not a run in which nothing happened.
 """
@@ -46,6 +47,8 @@ def test_role_kills_and_a_broker_restart_lose_nothing_and_train_nothing_twice(tm
     for p in phases:
         assert p["lost"] == 0, f"{p['phase']}: {p['lost']} samples lost, e.g. {p['lost_ids']} (at {p['lost_at']})\n{summary}"
         assert p["trained_twice"] == 0, f"{p['phase']}: {p['trained_twice']} trained twice, e.g. {p['twice_ids']}\n{summary}"
+        # Exactly-once upstream, not only the trainer's sample-id guard: no sample written twice to the train topic.
+        assert p["train_topic_duplicates"] == 0, f"{p['phase']}: samples emitted twice to the train topic\n{summary}"
         assert p["version_conflicts"] == 0, f"{p['phase']}: a version number published with two weights\n{summary}"
         assert not p["exits"], f"{p['phase']}: roles exited on their own: {p['exits']}"
         assert p["drained"], f"{p['phase']} did not drain\n{summary}"
