@@ -12,9 +12,11 @@
 The function gets one decoded record (the typed class of its schema) and returns a record, a
 list of records, `None` to drop it, or `Emit(...)` to choose the key or topic of an output.
 It may be `async def` (then up to `concurrency` calls run at once, order not kept). The runner
-(`stream_apps.process`) gives it decoding, the DLQ (undecodable input, or the function raised:
-the dead letter names the processor), metrics and scaling: every worker started with the same
-processor joins one consumer group and takes a share of the source's partitions.
+(`stream_apps.process`, a Faust app per worker) gives it decoding, the DLQ (undecodable input,
+or the function raised: the dead letter names the processor), metrics, exactly-once delivery
+(its outputs and the input's offset commit in one Kafka transaction) and scaling: every worker
+started with the same processor joins one consumer group and takes a share of the source's
+partitions.
 
 This module stays import-light (no Kafka client, no stream framework): decorating costs
 nothing. The module object is callable and forwards to `processor()`, so `astraflow.processor`

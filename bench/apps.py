@@ -1,16 +1,20 @@
-"""Stream apps throughput: records/s through reward + curate, against a plain consume-produce loop.
+"""Stream apps throughput: records/s through reward + curate (Faust apps), against a plain consume-produce loop.
 
 Same run, same broker, same records: N trajectories of 4,096 tokens (groups of 8, half the
 answers right so no group is filtered) go through
 
-* ours: the `reward` app (decode, exact-match reward, lineage, encode) then the `curate` app
-  (decode, group assembly, filters, GRPO, one TrainSample per trajectory, feedback), each a
-  `StreamWorker` with its commit-after-processing, DLQ and metrics;
+* ours, exactly-once: the `reward` app (decode, exact-match reward, lineage, encode) then the
+  `curate` app (decode, group assembly in changelog-backed tables, filters, GRPO, one
+  TrainSample per trajectory, feedback), each a Faust worker (`StreamEngine`) with Kafka
+  transactions, DLQ and metrics;
+* ours, at-least-once: the same apps with `guarantee="at_least_once"` (Faust's own commits);
 * plain: two confluent-kafka loops that copy the bytes unchanged (consume -> produce, same
-  producer settings as ours: idempotent, acks=all, zstd), the floor any Kafka app pays.
+  producer settings as ours: idempotent, acks=all, zstd; flush then commit every second), the
+  floor any Kafka app pays.
 
 Stages run one after another on an otherwise idle pipeline; a stage's time runs from its first
-record consumed until the broker holds all its outputs (end offsets polled every 20 ms).
+record consumed until its consumer group's committed offsets cover all N inputs (polled every
+20 ms): for exactly-once that is when the outputs became visible to read_committed readers.
 Records/s through the pipeline = N / (stage 1 time + stage 2 time), with each stage's best
 time over `--repeats` fresh experiments (shared machines are noisy).
 
@@ -29,15 +33,11 @@ import _common
 from confluent_kafka import Consumer, Producer
 
 from astraflow.config import KafkaSettings, TopicSettings
-from astraflow.kafka.clients import (
-    RecordProducer,
-    producer_config,
-    watermarks,
-)
+from astraflow.kafka.clients import RecordProducer, producer_config
 from astraflow.kafka.topics import TopicAdmin, Topics, TopicSpec, topic_specs
 from astraflow.serde import AvroSerde
+from stream_apps.engine import EngineSettings
 from stream_apps.launch import AppOptions, build_worker
-from stream_apps.runtime import WorkerSettings
 
 write_json = _common.write_json
 
@@ -45,18 +45,21 @@ PARTITIONS = 2
 
 
 class Finish:
-    """Polls a topic's end offsets until they sum to `n`; records when that happened."""
+    """Polls the committed offsets of `group` on `topic` until they cover `n` records; records when."""
 
-    def __init__(self, kafka: KafkaSettings, topic: str, n: int) -> None:
-        self.kafka, self.topic, self.n = kafka, topic, n
+    def __init__(self, kafka: KafkaSettings, topic: str, group: str, n: int) -> None:
+        self.kafka, self.topic, self.group, self.n = kafka, topic, group, n
         self.at: float | None = None
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
 
     def _watch(self) -> None:
-        c = Consumer({**self.kafka.client_config(), "group.id": f"bench-watch-{uuid.uuid4().hex}"})
+        from confluent_kafka import TopicPartition
+
+        c = Consumer({**self.kafka.client_config(), "group.id": self.group, "enable.auto.commit": False})
+        tps = [TopicPartition(self.topic, p) for p in range(PARTITIONS)]
         try:
-            while sum(watermarks(c, self.topic, p)[1] for p in range(PARTITIONS)) < self.n:
+            while sum(max(0, tp.offset) for tp in c.committed(tps, timeout=10)) < self.n:
                 time.sleep(0.02)
             self.at = time.monotonic()
         finally:
@@ -71,10 +74,11 @@ class Finish:
 
 def plain_stage(kafka: KafkaSettings, src: str, dst: str, n: int, serde: AvroSerde) -> float:
     """Copies n records src -> dst with a bare confluent-kafka loop; returns seconds."""
-    done = Finish(kafka, dst, n)
+    group = f"bench-plain-{uuid.uuid4().hex}"
+    done = Finish(kafka, src, group, n)
     producer = Producer(producer_config(kafka, serde.max_record_bytes))
     consumer = Consumer({
-        **kafka.client_config(), "group.id": f"bench-plain-{uuid.uuid4().hex}", "enable.auto.commit": False,
+        **kafka.client_config(), "group.id": group, "enable.auto.commit": False,
         "auto.offset.reset": "earliest", "isolation.level": "read_committed",
         "fetch.message.max.bytes": serde.max_record_bytes + 64 * 1024,
     })
@@ -101,10 +105,13 @@ def plain_stage(kafka: KafkaSettings, src: str, dst: str, n: int, serde: AvroSer
     return done.wait(120) - first
 
 
-def our_stage(kafka: KafkaSettings, app: str, experiment: str, out_topic: str, n: int, options: AppOptions | None) -> float:
-    """Runs one app worker until its outputs reached the broker; returns seconds from its first record."""
-    done = Finish(kafka, out_topic, n)
-    worker = build_worker(app, WorkerSettings(experiment, kafka, metrics_interval_s=5.0), options)
+def our_stage(kafka: KafkaSettings, app: str, experiment: str, src: str, n: int, options: AppOptions | None,
+              guarantee: str) -> float:
+    """Runs one app worker until it committed all n inputs; returns seconds from its first record."""
+    settings = EngineSettings(experiment, kafka, metrics_interval_s=5.0, guarantee=guarantee,  # type: ignore[arg-type]
+                              group_id=f"af.{experiment}.{app}.{guarantee}")
+    done = Finish(kafka, src, settings.group_id or "", n)
+    worker = build_worker(app, settings, options)
     thread = worker.start_thread()
     try:
         end = done.wait(120)
@@ -133,7 +140,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     args, n, repeats, kafka = _common.stream_args(ap, "stream_apps", "records")
     serde = AvroSerde()
-    times: dict[str, list[float]] = {"p1": [], "o1": [], "p2": [], "o2": []}
+    times: dict[str, list[float]] = {k: [] for k in ("p1", "o1", "a1", "p2", "o2", "a2")}
     size = 0
     for r in range(repeats):  # a fresh experiment each time; the best time of each stage counts
         exp = f"bench-{uuid.uuid4().hex[:8]}"
@@ -147,31 +154,40 @@ def main() -> None:
             print(f"[{r + 1}/{repeats}] producing {n:,} trajectories of {args.tokens:,} tokens ...", flush=True)
             size = fill(kafka, topics.rollouts, n, args.tokens, args.group_size)
             # Interleaved so that machine noise hits both sides alike.
+            curate = AppOptions(policies=["policy"])
             times["p1"].append(plain_stage(kafka, topics.rollouts, plain1, n, serde))
-            times["o1"].append(our_stage(kafka, "reward", exp, topics.scored, n, None))
+            times["o1"].append(our_stage(kafka, "reward", exp, topics.rollouts, n, None, "exactly_once"))
+            times["a1"].append(our_stage(kafka, "reward", exp, topics.rollouts, n, None, "at_least_once"))
             times["p2"].append(plain_stage(kafka, plain1, plain2, n, serde))
-            times["o2"].append(our_stage(kafka, "curate", exp, topics.train("policy"), n, AppOptions(policies=["policy"])))
+            times["o2"].append(our_stage(kafka, "curate", exp, topics.scored, n, curate, "exactly_once"))
+            times["a2"].append(our_stage(kafka, "curate", exp, topics.scored, n, curate, "at_least_once"))
         finally:
             admin.delete([s.name for s in specs])
-    p1, o1, p2, o2 = (min(times[k]) for k in ("p1", "o1", "p2", "o2"))
-    plain_rate, ours_rate = n / (p1 + p2), n / (o1 + o2)
+    p1, o1, a1, p2, o2, a2 = (min(times[k]) for k in ("p1", "o1", "a1", "p2", "o2", "a2"))
+    plain_rate, ours_rate, alo_rate = n / (p1 + p2), n / (o1 + o2), n / (a1 + a2)
     rows: list[tuple[str, Any]] = [
         ("records", f"{n:,} trajectories, {args.tokens:,} tokens, {size:,} bytes each, {PARTITIONS} partitions, "
                     f"best of {repeats}"),
         ("plain copy loop, stage 1 /s", f"{n / p1:,.0f}"),
         ("plain copy loop, stage 2 /s", f"{n / p2:,.0f}"),
-        ("reward app /s", f"{n / o1:,.0f}"),
-        ("curate app /s", f"{n / o2:,.0f}"),
+        ("reward app, exactly-once /s", f"{n / o1:,.0f}"),
+        ("reward app, at-least-once /s", f"{n / a1:,.0f}"),
+        ("curate app, exactly-once /s", f"{n / o2:,.0f}"),
+        ("curate app, at-least-once /s", f"{n / a2:,.0f}"),
         ("plain loop, 2 stages /s", f"{plain_rate:,.0f}"),
-        ("reward + curate /s", f"{ours_rate:,.0f}"),
-        ("reward + curate vs plain loop (1.0 = as fast)", f"{ours_rate / plain_rate:.2f}x"),
+        ("reward + curate, exactly-once /s", f"{ours_rate:,.0f}"),
+        ("reward + curate, at-least-once /s", f"{alo_rate:,.0f}"),
+        ("exactly-once vs plain loop (1.0 = as fast)", f"{ours_rate / plain_rate:.2f}x"),
+        ("at-least-once vs plain loop", f"{alo_rate / plain_rate:.2f}x"),
     ]
     _common.print_rows(rows)
     write_json(args.json, "stream_apps", {
         "records": n, "tokens": args.tokens, "bytes": size, "partitions": PARTITIONS, "repeats": repeats,
         "stage_seconds": times,
         "plain_stage1_per_s": n / p1, "plain_stage2_per_s": n / p2, "reward_per_s": n / o1, "curate_per_s": n / o2,
+        "reward_at_least_once_per_s": n / a1, "curate_at_least_once_per_s": n / a2,
         "plain_pipeline_per_s": plain_rate, "ours_pipeline_per_s": ours_rate, "ratio_vs_plain": ours_rate / plain_rate,
+        "at_least_once_pipeline_per_s": alo_rate, "at_least_once_ratio_vs_plain": alo_rate / plain_rate,
     })
 
 

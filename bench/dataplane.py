@@ -5,7 +5,7 @@ answers right so curate keeps every group), the whole path running concurrently 
 a real run:
 
 * ours: encode each Trajectory (AvroSerde) and produce it to `rollouts`; the `reward` app and
-  the `curate` app (in-process `StreamWorker`s built by `stream_apps.launch.build_worker`) turn
+  the `curate` app (in-process Faust workers, `StreamEngine`s, built by `stream_apps.launch.build_worker`) turn
   them into TrainSamples on the train topic; the trainer's `trainers.data.TrainStream` reads
   them and collates padded batches of 32 (the tensors Lightning gets). Timed from the first
   encode until the batch holding the N-th sample is collated.
@@ -37,8 +37,8 @@ from astraflow.kafka.clients import RecordProducer, producer_config
 from astraflow.kafka.topics import TopicAdmin, Topics, TopicSpec, topic_specs
 from astraflow.records import Trajectory
 from astraflow.serde import AvroSerde
+from stream_apps.engine import EngineSettings
 from stream_apps.launch import AppOptions, build_worker
-from stream_apps.runtime import WorkerSettings
 from trainers.data import BatchLimits, TrainStream
 
 machine, write_json, trajectories = _common.machine, _common.write_json, _common.trajectories
@@ -150,8 +150,8 @@ def ours_run(kafka: KafkaSettings, trajs: list[Trajectory], timeout_s: float) ->
     specs = topic_specs(exp, ["policy"], TopicSettings(partitions=PARTITIONS))
     admin = TopicAdmin(kafka)
     admin.create(specs)
-    workers = [build_worker("reward", WorkerSettings(exp, kafka, metrics_interval_s=60.0)),
-               build_worker("curate", WorkerSettings(exp, kafka, metrics_interval_s=60.0), AppOptions(policies=["policy"]))]
+    workers = [build_worker("reward", EngineSettings(exp, kafka, metrics_interval_s=60.0)),
+               build_worker("curate", EngineSettings(exp, kafka, metrics_interval_s=60.0), AppOptions(policies=["policy"]))]
     threads = [w.start_thread() for w in workers]
     stream = TrainStream(kafka, topics.train("policy"), "policy", limits=BatchLimits(batch_size=BATCH), max_wait_s=0.5,
                          deadline=time.monotonic() + timeout_s)

@@ -27,14 +27,15 @@ publish), read to its end at start and followed live. It is the only place that 
 the trainer is at (samples' `min_version` tells how old a rollout is, not how far the trainer
 moved on). While no version of a policy is known (no trainer yet), nothing is stale.
 
-**Restart and rebalance.** Records of a group stay uncommitted until the group is emitted, so
-the committed offset of a partition never passes the first record of a pending group. After
-a crash or a rebalance the new owner reads from there: pending groups are rebuilt completely
-(nothing lost); groups emitted after that offset are emitted again (at-least-once), with the
-same deterministic `sample_id`s (`<trajectory_id>#<policy>`) so a trainer can drop them. The
-window is bounded by the group timeout. Prompt statistics resume from the `feedback` topic.
-Within one worker's lifetime, emitted groups are remembered (100k ids), so redelivered
-trajectories are dropped.
+**State and exactly-once.** Groups in assembly, their members and the emitted group ids live
+in Faust tables (`stream_apps.groups.GroupStore`), backed by changelog topics and written in
+the transaction of the record that changed them, together with the outputs and the record's
+offset. A worker killed at any point, or a partition moved by a rebalance, leaves the next
+owner exactly the committed state: no group lost, none emitted twice, and partial groups keep
+assembling at once (no timeout to wait for). Timeouts are wall-clock, measured from a group's
+first member; an expired group is emitted (or dropped) in a transaction of its partition.
+Emitted ids are kept `--emitted-ttl` seconds (default a day), so a trajectory redelivered
+within that time is dropped as late. Prompt statistics resume from the `feedback` topic.
 """
 
 from __future__ import annotations
@@ -54,13 +55,16 @@ from astraflow.errors import AstraflowError, ConfigError, SerdeError
 from astraflow.records import PolicyVersion, PromptStats, StrategyRef, TrainSample, Trajectory
 from stream_apps.groups import (
     Group,
-    GroupAssembler,
+    GroupStore,
+    Member,
+    Pending,
+    forget_partitions,
     policy_reward,
     train_sample,
     trained_policies,
     trained_versions,
 )
-from stream_apps.handler import TP, AppHandler, Incoming, StrategyFailed
+from stream_apps.handler import AppHandler, Incoming, StrategyFailed
 from stream_apps.slots import Slot, SlotDefault
 
 log = logging.getLogger("astraflow.stream.curate")
@@ -87,6 +91,8 @@ class CurateApp(AppHandler):
     expect = Trajectory
     sources = ("scored",)
     tick_interval_s = 0.25
+    tables = ("groups", "members", "emitted")
+    prune_interval_s = 60.0  # how often emitted ids older than emitted_ttl_s are forgotten
 
     def __init__(
         self,
@@ -95,6 +101,7 @@ class CurateApp(AppHandler):
         group_timeout_s: float = 300.0,
         min_group_size: int = 2,
         stats_alpha: float = 0.3,
+        emitted_ttl_s: float = 86_400.0,
         defaults: dict[str, SlotDefault] | None = None,
     ) -> None:
         if min_group_size < 1:
@@ -105,7 +112,9 @@ class CurateApp(AppHandler):
         self.stats_alpha = stats_alpha
         self.defaults = {**DEFAULTS, **(defaults or {})}
         self.slots: dict[str, Slot] = {}
-        self.assembler = GroupAssembler(group_timeout_s)
+        self.emitted_ttl_s = emitted_ttl_s
+        self._store: GroupStore | None = None
+        self._pruned_at = 0.0
         self.stats: dict[str, PromptStats] = {}  # "<policy>/<prompt_id>" -> latest statistics
         self.groups_emitted = 0
         self._extra_generation = -1
@@ -132,6 +141,18 @@ class CurateApp(AppHandler):
         self.versions.catch_up()
         self.feedback.catch_up()
 
+    @property
+    def store(self) -> GroupStore:
+        """Groups in assembly and emitted, in the worker's tables (new ones when the Faust app is rebuilt)."""
+        groups = self.worker.table("groups")
+        if self._store is None or self._store.groups is not groups:
+            self._store = GroupStore(groups, self.worker.table("members"), self.worker.table("emitted"),
+                                     self._decode, self.group_timeout_s, self.emitted_ttl_s)
+        return self._store
+
+    def _decode(self, value: bytes) -> Trajectory:
+        return self.worker.serde.loads(value, Trajectory)
+
     def init_slots(self, control: Any) -> None:
         """Builds the strategy slots (bind calls it; unit tests call it with a plain control state)."""
         for slot, default in self.defaults.items():
@@ -147,10 +168,10 @@ class CurateApp(AppHandler):
     def _has_train_topic(self, policy: str) -> bool:
         known = self._train_topics.get(policy)
         if known is None:
+            from astraflow.kafka.topics import TopicAdmin
+
             topic = self.worker.topics.train(policy)
-            md = self.worker.producer.raw.list_topics(topic, timeout=10.0)
-            meta = md.topics.get(topic)
-            known = self._train_topics[policy] = meta is not None and meta.error is None and bool(meta.partitions)
+            known = self._train_topics[policy] = bool(TopicAdmin(self.worker.kafka).list(topic).get(topic))
             if not known:
                 log.error("no train topic %s: samples of policy %s are dropped (create it and restart curate)", topic, policy)
         return known
@@ -165,29 +186,38 @@ class CurateApp(AppHandler):
         traj: Trajectory = inc.record
         if traj.reward is None:
             raise UnscoredTrajectoryError(f"trajectory {traj.trajectory_id} has no reward; curate reads the reward app's output")
-        added = self.assembler.add(traj, inc, inc.tp, self._now())
+        added = self.store.add(traj, inc.value or b"", inc.partition, inc.offset, self._now())
         if added.status == "late":
             self.worker.drop("late_trajectory")
         elif added.status == "duplicate":
             self.worker.drop("duplicate_in_group")
-        else:
-            self.worker.hold(inc)
-            if added.group is not None:
-                self._emit(added.group)
+        elif added.group is not None:
+            self._emit(added.group)
 
-    def tick(self, now: float) -> None:
+    async def tick(self, now: float) -> None:
         self.versions.refresh()
         self.feedback.refresh()
-        for group in self.assembler.expire(now):
-            self._emit(group)
+        wall = self._now()
+        for p in self.store.expired(wall):
+            await self.worker.in_partition(p.partition, lambda p=p: self._expire(p.group_id))
+        if wall - self._pruned_at >= self.prune_interval_s:
+            self._pruned_at = wall
+            for partition in sorted({int(p) for p in self.worker.assigned()}):
+                await self.worker.in_partition(partition, lambda part=partition: self.store.prune_emitted(wall, part))
 
-    def on_revoke(self, tps: set[TP]) -> None:
-        gone = self.assembler.drop_partitions(tps)
+    def _expire(self, group_id: str) -> None:
+        """Emits (or drops) a timed-out group, in its partition's transaction."""
+        pending: Pending | None = self.store.pending(group_id)
+        if pending is not None:  # not completed meanwhile
+            self._emit(self.store.take(pending, self._now()))
+
+    def on_revoke(self, partitions: set[int]) -> None:
+        gone = forget_partitions(self.store, partitions, lambda table: getattr(table, "data", table))
         if gone:
-            log.info("dropped %d pending groups of revoked partitions; their new owner rebuilds them", len(gone))
+            log.info("forgot %d groups of revoked partitions; their new owner has them from the changelog", gone)
 
     def _now(self) -> float:
-        return time.monotonic()
+        return time.time()
 
     # ---- one group -------------------------------------------------------------------------------
 
@@ -198,9 +228,14 @@ class CurateApp(AppHandler):
             found = self._versions[traj.trajectory_id] = trained_versions(traj)
         return found
 
+    def _member_incoming(self, member: Member, traj: Trajectory) -> Incoming:
+        return Incoming(traj, self.worker.source or "", member.partition, member.offset, traj.group_id.encode(), 0,
+                        member.value, {})
+
     def _emit(self, group: Group) -> None:
+        """The group's feedback and train samples (or dead letters), in the current transaction."""
         self._versions = {}
-        incs: list[Incoming] = group.tokens
+        incs = [self._member_incoming(m, t) for t, m in group.members.values()]
         # Statistics first, whatever happens to the samples: the curator counts every group
         # curate finished (max-ahead), and a prompt whose group broke a filter is still news.
         try:
@@ -228,7 +263,6 @@ class CurateApp(AppHandler):
                 self.worker.dead_letter(inc, exc)
             return
         self.groups_emitted += 1
-        self.worker.release(incs)
 
     def process(self, group: Group) -> tuple[list[tuple[str, TrainSample, str]], list[tuple[str, PromptStats]]]:
         """(train samples with their topic and key, feedback records with their key) of one group."""
@@ -324,7 +358,7 @@ class CurateApp(AppHandler):
 
     def gauges(self) -> dict[str, float]:
         return {
-            "groups_pending": float(len(self.assembler.pending)),
+            "groups_pending": float(self._store.pending_groups) if self._store is not None else 0.0,
             "groups_emitted_total": float(self.groups_emitted),
             **{f"control_version.{k}": float(s.version) for k, s in self.slots.items()},
         }

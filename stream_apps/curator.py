@@ -5,7 +5,9 @@
     astraflow control set --experiment EXP curator curator filter_solved --param threshold=0.8
     astraflow control set --experiment EXP curator pause on      # stop issuing; `off` resumes
 
-Every tick (0.2 s) it measures how many tasks are ahead of the trainer, and if fewer than
+The curator is a Faust app like the others: its agent reads `feedback` (the per-prompt
+statistics curate publishes for every finished group) and a timer issues tasks. Every tick
+(0.2 s) it measures how many tasks are ahead of the trainer, and if fewer than
 `--max-ahead`, asks the curator strategy (slot `curator`, default `accept_all`) for that many
 prompts, given the prompts' latest statistics from `feedback` (those of the first `--policy`),
 and writes one Task per prompt (`--n-samples` samples: one group) to `tasks`, keyed by group
@@ -19,7 +21,8 @@ id, with lineage `StrategyRef("curator", "curator", name, version)`.
   process wrote since);
 * `curated`: groups curate has finished, emitted or filtered out: the sum of `groups` over the
   first policy's PromptStats on the compacted `feedback` topic (each record is cumulative, so
-  compaction loses nothing);
+  compaction loses nothing, and a record read twice changes nothing): read to its end at start,
+  then followed by the agent;
 * `train_backlog`: samples in `<policy>.train` the trainer has not consumed: end offsets minus
   the committed offsets of the trainer's consumer group (`--trainer-group`, default
   `af.<experiment>.<policy>.trainer`, what `astraflow train` commits); a partition without a
@@ -49,7 +52,7 @@ from confluent_kafka import KafkaException
 from astraflow.errors import AstraflowError, ConfigError
 from astraflow.records import PromptStats, SamplingParams, Task
 from stream_apps.datasets import DatasetRow, load_datasets
-from stream_apps.handler import AppHandler
+from stream_apps.handler import AppHandler, Incoming
 from stream_apps.slots import Slot, SlotDefault
 
 log = logging.getLogger("astraflow.stream.curator")
@@ -83,7 +86,8 @@ class CuratorApp(AppHandler):
     """Issues tasks (see the module doc)."""
 
     name = "curator"
-    sources = ()
+    sources = ("feedback",)
+    expect = PromptStats
     tick_interval_s = 0.2
 
     def __init__(self, options: CuratorOptions, defaults: dict[str, SlotDefault] | None = None) -> None:
@@ -126,10 +130,13 @@ class CuratorApp(AppHandler):
         self._lag_consumer = Consumer({**worker.kafka.client_config(), "group.id": self.trainer_group or f"af-curator-{self._run}",
                                        "enable.auto.commit": False})
         self.issued = sum(high for _, high in self._watermarks(self.tasks_topic).values())
-        self.feedback = CompactedReader(
+        history = CompactedReader(
             worker.kafka, worker.topics.feedback, serde=worker.serde, expect=PromptStats, on_record=self._on_feedback
         )
-        self.feedback.catch_up()
+        try:
+            history.catch_up()
+        finally:
+            history.close()
         self._zv = [0, 0, 0]  # history is not news: observe only what arrives from now on
         log.info("curator: %d prompts, %d tasks issued so far, %d groups curated", len(self.pool), self.issued, self.curated)
 
@@ -141,6 +148,10 @@ class CuratorApp(AppHandler):
         if meta is None or meta.error is not None:
             raise ConfigError(f"topic {topic} does not exist; create the experiment's topics with `astraflow topics create`")
         return {p: watermarks(self._lag_consumer, topic, p) for p in meta.partitions}
+
+    def handle(self, inc: Incoming) -> None:
+        """A feedback record (curate finished a group of this prompt)."""
+        self._on_feedback(inc.key_str or "", inc.record)
 
     def _on_feedback(self, key: str, stats: PromptStats | None) -> None:
         policy, _, prompt_id = key.partition("/")
@@ -168,7 +179,6 @@ class CuratorApp(AppHandler):
         return sum(high - max(low, done.get(p, -1)) for p, (low, high) in marks.items())
 
     def tick(self, now: float) -> None:
-        self.feedback.refresh()
         self._observe()
         if now >= self._lag_due:
             self._lag_due = now + self.options.lag_interval_s
@@ -240,7 +250,5 @@ class CuratorApp(AppHandler):
         }
 
     def close(self) -> None:
-        if getattr(self, "feedback", None) is not None:
-            self.feedback.close()
         if self._lag_consumer is not None:
             self._lag_consumer.close()

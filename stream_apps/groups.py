@@ -1,11 +1,10 @@
 """Pure parts of curate: assembling GRPO groups from scored trajectories, and TrainSamples per policy.
 
-`GroupAssembler` collects trajectories by `group_id` until `group_size` distinct ones arrived
+`GroupStore` collects trajectories by `group_id` until `group_size` distinct ones arrived
 (complete) or `timeout_s` passed since the first one (expired: curate emits it if it still has
-`min_size` members). It remembers recently emitted group ids, so a trajectory arriving after
-its group left (a redelivery, or a straggler past the timeout) is recognised as late. Each
-member carries an opaque token (the stream record it came from) that curate finishes when the
-group leaves.
+`min_size` members). It remembers emitted group ids, so a trajectory arriving after its group
+left (a redelivery, or a straggler past the timeout) is recognised as late. Its state lives in
+plain mappings of bytes, which curate backs with Faust tables.
 
 `train_sample(trajectory, policy, ...)` makes one sequence per policy out of a trajectory:
 every segment's tokens in order; the loss mask is the segment's mask on that policy's
@@ -20,8 +19,9 @@ answer), which then replaces `reward` for that policy's sample.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Iterable
+import json
+import struct
+from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,18 +29,25 @@ import numpy as np
 
 from astraflow.records import StrategyRef, TrainSample, Trajectory
 
-TP = tuple[str, int]
+
+@dataclass
+class Member:
+    """Where a group member came from: enough to dead-letter its original bytes."""
+
+    partition: int
+    offset: int
+    value: bytes  # the record as read (single-object Avro)
 
 
 @dataclass
 class Group:
-    """A group being assembled, or one that is ready."""
+    """A group that is ready (complete, or timed out)."""
 
     group_id: str
     expected: int  # group_size of its trajectories
-    tp: TP  # partition its records came from (a group lives on one partition: key = group_id)
-    first_seen: float  # monotonic time of its first member
-    members: dict[str, tuple[Trajectory, Any]] = field(default_factory=dict)  # trajectory_id -> (trajectory, token)
+    partition: int  # source partition (a group lives on one partition: key = group_id)
+    first_seen: float  # wall-clock time of its first member
+    members: dict[str, tuple[Trajectory, Any]] = field(default_factory=dict)  # trajectory_id -> (trajectory, Member)
     complete: bool = False  # all `expected` members arrived (False: it timed out)
 
     @property
@@ -54,62 +61,128 @@ class Group:
 
 @dataclass(frozen=True, slots=True)
 class Added:
-    """What `GroupAssembler.add` did with a trajectory."""
+    """What `GroupStore.add` did with a trajectory."""
 
     status: str  # held | complete | duplicate | late
     group: Group | None = None  # the ready group when status == complete
 
 
-class GroupAssembler:
-    """Trajectories in, complete (or expired) groups out."""
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """A group in assembly, as the `groups` table holds it."""
 
-    def __init__(self, timeout_s: float, emitted_capacity: int = 100_000) -> None:
+    group_id: str
+    expected: int
+    partition: int
+    first_seen: float
+    members: tuple[str, ...]  # trajectory ids, in arrival order
+
+
+class GroupStore:
+    """Trajectories in, complete (or expired) groups out; all state in three bytes -> bytes mappings.
+
+    In curate the mappings are Faust tables backed by changelog topics, written in the same
+    transaction as the record that changed them, so a worker that takes a partition over (after
+    a crash or a rebalance) finds every group in assembly and every group already emitted:
+
+    * `groups`: group id -> JSON {expected, partition, first_seen, members};
+    * `members`: `<group id>\\0<trajectory id>` -> 8-byte offset + the trajectory's bytes;
+    * `emitted`: group id -> JSON {at, partition}, kept `emitted_ttl_s` (a trajectory of an
+      emitted group arriving later, e.g. redelivered, is `late`).
+
+    Times are wall-clock seconds, so timeouts survive restarts. `decode` turns a member's bytes
+    back into a Trajectory.
+    """
+
+    def __init__(self, groups: MutableMapping[bytes, bytes], members: MutableMapping[bytes, bytes],
+                 emitted: MutableMapping[bytes, bytes], decode: Callable[[bytes], Trajectory], timeout_s: float,
+                 emitted_ttl_s: float = 86_400.0) -> None:
+        self.groups, self.members, self.emitted = groups, members, emitted
+        self.decode = decode
         self.timeout_s = timeout_s
-        self.pending: dict[str, Group] = {}  # group_id -> group, oldest first
-        self.emitted: OrderedDict[str, None] = OrderedDict()  # recently emitted group ids (LRU)
-        self.emitted_capacity = emitted_capacity
+        self.emitted_ttl_s = emitted_ttl_s
 
-    def add(self, traj: Trajectory, token: Any, tp: TP, now: float) -> Added:
-        if traj.group_id in self.emitted:
+    def pending(self, group_id: str) -> Pending | None:
+        raw = self.groups.get(group_id.encode())
+        if raw is None:
+            return None
+        d = json.loads(raw)
+        return Pending(group_id, int(d["expected"]), int(d["partition"]), float(d["first_seen"]), tuple(d["members"]))
+
+    def _put(self, p: Pending) -> None:
+        self.groups[p.group_id.encode()] = json.dumps({"expected": p.expected, "partition": p.partition,
+                                                      "first_seen": p.first_seen, "members": list(p.members)}).encode()
+
+    def add(self, traj: Trajectory, value: bytes, partition: int, offset: int, now: float) -> Added:
+        gid = traj.group_id
+        if gid.encode() in self.emitted:
             return Added("late")
-        group = self.pending.get(traj.group_id)
-        if group is None:
-            group = self.pending[traj.group_id] = Group(traj.group_id, max(traj.group_size, 1), tp, now)
-        if traj.trajectory_id in group.members:
+        p = self.pending(gid) or Pending(gid, max(traj.group_size, 1), partition, now, ())
+        if traj.trajectory_id in p.members:
             return Added("duplicate")
-        group.members[traj.trajectory_id] = (traj, token)
-        if len(group.members) >= group.expected:
-            group.complete = True
-            self._done(group)
-            return Added("complete", group)
+        self.members[_member_key(gid, traj.trajectory_id)] = struct.pack(">q", offset) + value
+        p = Pending(gid, p.expected, p.partition, p.first_seen, (*p.members, traj.trajectory_id))
+        if len(p.members) >= p.expected:
+            return Added("complete", self.take(p, now, complete=True))
+        self._put(p)
         return Added("held")
 
-    def expire(self, now: float) -> list[Group]:
-        """Groups whose first member is older than the timeout (oldest first); they leave."""
+    def expired(self, now: float, partitions: set[int] | None = None) -> list[Pending]:
+        """Groups whose first member is older than the timeout, oldest first (they stay until `take`)."""
         out = []
-        for group in list(self.pending.values()):  # insertion order = first_seen order
-            if now - group.first_seen < self.timeout_s:
-                break
-            out.append(group)
-            self._done(group)
-        return out
+        for key in list(self.groups):
+            p = self.pending(key.decode())
+            if p is not None and now - p.first_seen >= self.timeout_s and (partitions is None or p.partition in partitions):
+                out.append(p)
+        return sorted(out, key=lambda p: p.first_seen)
 
-    def drop_partitions(self, tps: set[TP]) -> list[Group]:
-        """Forgets groups of revoked partitions (their records are read again by the new owner)."""
-        gone = [g for g in self.pending.values() if g.tp in tps]
-        for g in gone:
-            del self.pending[g.group_id]
-        return gone
+    def take(self, p: Pending, now: float, complete: bool = False) -> Group:
+        """Removes `p` from assembly, marks it emitted, and returns it with its members decoded."""
+        group = Group(p.group_id, p.expected, p.partition, p.first_seen, complete=complete)
+        for tid in p.members:
+            raw = self.members.pop(_member_key(p.group_id, tid), None)
+            if raw is not None:
+                member = Member(p.partition, struct.unpack(">q", raw[:8])[0], raw[8:])
+                group.members[tid] = (self.decode(member.value), member)
+        self.groups.pop(p.group_id.encode(), None)
+        self.emitted[p.group_id.encode()] = json.dumps({"at": now, "partition": p.partition}).encode()
+        return group
 
-    def _done(self, group: Group) -> None:
-        self.pending.pop(group.group_id, None)
-        self.emitted[group.group_id] = None
-        if len(self.emitted) > self.emitted_capacity:
-            self.emitted.popitem(last=False)
+    def prune_emitted(self, now: float, partition: int) -> int:
+        """Forgets emitted groups of `partition` older than `emitted_ttl_s`; returns how many."""
+        old = []
+        for key, raw in list(self.emitted.items()):
+            d = json.loads(raw)
+            if int(d["partition"]) == partition and now - float(d["at"]) > self.emitted_ttl_s:
+                old.append(key)
+        for key in old:
+            del self.emitted[key]
+        return len(old)
 
     @property
-    def pending_records(self) -> int:
-        return sum(len(g.members) for g in self.pending.values())
+    def pending_groups(self) -> int:
+        return len(self.groups)
+
+
+def forget_partitions(store: GroupStore, partitions: set[int], local: Callable[[MutableMapping[bytes, bytes]], Any]) -> int:
+    """Drops, from this worker's memory only (`local(mapping)` gives the unlogged mapping), the state
+    of revoked partitions: the changelog keeps it for their new owner. Returns the groups dropped."""
+    gone = 0
+    for key, raw in list(store.groups.items()):
+        d = json.loads(raw)
+        if int(d["partition"]) in partitions:
+            for tid in d["members"]:
+                local(store.members).pop(_member_key(key.decode(), tid), None)
+            local(store.groups).pop(key, None)
+            gone += 1
+    for key, raw in list(store.emitted.items()):
+        if int(json.loads(raw)["partition"]) in partitions:
+            local(store.emitted).pop(key, None)
+    return gone
+
+
+def _member_key(group_id: str, trajectory_id: str) -> bytes:
+    return f"{group_id}\0{trajectory_id}".encode()
 
 
 def trained_versions(traj: Trajectory) -> dict[str, tuple[int, int]]:

@@ -1,9 +1,10 @@
 """The app interface: what a stream app implements (`AppHandler`) and what it is handed (`Incoming`).
 
-An app is a handler object run by a `stream_apps.runtime.StreamWorker`; it never touches Kafka
-clients itself. It sends outputs, holds and releases records, counts drops and dead-letters
-through the worker it is bound to, and raises `StrategyFailed` to say which strategy failed on
-a record (the DLQ entry then names it).
+An app is a handler object that `stream_apps.engine.StreamEngine` wires into a Faust app; it
+never touches Kafka clients itself. It sends outputs, counts drops and dead-letters through the
+engine it is bound to (everything it sends while handling a record joins that record's
+transaction), keeps state in the engine's tables, and raises `StrategyFailed` to say which
+strategy failed on a record (the DLQ entry then names it).
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ from astraflow.errors import AstraflowError
 from astraflow.kafka.offsets import TP
 
 if TYPE_CHECKING:
-    from confluent_kafka import Message
-
-    from stream_apps.runtime import StreamWorker
+    from stream_apps.engine import StreamEngine
 
 
 class StrategyFailed(AstraflowError):
@@ -34,15 +33,15 @@ class StrategyFailed(AstraflowError):
 class Incoming:
     """A decoded input record with where it came from."""
 
-    record: Any  # the typed record (astraflow.records)
+    record: Any  # the typed record (astraflow.records); None until decoded
     topic: str
     partition: int
     offset: int
     key: bytes | None
     timestamp_ms: int
-    message: Message  # the raw message, kept for dead-lettering the original bytes
-    epoch: int  # assignment epoch of its partition (OffsetTracker)
-    held: bool = False  # the handler keeps it unfinished until `release`
+    value: bytes | None  # the original bytes, kept for dead-lettering
+    headers: dict[str, str]  # the record's headers, decoded leniently
+    epoch: int = 0  # assignment epoch of its partition (OffsetTracker)
 
     @property
     def tp(self) -> TP:
@@ -58,27 +57,28 @@ class AppHandler:
 
     name: str = "app"  # component name: consumer group suffix, metrics component, DLQ component
     expect: type | None = None  # record class of the input (others are dead-lettered); None = any
-    sources: tuple[str, ...] = ()  # stream names read (empty: a source app driven by `tick`)
+    sources: tuple[str, ...] = ()  # stream name read (at most one; empty: a source app driven by `tick`)
     tick_interval_s: float = 0.5  # how often `tick` runs
-    worker: StreamWorker
+    tables: tuple[str, ...] = ()  # Faust tables (bytes -> bytes, changelog-backed) the app keeps state in
+    worker: StreamEngine
 
-    def bind(self, worker: StreamWorker) -> None:
-        """Called once before the first record: build slots, open readers, check topics."""
+    def bind(self, worker: StreamEngine) -> None:
+        """Called once the app started, before the first record: build slots, open readers, check topics."""
         self.worker = worker
 
     def handle(self, inc: Incoming) -> Awaitable[None] | None:
-        """Handles one record: send outputs through the worker; may return an awaitable."""
+        """Handles one record: send outputs through the worker; may return an awaitable (runs concurrently)."""
         raise NotImplementedError
 
-    def tick(self, now: float) -> None:
-        """Periodic work (timeouts, source apps' production)."""
+    def tick(self, now: float) -> Awaitable[None] | None:
+        """Periodic work (timeouts, source apps' production); may return an awaitable."""
 
-    def on_revoke(self, tps: set[TP]) -> None:
-        """Partitions are leaving this worker: drop state kept for them (it is re-read elsewhere)."""
+    def on_revoke(self, partitions: set[int]) -> None:
+        """Partitions of the source are leaving this worker: drop what is kept for them."""
 
     def gauges(self) -> dict[str, float]:
         """App-specific values for the metrics topic."""
         return {}
 
     def close(self) -> None:
-        """The worker stops: release resources (pending state is simply not committed)."""
+        """The worker stops: release resources."""

@@ -1,11 +1,11 @@
 """Builds stream workers by app name, in-process (tests, benchmarks) or as a command (supervisors).
 
-    worker = build_worker("reward", WorkerSettings("exp", kafka))
+    worker = build_worker("reward", EngineSettings("exp", kafka))
     thread = worker.start_thread(); ...; worker.stop(); thread.join()
 
     subprocess.Popen(app_command("curate", "exp", "--policy", "solver"))
 
-Each call builds a fresh handler; a worker runs one handler. Slot defaults can be overridden
+Each call builds a fresh handler; a worker (a `StreamEngine`: one Faust app) runs one handler. Slot defaults can be overridden
 per worker (`defaults={"reward": SlotDefault("numeric")}`); the control topic overrides both.
 """
 
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from astraflow.errors import ConfigError
+from stream_apps.engine import EngineSettings, StreamEngine
 from stream_apps.handler import AppHandler
-from stream_apps.runtime import StreamWorker, WorkerSettings
 from stream_apps.slots import SlotDefault
 
 APPS = ("reward", "curate", "curator")
@@ -31,6 +31,7 @@ class AppOptions:
     defaults: dict[str, SlotDefault] = field(default_factory=dict)  # slot -> default strategy
     group_timeout_s: float = 300.0  # curate
     min_group_size: int = 2  # curate
+    emitted_ttl_s: float = 86_400.0  # curate: how long emitted group ids are remembered
     curator: object | None = None  # curator: a stream_apps.curator.CuratorOptions
 
 
@@ -44,7 +45,8 @@ def build_handler(app: str, options: AppOptions | None = None) -> AppHandler:
     if app == "curate":
         from stream_apps.curate import CurateApp
 
-        return CurateApp(o.policies, group_timeout_s=o.group_timeout_s, min_group_size=o.min_group_size, defaults=o.defaults)
+        return CurateApp(o.policies, group_timeout_s=o.group_timeout_s, min_group_size=o.min_group_size,
+                         emitted_ttl_s=o.emitted_ttl_s, defaults=o.defaults)
     if app == "curator":
         from stream_apps.curator import CuratorApp, CuratorOptions
 
@@ -54,19 +56,19 @@ def build_handler(app: str, options: AppOptions | None = None) -> AppHandler:
     raise ConfigError(f"unknown app {app!r}; apps are {', '.join(APPS)} (user code runs with `astraflow process run`)")
 
 
-def build_worker(app: str, settings: WorkerSettings, options: AppOptions | None = None) -> StreamWorker:
+def build_worker(app: str, settings: EngineSettings, options: AppOptions | None = None) -> StreamEngine:
     """A worker for a built-in app (not started)."""
-    return StreamWorker(build_handler(app, options), settings)
+    return StreamEngine(build_handler(app, options), settings)
 
 
-def build_processor_worker(spec: str | object, settings: WorkerSettings) -> StreamWorker:
+def build_processor_worker(spec: str | object, settings: EngineSettings) -> StreamEngine:
     """A worker for a user processor, given as `module:function` or as the Processor itself."""
     from astraflow.processor import Processor, load_processor
     from stream_apps.process import ProcessorApp
 
     proc = spec if isinstance(spec, Processor) else load_processor(str(spec))
     settings.max_inflight = proc.concurrency
-    return StreamWorker(ProcessorApp(proc), settings)
+    return StreamEngine(ProcessorApp(proc), settings)
 
 
 def app_command(app: str, experiment: str, *args: str, python: str | None = None) -> list[str]:

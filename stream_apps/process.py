@@ -1,4 +1,4 @@
-"""Runs a user processor (`@astraflow.processor`) as a stream worker.
+"""Runs a user processor (`@astraflow.processor`) as a Faust stream worker (`stream_apps.engine`).
 
     astraflow process run my_module:my_function --experiment EXP
 

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from astraflow.cli.common import console, handle_errors, load
 
-app_app = typer.Typer(help="Run the stream apps: reward, curate, curator.", no_args_is_help=True)
+app_app = typer.Typer(help="Run the stream apps (Faust workers): reward, curate, curator.", no_args_is_help=True)
 control_app = typer.Typer(help="Select the strategies of running apps (hot swap, no restart).", no_args_is_help=True)
 process_app = typer.Typer(help="Run user processors written with @astraflow.processor.", no_args_is_help=True)
 
@@ -32,21 +32,30 @@ def _kind(slot: str) -> str | None:
 
 
 def _settings(ctx: typer.Context, experiment: str, group: str | None, instance_id: str | None,
-              max_inflight: int, metrics_interval: float) -> object:
-    from stream_apps.runtime import WorkerSettings
+              max_inflight: int, metrics_interval: float, guarantee: str = "exactly_once") -> object:
+    from astraflow.errors import ConfigError
+    from stream_apps.engine import EngineSettings
 
+    if guarantee not in ("exactly_once", "at_least_once"):
+        raise ConfigError(f"--guarantee must be exactly_once or at_least_once, got {guarantee!r}")
     cfg = load(ctx)
-    return WorkerSettings(experiment, cfg.kafka, group_id=group, instance_id=instance_id, max_inflight=max_inflight,
-                          metrics_interval_s=metrics_interval)
+    return EngineSettings(experiment, cfg.kafka, group_id=group, instance_id=instance_id, max_inflight=max_inflight,
+                          metrics_interval_s=metrics_interval, guarantee=guarantee)  # type: ignore[arg-type]
 
 
 def _logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if level.lower() != "debug":  # Faust and aiokafka narrate every service start and stop at INFO
+        for name in ("faust", "mode", "aiokafka"):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _run(worker: object) -> None:
     worker.install_signal_handlers()  # type: ignore[attr-defined]
-    worker.run()  # type: ignore[attr-defined]
+    try:
+        worker.run()  # type: ignore[attr-defined]
+    finally:
+        worker.close()  # type: ignore[attr-defined]
 
 
 @app_app.command("run")
@@ -57,12 +66,14 @@ def run_app(
     experiment: str = EXPERIMENT,
     policy: list[str] = typer.Option([], "--policy", "-p", help="curate: policies to route (default: all); curator: the tasks' policies."),
     default: list[str] = typer.Option([], "--default", help="Slot default: slot=strategy[:{json params}] (control records override it)."),
-    group: str | None = typer.Option(None, help="Consumer group (default af.<experiment>.<app>)."),
+    group: str | None = typer.Option(None, help="Faust app id = consumer group (default af.<experiment>.<app>)."),
     instance_id: str | None = typer.Option(None, help="Instance name in metrics (default app-host-pid-random)."),
     max_inflight: int = typer.Option(16, help="Slow records (async rewards) handled at once per worker."),
+    guarantee: str = typer.Option("exactly_once", help="exactly_once (Kafka transactions) | at_least_once."),
     metrics_interval: float = typer.Option(10.0, help="Seconds between metrics records."),
     group_timeout: float | None = typer.Option(None, help="curate: seconds before an incomplete group is emitted or dropped (300)."),
     min_group_size: int | None = typer.Option(None, help="curate: smallest timed-out group still trained on (2)."),
+    emitted_ttl: float | None = typer.Option(None, help="curate: seconds emitted group ids are remembered (86400)."),
     dataset: list[str] = typer.Option([], "--dataset", help="curator: JSONL or Parquet file (repeatable)."),
     n_samples: int | None = typer.Option(None, help="curator: samples per prompt, one group (8)."),
     max_ahead: int | None = typer.Option(None, help="curator: most tasks ahead of the trainer (64)."),
@@ -82,7 +93,7 @@ def run_app(
 
     if name not in APPS:
         raise ConfigError(f"unknown app {name!r}; apps are {', '.join(APPS)} (user code: `astraflow process run`)")
-    curate_only = {"--group-timeout": group_timeout, "--min-group-size": min_group_size}
+    curate_only = {"--group-timeout": group_timeout, "--min-group-size": min_group_size, "--emitted-ttl": emitted_ttl}
     curator_only = {"--dataset": dataset or None, "--n-samples": n_samples, "--max-ahead": max_ahead, "--workflow": workflow,
                     "--temperature": temperature, "--top-p": top_p, "--max-tokens": max_tokens, "--max-turns": max_turns,
                     "--max-tasks": max_tasks, "--trainer-group": trainer_group}
@@ -96,6 +107,8 @@ def run_app(
         options.group_timeout_s = group_timeout
     if min_group_size is not None:
         options.min_group_size = min_group_size
+    if emitted_ttl is not None:
+        options.emitted_ttl_s = emitted_ttl
     if name == "curator":
         from astraflow.records import SamplingParams
         from stream_apps.curator import CuratorOptions
@@ -110,8 +123,9 @@ def run_app(
                                     top_p if top_p is not None else sp.top_p, max_tokens or sp.max_tokens, [],
                                     max_turns or sp.max_turns),
         )
-    worker = build_worker(name, _settings(ctx, experiment, group, instance_id, max_inflight, metrics_interval), options)
-    console.print(f"{name} worker for experiment {experiment} (group {worker.group_id}); Ctrl-C stops it")
+    settings = _settings(ctx, experiment, group, instance_id, max_inflight, metrics_interval, guarantee)
+    worker = build_worker(name, settings, options)  # type: ignore[arg-type]
+    console.print(f"{name} worker (Faust app {worker.group_id}, {guarantee}) for experiment {experiment}; Ctrl-C stops it")
     _run(worker)
 
 
@@ -198,6 +212,7 @@ def process_run(
     group: str | None = typer.Option(None, help="Consumer group (default af.<experiment>.proc.<name>)."),
     instance_id: str | None = typer.Option(None, help="Instance name in metrics."),
     metrics_interval: float = typer.Option(10.0, help="Seconds between metrics records."),
+    guarantee: str = typer.Option("exactly_once", help="exactly_once (Kafka transactions) | at_least_once."),
     log_level: str = typer.Option("info", help="debug | info | warning"),
 ) -> None:
     """Run one worker of a user processor until SIGTERM / Ctrl-C; start more to split partitions."""
@@ -206,7 +221,7 @@ def process_run(
     if os.getcwd() not in sys.path:  # console scripts do not put the working directory on sys.path
         sys.path.insert(0, os.getcwd())
     _logging(log_level)
-    worker = build_processor_worker(spec, _settings(ctx, experiment, group, instance_id, 16, metrics_interval))
+    worker = build_processor_worker(spec, _settings(ctx, experiment, group, instance_id, 16, metrics_interval, guarantee))
     proc = worker.handler.proc  # type: ignore[attr-defined]
     console.print(f"processor {proc.name}: {proc.source} -> {proc.sink or '(Emit topics)'} (group {worker.group_id})")
     _run(worker)

@@ -21,8 +21,8 @@ from astraflow.kafka.topics import Topics
 from astraflow.records import PromptStats, Task, TrainSample
 from astraflow.serde import AvroSerde
 from stream_apps.curator import CuratorOptions
+from stream_apps.engine import EngineSettings
 from stream_apps.launch import AppOptions, build_worker
-from stream_apps.runtime import WorkerSettings
 
 
 def count(consumer: Consumer, topic: str) -> int:
@@ -51,7 +51,7 @@ def test_curator_bounds_tasks_ahead_of_the_trainer(kafka: KafkaSettings, experim
     data.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"{i}+{i}=?", "reference": {"answer": str(2 * i)},
                                         "difficulty": i % 3, "dataset": "arith"}) + "\n" for i in range(10)))
     options = CuratorOptions([data], ["policy"], n_samples=2, max_ahead=4, workflow="rlvr", lag_interval_s=0.2)
-    worker = build_worker("curator", WorkerSettings(experiment, kafka, metrics_interval_s=60), AppOptions(curator=options))
+    worker = build_worker("curator", EngineSettings(experiment, kafka, metrics_interval_s=60), AppOptions(curator=options))
     probe = Consumer({**kafka.client_config(), "group.id": f"af.{experiment}.policy.trainer", "enable.auto.commit": False})
     producer = RecordProducer(kafka)
     thread = worker.start_thread()

@@ -1,4 +1,4 @@
-"""reward + curate on a real broker: trajectories in, train samples per policy out, poison to the DLQ.
+"""reward + curate (Faust apps, exactly-once) on a real broker: trajectories in, train samples out, poison to the DLQ.
 
 Two policies (solver, verifier): the verifier trains in three of the four samples of one group,
 so its advantages differ from the solver's. Poison records (undecodable bytes, a reference the
@@ -27,8 +27,8 @@ from astraflow.kafka.topics import TopicAdmin, Topics, topic_specs
 from astraflow.records import DeadLetter, Metric, PromptStats, Segment, TrainSample, Trajectory
 from astraflow.serde import AvroSerde
 from astraflow.testing import make_trajectory
+from stream_apps.engine import EngineSettings, StreamEngine
 from stream_apps.launch import AppOptions, build_worker
-from stream_apps.runtime import StreamWorker, WorkerSettings
 
 POLICIES = ["solver", "verifier"]
 
@@ -86,11 +86,11 @@ def drain(kafka: KafkaSettings, topics: list[str], until: Callable[[list[Any]], 
     return out
 
 
-def start(*workers: StreamWorker) -> list[Any]:
+def start(*workers: StreamEngine) -> list[Any]:
     return [w.start_thread() for w in workers]
 
 
-def stop(workers: list[StreamWorker], threads: list[Any]) -> None:
+def stop(workers: list[StreamEngine], threads: list[Any]) -> None:
     for w in workers:
         w.stop()
     for t in threads:
@@ -119,8 +119,8 @@ def test_trajectories_to_train_samples_per_policy_with_dlq_and_metrics(kafka: Ka
     producer.flush()
 
     settings = dict(metrics_interval_s=0.5, commit_interval_s=0.5)
-    workers = [build_worker("reward", WorkerSettings(exp2, kafka, **settings)),
-               build_worker("curate", WorkerSettings(exp2, kafka, **settings), AppOptions(policies=POLICIES))]
+    workers = [build_worker("reward", EngineSettings(exp2, kafka, **settings)),
+               build_worker("curate", EngineSettings(exp2, kafka, **settings), AppOptions(policies=POLICIES))]
     threads = start(*workers)
     try:
         samples = drain(kafka, [topics.train(p) for p in POLICIES], lambda out: len(out) >= 11)
@@ -194,7 +194,7 @@ def test_code_rewards_run_concurrently_in_the_sandbox_without_blocking(kafka: Ka
         expected[t.trajectory_id] = 1.0 if kind == "right" else 0.0
         producer.send(topics.rollouts, t, key=t.group_id)
     producer.flush()
-    worker = build_worker("reward", WorkerSettings(exp2, kafka, max_inflight=8, metrics_interval_s=60))
+    worker = build_worker("reward", EngineSettings(exp2, kafka, max_inflight=8, metrics_interval_s=60))
     threads = start(worker)
     try:
         scored = drain(kafka, [topics.scored], lambda out: len(out) >= 9, timeout_s=60)
@@ -208,7 +208,7 @@ def test_code_rewards_run_concurrently_in_the_sandbox_without_blocking(kafka: Ka
     assert worker.stats.inflight_peak > 1  # sandbox runs overlapped instead of queueing one by one
 
 
-def test_curate_restart_rebuilds_pending_groups_from_uncommitted_records(kafka: KafkaSettings, exp2: str) -> None:
+def test_curate_restart_resumes_pending_groups_from_its_tables(kafka: KafkaSettings, exp2: str) -> None:
     topics = Topics(exp2)
     producer = RecordProducer(kafka)
     first, second = group("done", ["4", "5"]), group("half", ["4", "5", "4", "5"])
@@ -217,11 +217,11 @@ def test_curate_restart_rebuilds_pending_groups_from_uncommitted_records(kafka: 
         producer.send(topics.scored, t, key=t.group_id)
     producer.flush()
     settings = dict(metrics_interval_s=60, commit_interval_s=0.2)
-    worker = build_worker("curate", WorkerSettings(exp2, kafka, **settings), AppOptions(policies=["solver"]))
+    worker = build_worker("curate", EngineSettings(exp2, kafka, **settings), AppOptions(policies=["solver"]))
     threads = start(worker)
     try:
         drain(kafka, [topics.train("solver")], lambda out: len(out) >= 2)
-        time.sleep(0.5)  # a commit period: the complete group's records are committed, the half group's not
+        time.sleep(0.5)  # a commit period: the half group's two members are in the table's changelog
     finally:
         stop([worker], threads)
     assert worker.stats.records_in == 4 and worker.stats.records_out == 2
@@ -230,13 +230,13 @@ def test_curate_restart_rebuilds_pending_groups_from_uncommitted_records(kafka: 
         t.reward = 1.0 if t.final_answer == "4" else 0.0
         producer.send(topics.scored, t, key=t.group_id)
     producer.flush()
-    again = build_worker("curate", WorkerSettings(exp2, kafka, **settings), AppOptions(policies=["solver"]))
+    again = build_worker("curate", EngineSettings(exp2, kafka, **settings), AppOptions(policies=["solver"]))
     threads = start(again)
     try:
         samples = drain(kafka, [topics.train("solver")], lambda out: len(out) >= 6)
         time.sleep(0.5)
     finally:
         stop([again], threads)
-    assert again.stats.records_in == 4  # the half group's two old records were read again; the done group's not
+    assert again.stats.records_in == 2  # only the new records: the half group's first two came back from the changelog
     assert sorted(s.trajectory_id for s in samples) == ["done/0", "done/1", "half/0", "half/1", "half/2", "half/3"]
     assert sorted(s.advantage for s in samples if s.group_id == "half") == pytest.approx([-1, -1, 1, 1], abs=1e-5)

@@ -1,7 +1,8 @@
 """App handlers (reward, curate, curator, user processors) driven by hand, without a broker.
 
-`FakeWorker` stands in for `StreamWorker`: it records what a handler sends, drops, holds and
-dead-letters, and serves a `ControlState` the test changes (the hot swap, minus Kafka).
+`FakeWorker` stands in for `StreamEngine`: it records what a handler sends, drops and
+dead-letters, keeps the app's tables in plain dicts, and serves a `ControlState` the test
+changes (the hot swap, minus Kafka). The Faust wiring itself is tested in test_stream_engine.py.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from astraflow.dataflow.registry import register
 from astraflow.dataflow.rewards import RewardResult
 from astraflow.kafka.topics import Topics
 from astraflow.records import Control, PolicyVersion, PromptStats, Segment, Trajectory, WeightKind
+from astraflow.serde import AvroSerde
 from astraflow.testing import make_trajectory
 from stream_apps.curate import CurateApp
 from stream_apps.curator import CuratorApp, CuratorOptions, tasks_ahead
@@ -60,8 +62,10 @@ class FakeWorker:
         self.side: list[tuple[str, Any, Any]] = []
         self.dropped: Counter[str] = Counter()
         self.dead: list[tuple[Any, str, str | None]] = []
-        self.released: list[Any] = []
         self.stopped = False
+        self.serde = AvroSerde()
+        self.source = self.topics.scored
+        self.tables: dict[str, dict[bytes, bytes]] = {"groups": {}, "members": {}, "emitted": {}}
 
     def send(self, topic: str, record: Any, key: Any = None) -> None:
         self.sent.append((topic, record, key))
@@ -72,22 +76,25 @@ class FakeWorker:
     def drop(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] += n
 
-    def hold(self, inc: Incoming) -> None:
-        inc.held = True
-
-    def release(self, incs: Any) -> None:
-        self.released.extend(incs)
-
     def dead_letter(self, inc: Incoming, error: Any, strategy: str | None = None) -> None:
         self.dead.append((inc, str(error), strategy))
-        self.released.append(inc)
+
+    def table(self, name: str) -> dict[bytes, bytes]:
+        return self.tables[name]
+
+    def assigned(self) -> set[int]:
+        return {0}
+
+    async def in_partition(self, partition: int, fn: Any) -> Any:
+        return fn()
 
     def stop(self) -> None:
         self.stopped = True
 
 
 def incoming(record: Any, offset: int = 0, partition: int = 0) -> Incoming:
-    return Incoming(record, "src", partition, offset, getattr(record, "group_id", "k").encode(), 0, None, 1)
+    return Incoming(record, "src", partition, offset, getattr(record, "group_id", "k").encode(), 0,
+                    AvroSerde().dumps(record), {}, 1)
 
 
 # ---- reward ------------------------------------------------------------------------------------
@@ -223,8 +230,11 @@ def by_policy(w: FakeWorker) -> dict[str, dict[str, float]]:
 def test_curate_group_gives_per_policy_grpo_advantages_and_feedback() -> None:
     app, w = make_curate()
     rewards = [1.0, 0.0, 1.0, 0.0]
-    incs = feed(app, [two_policy_traj("g", i, 4, r, with_b=i < 3) for i, r in enumerate(rewards)])
-    assert len(w.released) == 4 and set(map(id, w.released)) == set(map(id, incs))  # group finished together
+    trajs = [two_policy_traj("g", i, 4, r, with_b=i < 3) for i, r in enumerate(rewards)]
+    feed(app, trajs[:3])
+    assert w.sent == [] and len(w.tables["members"]) == 3  # held in the members table
+    feed(app, trajs[3:])
+    assert not w.tables["groups"] and not w.tables["members"] and list(w.tables["emitted"]) == [b"g"]
     adv = by_policy(w)
     # policy a: rewards 1,0,1,0 -> mean .5, std .5 -> +-0.5 / (0.5 + 1e-6)
     assert adv["a"] == pytest.approx({"g/0": 1.0, "g/1": -1.0, "g/2": 1.0, "g/3": -1.0}, abs=1e-5)
@@ -257,10 +267,14 @@ def test_curate_timeouts_emit_big_enough_partial_groups_and_drop_small_ones() ->
     app, w = make_curate(policies=("a",), group_timeout_s=1.0, min_group_size=2)
     feed(app, [two_policy_traj("big", i, 4, float(i), False) for i in range(3)])
     feed(app, [two_policy_traj("small", 0, 4, 1.0, False)])
-    assert w.sent == [] and len(w.released) == 0
-    app.tick(time.monotonic() + 5)
+    assert w.sent == [] and len(w.tables["groups"]) == 2
+    asyncio.run(app.tick(0.0))  # not yet
+    assert w.sent == []
+    later = time.time() + 5
+    app._now = lambda: later  # type: ignore[method-assign]
+    asyncio.run(app.tick(0.0))
     assert sorted(s.trajectory_id for _, s, _ in w.sent) == ["big/0", "big/1", "big/2"]
-    assert w.dropped["incomplete_group"] == 1 and len(w.released) == 4
+    assert w.dropped["incomplete_group"] == 1 and not w.tables["groups"] and len(w.tables["emitted"]) == 2
     assert {k for _, _, k in w.side} == {"a/prompt-big", "a/prompt-small"}  # stats even for the dropped group
 
 
@@ -283,7 +297,8 @@ def test_a_raising_extra_filter_dead_letters_its_whole_group_by_name() -> None:
     app, w = make_curate(policies=("a",))
     w.control.set("curate", "filter.explode", "unit_explode")  # any filter.<name> slot joins the chain
     incs = feed(app, [two_policy_traj("boom", i, 2, float(i), False) for i in range(2)])
-    assert [(d[0], d[2]) for d in w.dead] == [(incs[0], "unit_explode"), (incs[1], "unit_explode")]
+    assert sorted((d[0].offset, d[0].value, d[2]) for d in w.dead) == [
+        (incs[0].offset, incs[0].value, "unit_explode"), (incs[1].offset, incs[1].value, "unit_explode")]  # original bytes
     assert "kaboom" in w.dead[0][1] and w.sent == []
     feed(app, [two_policy_traj("fine", i, 2, float(i), False) for i in range(2)])
     assert len(w.sent) == 2 and w.sent[0][1].lineage[-2].name == "unit_explode"
@@ -299,7 +314,7 @@ def test_curate_drops_duplicates_late_records_and_unrouted_policies() -> None:
 
 def test_curate_group_process_is_usable_directly() -> None:
     app, _ = make_curate(policies=("a",))
-    g = Group("g", 2, ("scored", 0), 0.0, complete=True)
+    g = Group("g", 2, 0, 0.0, complete=True)
     for i in range(2):
         t = two_policy_traj("g", i, 2, float(i), False)
         g.members[t.trajectory_id] = (t, None)

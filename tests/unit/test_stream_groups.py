@@ -1,14 +1,15 @@
-"""Group assembly and per-policy training samples (curate's pure parts), with hand-built segments."""
+"""Group assembly (GroupStore over plain mappings) and per-policy training samples, with hand-built segments."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import pytest
 
 from astraflow.records import NodeInfo, Segment, StrategyRef, Timings, Trajectory
-from stream_apps.groups import GroupAssembler, policy_reward, train_sample, trained_policies
-
-TP = ("scored", 0)
+from astraflow.serde import AvroSerde
+from stream_apps.groups import GroupStore, forget_partitions, policy_reward, train_sample, trained_policies
 
 
 def gen(policy: str, ids: list[int], version: int, logp: float = -0.5) -> Segment:
@@ -25,36 +26,65 @@ def traj(group: str, i: int, size: int, segments: list[Segment] | None = None, r
     )
 
 
+def store(timeout_s: float) -> GroupStore:
+    serde = AvroSerde()
+    return GroupStore({}, {}, {}, lambda b: serde.loads(b, Trajectory), timeout_s)
+
+
+def add(st: GroupStore, t: Trajectory, now: float, partition: int = 0, offset: int = 0) -> Any:
+    return st.add(t, AvroSerde().dumps(t), partition, offset, now)
+
+
 def test_group_completes_when_all_distinct_members_arrived() -> None:
-    asm = GroupAssembler(timeout_s=10)
-    assert asm.add(traj("g", 0, 3), "tok0", TP, 0.0).status == "held"
-    assert asm.add(traj("g", 0, 3), "dup", TP, 0.1).status == "duplicate"  # redelivered
-    assert asm.add(traj("g", 2, 3), "tok2", TP, 0.2).status == "held"
-    done = asm.add(traj("g", 1, 3), "tok1", TP, 0.3)
+    st = store(timeout_s=10)
+    assert add(st, traj("g", 0, 3), 0.0, offset=5).status == "held"
+    assert add(st, traj("g", 0, 3), 0.1).status == "duplicate"  # redelivered
+    assert add(st, traj("g", 2, 3), 0.2, offset=7).status == "held"
+    done = add(st, traj("g", 1, 3), 0.3, offset=9)
     assert done.status == "complete" and done.group.complete
     assert [t.sample_index for t in done.group.trajectories] == [0, 1, 2]
-    assert sorted(done.group.tokens) == ["tok0", "tok1", "tok2"]
-    assert asm.add(traj("g", 1, 3), "late", TP, 0.4).status == "late"  # its group already left
-    assert not asm.pending
+    assert sorted(m.offset for m in done.group.tokens) == [5, 7, 9]  # where each member came from, for the DLQ
+    assert add(st, traj("g", 1, 3), 0.4).status == "late"  # its group already left
+    assert not st.groups and not st.members and list(st.emitted) == [b"g"]
 
 
 def test_groups_expire_after_the_timeout_oldest_first() -> None:
-    asm = GroupAssembler(timeout_s=5)
-    asm.add(traj("g1", 0, 4), 1, TP, 0.0)
-    asm.add(traj("g2", 0, 4), 2, TP, 3.0)
-    assert asm.expire(4.9) == []
-    expired = asm.expire(5.0)
-    assert [g.group_id for g in expired] == ["g1"] and not expired[0].complete
-    assert [g.group_id for g in asm.expire(8.0)] == ["g2"]
-    assert asm.add(traj("g1", 1, 4), 3, TP, 9.0).status == "late"
+    st = store(timeout_s=5)
+    add(st, traj("g1", 0, 4), 0.0)
+    add(st, traj("g2", 0, 4), 3.0)
+    assert st.expired(4.9) == []
+    expired = st.expired(5.0)
+    assert [p.group_id for p in expired] == ["g1"]
+    group = st.take(expired[0], 5.0)
+    assert not group.complete and [t.trajectory_id for t in group.trajectories] == ["g1/0"]
+    assert [p.group_id for p in st.expired(8.0)] == ["g2"]
+    assert add(st, traj("g1", 1, 4), 9.0).status == "late"
 
 
-def test_revoked_partitions_drop_their_pending_groups() -> None:
-    asm = GroupAssembler(timeout_s=5)
-    asm.add(traj("g1", 0, 2), 1, ("scored", 0), 0.0)
-    asm.add(traj("g2", 0, 2), 2, ("scored", 1), 0.0)
-    assert [g.group_id for g in asm.drop_partitions({("scored", 1)})] == ["g2"]
-    assert list(asm.pending) == ["g1"]
+def test_state_is_plain_bytes_so_another_worker_resumes_it() -> None:
+    st = store(timeout_s=5)
+    add(st, traj("g", 0, 2), 0.0, partition=1, offset=3)
+    again = GroupStore(dict(st.groups), dict(st.members), dict(st.emitted), st.decode, 5)  # e.g. rebuilt from the changelog
+    done = add(again, traj("g", 1, 2), 1.0, partition=1, offset=4)
+    assert done.status == "complete" and [t.sample_index for t in done.group.trajectories] == [0, 1]
+
+
+def test_emitted_ids_are_pruned_after_their_ttl_per_partition() -> None:
+    st = store(timeout_s=5)
+    st.emitted_ttl_s = 100
+    add(st, traj("a", 0, 1), 0.0, partition=0)
+    add(st, traj("b", 0, 1), 0.0, partition=1)
+    assert st.prune_emitted(50.0, 0) == 0
+    assert st.prune_emitted(101.0, 0) == 1 and list(st.emitted) == [b"b"]
+
+
+def test_revoked_partitions_are_forgotten_locally() -> None:
+    st = store(timeout_s=5)
+    add(st, traj("g1", 0, 2), 0.0, partition=0)
+    add(st, traj("g2", 0, 2), 0.0, partition=1)
+    add(st, traj("done", 0, 1), 0.0, partition=1)
+    assert forget_partitions(st, {1}, lambda m: m) == 1
+    assert list(st.groups) == [b"g1"] and len(st.members) == 1 and not st.emitted
 
 
 def test_train_sample_concatenates_segments_and_masks_other_policies() -> None:

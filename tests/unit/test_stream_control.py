@@ -1,4 +1,4 @@
-"""Pure parts of the stream runtime: offset tracking, control state, slots, params, lazy imports."""
+"""Pure parts the stream apps share: offset tracking (exactly-once commits), control state, slots, params, lazy imports."""
 
 from __future__ import annotations
 

@@ -1,0 +1,267 @@
+"""Counted crash test of the stream apps' exactly-once: kill -9 workers while they run, then count.
+
+    python -m bench.exactly_once --app curate [--kills 3] [--guarantee at_least_once] [--json out.json]
+    python -m bench.exactly_once --app reward
+
+A fixed input goes to the app's source topic in rounds while workers run as separate processes
+(`astraflow app run APP`, exactly as operators start them): one worker is `kill -9`ed `--kills`
+times at random moments (each time restarted at once), and a second worker joins after the
+first kill, so partitions also move by rebalance. When the output has been stable for a while,
+it is read `read_committed` (what the trainer reads) and counted:
+
+* curate: complete groups of 4 (rewards 1,0,1,0), partial groups of 2 (emitted whole after the
+  group timeout, min size 2), partial groups of 1 (dropped as incomplete), and redelivered
+  trajectories (the same trajectory_id again, before and after its group left). Expected: one
+  train sample per member of the complete and 2-member groups, each sample_id once, and every
+  group whole (all its samples, or none).
+* reward: trajectories, some sent twice; every record of the input is scored exactly once
+  (a trajectory sent twice is scored twice, no more).
+
+Controls that prove the count can fail: the same topic read `read_uncommitted` shows the
+aborted records of the transactions the kills interrupted, and a run with `--guarantee
+at_least_once` shows duplicates (reward) where exactly-once shows none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class CrashReport:
+    """What one crash run produced, counted."""
+
+    app: str
+    guarantee: str
+    kills: int  # kill -9 actually delivered to a live worker
+    rebalances: int  # workers started while another ran (joins) + restarts after kills
+    input_records: int  # records produced to the source topic (duplicates included)
+    expected: int  # distinct outputs expected
+    committed: int  # outputs read read_committed
+    distinct: int  # distinct output ids among them
+    duplicates: int  # committed outputs beyond the first of their id
+    missing: int  # expected ids never read
+    unexpected: int  # ids read that were not expected
+    split_groups: int  # curate: groups with some but not all of their samples
+    uncommitted_extra: int  # records visible read_uncommitted but not read_committed (aborted)
+    seconds: float  # wall time of the run
+    worker_logs: list[str] = field(default_factory=list)  # where the workers' logs are
+
+    @property
+    def exact(self) -> bool:
+        return self.duplicates == 0 and self.missing == 0 and self.unexpected == 0 and self.split_groups == 0
+
+
+def _traj(group: str, i: int, size: int, reward: float | None, seed: int) -> Any:
+    from astraflow.testing import make_trajectory
+
+    t = make_trajectory(128, task_id=group, sample_index=i, group_size=size, seed=seed, reward=reward)
+    t.group_id, t.prompt_id = group, f"p-{group}"
+    t.final_answer = "4" if i % 2 == 0 else "5"
+    return t
+
+
+def curate_input(run: str, rng: random.Random) -> tuple[list[Any], dict[str, int]]:
+    """(records in send order, expected samples per group) for curate."""
+    records, expected = [], {}
+    for g in range(48):
+        name = f"{run}-full-{g}"
+        records += [_traj(name, i, 4, 1.0 if i % 2 == 0 else 0.0, g * 10 + i) for i in range(4)]
+        expected[name] = 4
+    for g in range(8):
+        name = f"{run}-half-{g}"
+        records += [_traj(name, i, 4, 1.0 if i % 2 == 0 else 0.0, 1000 + g * 10 + i) for i in range(2)]
+        expected[name] = 2
+    for g in range(4):
+        name = f"{run}-lone-{g}"
+        records.append(_traj(name, 0, 4, 1.0, 2000 + g))
+        expected[name] = 0
+    rng.shuffle(records)
+    again = rng.sample(records, 16)  # redelivered: some while their group assembles, some after it left
+    for t in again:
+        records.insert(rng.randrange(len(records) // 2, len(records) + 1), t)
+    return records, expected
+
+
+def reward_input(run: str, rng: random.Random) -> list[Any]:
+    records = [_traj(f"{run}-r-{g}", i, 4, None, g * 10 + i) for g in range(60) for i in range(4)]
+    rng.shuffle(records)
+    for t in rng.sample(records, 16):
+        records.insert(rng.randrange(len(records) + 1), t)
+    return records
+
+
+def _read(kafka: Any, topic: str, isolation: str, quiet_s: float, deadline: float, want: int) -> list[Any]:
+    """Every record of `topic` (decoded) until nothing new came for `quiet_s` after `want` were read."""
+    from confluent_kafka import Consumer
+
+    from astraflow.serde import AvroSerde
+
+    serde = AvroSerde()
+    c = Consumer({**kafka.client_config(), "group.id": f"count-{uuid.uuid4().hex}", "auto.offset.reset": "earliest",
+                  "enable.auto.commit": False, "isolation.level": isolation})
+    c.subscribe([topic])
+    out: list[Any] = []
+    last = time.monotonic()
+    try:
+        while time.monotonic() < deadline:
+            msgs = c.consume(500, 0.5)
+            got = [m for m in msgs if m.error() is None]
+            out += [serde.loads(m.value()) for m in got]
+            if got:
+                last = time.monotonic()
+            elif len(out) >= want and time.monotonic() - last >= quiet_s:
+                break
+    finally:
+        c.close()
+    return out
+
+
+class Workers:
+    """Worker processes of one app (separate processes, so kill -9 is real)."""
+
+    def __init__(self, app: str, experiment: str, args: list[str], logs: Path) -> None:
+        self.app, self.experiment, self.args, self.logs = app, experiment, args, logs
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.started = 0
+
+    def start(self, name: str) -> None:
+        from stream_apps.launch import app_command
+
+        self.started += 1
+        log = open(self.logs / f"{name}-{self.started}.log", "wb")  # noqa: SIM115 - closed with the process
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        self.procs[name] = subprocess.Popen(app_command(self.app, self.experiment, *self.args), stdout=log,
+                                            stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+
+    def kill(self, name: str) -> bool:
+        proc = self.procs[name]
+        if proc.poll() is not None:
+            return False
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return True
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def run_crash(kafka: Any, app: str, *, guarantee: str = "exactly_once", kills: int = 3, seed: int = 0,
+              work: Path | None = None, partitions: int = 2, group_timeout_s: float = 5.0) -> CrashReport:
+    """One crash run on a fresh experiment (deleted afterwards); see the module doc."""
+    from astraflow.config import TopicSettings
+    from astraflow.kafka.clients import RecordProducer
+    from astraflow.kafka.topics import TopicAdmin, Topics, topic_specs
+
+    rng = random.Random(seed)
+    run = uuid.uuid4().hex[:6]
+    experiment = f"crash-{app}-{run}"
+    work = work or Path(f"/tmp/astraflow-crash-{run}")
+    work.mkdir(parents=True, exist_ok=True)
+    admin = TopicAdmin(kafka)
+    specs = topic_specs(experiment, ["policy"], TopicSettings(partitions=partitions))
+    admin.create(specs)
+    topics = Topics(experiment)
+    if app == "curate":
+        records, per_group = curate_input(run, rng)
+        source, sink = topics.scored, topics.train("policy")
+        expected_ids = {f"{t.trajectory_id}#policy" for t in records if per_group[t.group_id]}
+        args = ["--policy", "policy", "--group-timeout", str(group_timeout_s), "--min-group-size", "2"]
+    elif app == "reward":
+        records, per_group = reward_input(run, rng), {}
+        source, sink = topics.rollouts, topics.scored
+        expected_ids = {t.trajectory_id for t in records}
+        args = []
+    else:
+        raise SystemExit(f"--app must be curate or reward, not {app}")
+    workers = Workers(app, experiment, [*args, "--guarantee", guarantee, "--metrics-interval", "60"], work)
+    producer = RecordProducer(kafka)
+    t0 = time.monotonic()
+    delivered = 0
+    try:
+        workers.start("a")
+        rounds = 12
+        per_round = -(-len(records) // rounds)
+        kill_rounds = sorted(rng.sample(range(1, rounds), kills)) if kills else []
+        for r in range(rounds):
+            for t in records[r * per_round:(r + 1) * per_round]:
+                producer.send(source, t, key=t.group_id)
+            producer.flush()
+            time.sleep(rng.uniform(0.3, 1.5))  # the worker is mid-way through this round
+            if r in kill_rounds:
+                delivered += workers.kill("a")
+                workers.start("a")
+                if "b" not in workers.procs:
+                    workers.start("b")  # joins while a runs: partitions move by rebalance
+        if app == "curate":
+            time.sleep(group_timeout_s)  # partial groups time out
+        deadline = time.monotonic() + 180
+        committed = _read(kafka, sink, "read_committed", 12.0, deadline, len(expected_ids))
+        uncommitted = _read(kafka, sink, "read_uncommitted", 3.0, time.monotonic() + 60, len(committed))
+    finally:
+        workers.stop_all()
+        admin.delete([s.name for s in specs])
+    ids = [s.sample_id if app == "curate" else s.trajectory_id for s in committed]
+    counts = Counter(ids)
+    if app == "reward":  # a trajectory sent twice is scored twice: count against the input's multiplicity
+        want = Counter(t.trajectory_id for t in records)
+        duplicates = sum(max(0, counts[k] - want[k]) for k in counts)
+        missing = sum(max(0, want[k] - counts[k]) for k in want)
+        split = 0
+    else:
+        duplicates = sum(n - 1 for n in counts.values() if n > 1)
+        missing = len(expected_ids - set(counts))
+        by_group = Counter(s.group_id for s in {s.sample_id: s for s in committed}.values())
+        split = sum(1 for g, n in per_group.items() if by_group.get(g, 0) not in (0, n) or (n == 0 and by_group.get(g)))
+    return CrashReport(
+        app=app, guarantee=guarantee, kills=delivered, rebalances=workers.started - 1, input_records=len(records),
+        expected=len(expected_ids) if app == "curate" else len(records), committed=len(committed), distinct=len(counts),
+        duplicates=duplicates, missing=missing, unexpected=len(set(counts) - expected_ids), split_groups=split,
+        uncommitted_extra=len(uncommitted) - len(committed), seconds=round(time.monotonic() - t0, 1),
+        worker_logs=sorted(str(p) for p in work.glob("*.log")),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from astraflow.config import KafkaSettings
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--app", choices=["curate", "reward"], default="curate")
+    p.add_argument("--guarantee", choices=["exactly_once", "at_least_once"], default="exactly_once")
+    p.add_argument("--kills", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bootstrap", default="127.0.0.1:19092")
+    p.add_argument("--json", type=Path)
+    a = p.parse_args(argv)
+    report = run_crash(KafkaSettings(bootstrap_servers=a.bootstrap), a.app, guarantee=a.guarantee, kills=a.kills, seed=a.seed)
+    out = {**asdict(report), "exact": report.exact}
+    print(json.dumps(out, indent=2))
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=2))
+    return 0 if report.exact else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

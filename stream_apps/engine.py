@@ -1,0 +1,487 @@
+"""The stream engine: each stream app (or user processor) runs as a Faust app, exactly-once by default.
+
+A `StreamEngine` wires one `AppHandler` (`stream_apps.handler`) into a `faust.App` whose id is
+the consumer group `af.<experiment>.<app>`:
+
+* **Input.** One agent reads the app's source topic as raw bytes and decodes each record with
+  `astraflow.serde` (single-object Avro; the same codec is registered for Faust as
+  `astraflow`, see `stream_apps.codec`). A record that does not decode, or on which the app
+  raises, goes to the DLQ with its reason (and the strategy's name) and the agent goes on.
+* **Handling.** `handler.handle` runs under the record's partition gate; an awaitable it returns
+  (a slow reward, an async user function) runs concurrently, up to `max_inflight` per worker.
+  Outputs, dead letters and table writes made for a record are collected and produced together
+  when it finishes, into the transaction of its source partition.
+* **Exactly-once** (`processing_guarantee="exactly_once"`): Faust keeps one transactional
+  producer per assigned source partition. `ExactTransactionManager` (`stream_apps.transactions`)
+  fixes three gaps of Faust 0.15 around it: outputs go to the transaction of the SOURCE
+  partition (Faust picks it from the destination partition), offsets committed are those of
+  records whose outputs are in the transaction (never one whose outputs are not, never one past
+  a record still in flight), and any failure to commit crashes the app instead of being
+  logged. Periodic work (curate's timeouts) runs in a transaction of its own partition.
+  `at_least_once` keeps Faust's own commits: outputs flushed, then offsets.
+* **Tables** are Faust tables (in memory, backed by changelog topics `<group>-<table>-changelog`)
+  whose writes join the record's transaction; a worker that takes over a partition rebuilds its
+  state from the changelog (read_committed) before its first record.
+* **Control** (`astraflow.control.ControlReader`) is read to its end before the first record and
+  refreshed every `control_interval_s`; **metrics** go to `metrics` every `metrics_interval_s`.
+
+Running: `StreamEngine.run()` blocks (the CLI), `start_thread()` runs it in a thread (tests);
+a crash of the Faust app (e.g. a broker gone longer than the timeouts) ends `run_once`, and
+`run()` rebuilds the app after a pause, so a role outlives broker outages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import os
+import signal
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from astraflow.errors import AstraflowError, ConfigError, KafkaLayerError, RecordTooLargeError, SerdeError
+from astraflow.kafka.offsets import OffsetTracker
+from astraflow.records import DeadLetter
+from stream_apps.handler import AppHandler, Incoming, StrategyFailed
+from stream_apps.metrics import MetricsReporter, WorkerStats
+
+if TYPE_CHECKING:
+    import faust
+
+    from astraflow.config import KafkaSettings
+    from astraflow.control import ControlReader
+
+log = logging.getLogger("astraflow.stream")
+
+Guarantee = Literal["exactly_once", "at_least_once"]
+
+
+@dataclass
+class EngineSettings:
+    """How one worker runs; the defaults suit production, tests shorten the intervals."""
+
+    experiment: str  # topics are af.<experiment>.*
+    kafka: KafkaSettings  # where Kafka is
+    group_id: str | None = None  # Faust app id = consumer group; default af.<experiment>.<app>
+    instance_id: str | None = None  # metrics instance; default <app>-<host>-<pid>-<random>
+    guarantee: Guarantee = "exactly_once"  # Kafka transactions from input to outputs
+    max_inflight: int = 16  # awaitables (slow rewards, async functions) running at once
+    commit_interval_s: float = 1.0  # Faust's broker_commit_interval: how often transactions commit
+    control_interval_s: float = 0.1  # control topic poll period
+    metrics_interval_s: float = 10.0  # metrics publication period
+    restart_delay_s: float = 5.0  # pause before a crashed app is rebuilt (run())
+    data_dir: Path | None = None  # Faust's datadir; default a fresh temporary folder
+    faust_overrides: dict[str, Any] = field(default_factory=dict)  # extra faust.App settings
+    source_partitions: int | None = None  # partitions of the source topic; None: asked from Kafka
+
+
+@dataclass(slots=True)
+class _Out:
+    """One record to produce when the current record (or periodic transaction) finishes."""
+
+    topic: str
+    key: bytes | None
+    value: bytes | None
+    partition: int | None = None  # set for changelog writes (co-partitioned with the source)
+
+
+_OUTBOX: contextvars.ContextVar[list[_Out] | None] = contextvars.ContextVar("astraflow_outbox", default=None)
+_PARTITION: contextvars.ContextVar[int | None] = contextvars.ContextVar("astraflow_partition", default=None)
+
+
+def _key(key: str | bytes | None) -> bytes | None:
+    return key.encode() if isinstance(key, str) else key
+
+
+class StreamEngine:
+    """Runs one `AppHandler` as a Faust app (see the module doc)."""
+
+    def __init__(self, handler: AppHandler, settings: EngineSettings) -> None:
+        from astraflow.kafka.topics import Topics
+        from astraflow.serde import AvroSerde
+
+        if len(handler.sources) > 1:
+            raise AstraflowError(f"{handler.name}: an app reads at most one stream, got {handler.sources}")
+        self.handler = handler
+        self.settings = settings
+        self.kafka = settings.kafka
+        self.topics = Topics(settings.experiment)
+        self.group_id = settings.group_id or f"af.{settings.experiment}.{handler.name}"
+        self.instance_id = settings.instance_id or (
+            f"{handler.name}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+        )
+        self.exactly_once = settings.guarantee == "exactly_once"
+        self.serde = AvroSerde(registry_url=self.kafka.schema_registry_url)
+        self._dlq_serde = AvroSerde(self.serde.catalog, max_record_bytes=16 * 1024 * 1024)
+        self.source = self.topics.stream(handler.sources[0]) if handler.sources else None
+        self.stats = WorkerStats()
+        self.log = logging.getLogger(f"astraflow.stream.{handler.name}")
+        self.started = threading.Event()  # set once the app runs and the control topic is read
+        self.stopped = threading.Event()  # set when run() returned
+        self.error: BaseException | None = None  # what ended run() abnormally
+        self.control: ControlReader | None = None
+        self.app: faust.App
+        self.tables: dict[str, Any] = {}
+        self.tracker = OffsetTracker()
+        self._gates: dict[int, asyncio.Lock] = {}
+        self._tasks: set[asyncio.Future[Any]] = set()
+        self._stop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reporter = MetricsReporter(handler.name, self.instance_id, {"experiment": settings.experiment})
+        self._dirty: set[int] = set()  # partitions with records produced since their last commit
+        self._crashing: asyncio.Future[Any] | None = None
+
+    # ---- what handlers call ----------------------------------------------------------------------
+
+    def send(self, topic: str, record: Any, key: str | bytes | None = None) -> None:
+        """Queues one output of the current record (encoding errors raise SerdeError to the handler)."""
+        self._outbox().append(_Out(topic, _key(key), self.serde.dumps(record)))
+        self.stats.records_out += 1
+        self.stats.last_out_at = time.monotonic()
+
+    def send_side(self, topic: str, record: Any, key: str | bytes | None = None) -> None:
+        """Queues a record that is not an app output (feedback, ...): not counted in records_out."""
+        self._outbox().append(_Out(topic, _key(key), self.serde.dumps(record)))
+
+    def drop(self, reason: str, n: int = 1) -> None:
+        """Counts records dropped on purpose (a filter, a late record) for the metrics."""
+        self.stats.dropped[reason] += n
+
+    def dead_letter(self, inc: Incoming, error: BaseException | str, strategy: str | None = None) -> None:
+        """Queues `inc`'s original bytes to the DLQ with the reason (and the strategy that failed)."""
+        if isinstance(error, StrategyFailed):  # the DLQ names the strategy and shows what it raised
+            strategy, error = strategy or error.strategy, error.cause
+        dl = DeadLetter(
+            original=inc.value, original_key=inc.key, topic=inc.topic, partition=inc.partition, offset=inc.offset,
+            error_class=type(error).__name__ if isinstance(error, BaseException) else "Error", error=str(error),
+            component=self.handler.name, strategy=strategy, headers=dict(inc.headers),
+        )
+        try:
+            data = self._dlq_serde.dumps(dl)
+        except RecordTooLargeError:  # keep the coordinates and the reason; the original stays in its topic
+            dl.original = None
+            dl.error += f" [original of {len(inc.value or b''):,} bytes too large for the DLQ; read it at its offset]"
+            data = self._dlq_serde.dumps(dl)
+        self._outbox().append(_Out(self.topics.dlq, inc.key, data))
+        self.stats.dead_lettered[dl.error_class] += 1
+
+    def table(self, name: str) -> Any:
+        """The app's table `name` (declared in `handler.tables`): a mapping bytes -> bytes."""
+        return self.tables[name]
+
+    def changelog(self, table: Any, key: bytes, value: bytes | None) -> None:
+        """A table write: joins the current transaction (called by `stream_apps.transactions.TxTable`)."""
+        partition = _PARTITION.get()
+        if partition is None:
+            raise AstraflowError(f"table {table.name} written outside a record or partition transaction")
+        self._outbox().append(_Out(table.changelog_topic.get_topic_name(), key, value, partition))
+
+    def stop(self) -> None:
+        """Asks the worker to stop (thread-safe); in-flight records finish, transactions commit."""
+        self._stop.set()
+
+    def _outbox(self) -> list[_Out]:
+        box = _OUTBOX.get()
+        if box is None:
+            raise AstraflowError("sent outside a record or partition transaction (use StreamEngine.in_partition)")
+        return box
+
+    # ---- the agent -------------------------------------------------------------------------------
+
+    def _gate(self, partition: int) -> asyncio.Lock:
+        gate = self._gates.get(partition)
+        if gate is None:
+            gate = self._gates[partition] = asyncio.Lock()
+        return gate
+
+    def tid(self, partition: int) -> str:
+        """Transactional id of the producer of a source partition (one source topic per app)."""
+        return f"{self.app.conf.id}-{partition}"
+
+    async def _on_event(self, event: Any) -> None:
+        msg = event.message
+        tp = (msg.topic, msg.partition)
+        inc = Incoming(None, msg.topic, msg.partition, msg.offset, msg.key, int((msg.timestamp or 0) * 1000), msg.value,
+                       {k: (v.decode(errors="replace") if isinstance(v, bytes) else str(v)) for k, v in (msg.headers or [])})
+        inc.epoch = self.tracker.received(tp, msg.offset)
+        self.stats.records_in += 1
+        if self.stats.first_in_at is None:
+            self.stats.first_in_at = time.monotonic()
+        msg.incref()  # acked by us once its outputs are in the producer, not when this body returns
+        outbox: list[_Out] = []
+        box_token, part_token = _OUTBOX.set(outbox), _PARTITION.set(msg.partition)
+        try:
+            async with self._gate(msg.partition):
+                pending = self._handle(inc)
+                if pending is None:
+                    await self._finish(inc, outbox, msg)
+                    return
+            await self._room()
+            task = asyncio.ensure_future(self._finish_later(inc, pending, outbox, msg))
+            self._tasks.add(task)
+            self.stats.inflight_peak = max(self.stats.inflight_peak, len(self._tasks))
+            task.add_done_callback(self._task_done)
+        finally:
+            _OUTBOX.reset(box_token)
+            _PARTITION.reset(part_token)
+
+    def _handle(self, inc: Incoming) -> Any:
+        """Decodes and handles `inc`; returns the awaitable of a slow record, None when done."""
+        try:
+            inc.record = self.serde.loads(inc.value, self.handler.expect)
+        except SerdeError as exc:
+            self.dead_letter(inc, exc)
+            return None
+        try:
+            return self.handler.handle(inc)
+        except KafkaLayerError:
+            raise
+        except Exception as exc:  # the one boundary where a bad record must not stop the app
+            self._failed(inc, exc)
+            return None
+
+    async def _room(self) -> None:
+        while len(self._tasks) >= self.settings.max_inflight:
+            await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+
+    async def _finish_later(self, inc: Incoming, pending: Any, outbox: list[_Out], msg: Any) -> None:
+        try:
+            await pending
+        except KafkaLayerError:
+            raise
+        except Exception as exc:
+            del outbox[:]  # a record either has its outputs or its dead letter
+            self._failed(inc, exc)
+        async with self._gate(inc.partition):
+            await self._finish(inc, outbox, msg)
+
+    def _task_done(self, task: asyncio.Future[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self._crash(task.exception())
+
+    def _failed(self, inc: Incoming, exc: BaseException) -> None:
+        if not isinstance(exc, AstraflowError):
+            self.log.warning("%s raised on %s[%d]@%d: %r", self.handler.name, inc.topic, inc.partition, inc.offset, exc)
+        self.dead_letter(inc, exc)
+
+    async def _finish(self, inc: Incoming, outbox: list[_Out], msg: Any) -> None:
+        """Produces a record's outputs into its partition's transaction and acks it (gate held)."""
+        if self.tracker._parts.get(inc.tp) is None or self.tracker._parts[inc.tp].epoch != inc.epoch:
+            return  # revoked meanwhile: its new owner handles it again
+        await self._produce(outbox, inc.partition)
+        self.tracker.finished(inc.tp, inc.offset, inc.epoch)
+        self._dirty.add(inc.partition)
+        msg.ack(self.app.consumer)
+
+    async def _produce(self, outbox: list[_Out], partition: int | None) -> None:
+        tid = self.tid(partition) if self.exactly_once and partition is not None else None
+        producer = self.app.producer
+        if tid is not None and outbox:
+            self._dirty.add(partition)  # type: ignore[arg-type]
+        for out in outbox:
+            fut = await producer.send(out.topic, out.key, out.value, out.partition, None, None, transactional_id=tid)
+            fut.add_done_callback(self._delivered)
+
+    def _delivered(self, fut: asyncio.Future[Any]) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            self._crash(KafkaLayerError(f"{self.handler.name}: a record was not delivered: {fut.exception()!r}"))
+
+    def _crash(self, exc: BaseException) -> None:
+        self.log.error("%s worker crashes: %r", self.handler.name, exc)
+        self.error = exc
+        self._crashing = asyncio.ensure_future(self.app.crash(exc))
+
+    async def in_partition(self, partition: int, fn: Callable[[], Any]) -> Any:
+        """Runs `fn` (sync) in a transaction of source `partition`: its sends and table writes commit together."""
+        outbox: list[_Out] = []
+        box_token, part_token = _OUTBOX.set(outbox), _PARTITION.set(partition)
+        try:
+            async with self._gate(partition):
+                if partition not in self.assigned():
+                    return None
+                result = fn()
+                await self._produce(outbox, partition)
+                if self.exactly_once:
+                    await self.transactions.commit_partition(partition, offsets=False)
+                return result
+        finally:
+            _OUTBOX.reset(box_token)
+            _PARTITION.reset(part_token)
+
+    async def send_now(self, topic: str, record: Any, key: str | bytes | None = None) -> None:
+        """Produces outside any transaction (metrics)."""
+        await self._produce([_Out(topic, _key(key), self.serde.dumps(record))], None)
+
+    def assigned(self) -> set[int]:
+        """Source partitions this worker holds now."""
+        try:
+            return {tp.partition for tp in self.app.consumer.assignment() if tp.topic == self.source}
+        except Exception:  # the consumer is not started yet
+            return set()
+
+    @property
+    def transactions(self) -> Any:
+        return self.app.consumer.transactions
+
+    # ---- building and running --------------------------------------------------------------------
+
+    def build(self) -> faust.App:
+        """The Faust app of this worker (call in the thread whose event loop runs it)."""
+        from stream_apps.faust_app import build_app
+
+        self.app = build_app(self)
+        return self.app
+
+    def run(self) -> None:
+        """Blocks until stopped (SIGTERM / SIGINT with `install_signal_handlers`); rebuilds a crashed app."""
+        try:
+            while not self._stop.is_set():
+                self.error = None
+                try:
+                    asyncio.run(self.run_once())
+                except ConfigError:
+                    raise  # the user must fix something: retrying cannot help
+                except Exception as exc:  # e.g. Kafka unreachable while building the app
+                    self.error = exc
+                if self._stop.is_set():
+                    break
+                self.log.error("%s worker ended (%r); starting again in %.0f s", self.handler.name, self.error,
+                               self.settings.restart_delay_s)
+                self._stop.wait(self.settings.restart_delay_s)
+        finally:
+            self.stopped.set()
+
+    async def run_once(self) -> None:
+        """Runs the Faust app until stopped or crashed."""
+        self._loop = asyncio.get_running_loop()
+        self.tracker = OffsetTracker()
+        self._gates, self._tasks, self._dirty = {}, set(), set()
+        app = self.build()
+        data_dir = self.settings.data_dir or Path(tempfile.mkdtemp(prefix=f"faust-{self.handler.name}-"))
+        app.conf.datadir = str(data_dir)
+        app.in_worker = True  # what faust.Worker sets; Faust enables transactions only in a worker
+        try:
+            self._bind()
+            await app.start()
+            self.started.set()
+            while not self._stop.is_set() and not app.should_stop:
+                await asyncio.sleep(0.1)
+            if app.crash_reason is not None and self.error is None:
+                self.error = app.crash_reason
+        except Exception as exc:
+            self.error = exc
+            self.log.exception("%s worker failed", self.handler.name)
+        finally:
+            await self._shutdown()
+
+    def _bind(self) -> None:
+        """Reads the control topic and binds the handler, once per engine (the app may be rebuilt)."""
+        from astraflow.control import ControlReader
+
+        if self.control is None:
+            self.control = ControlReader(self.kafka, self.settings.experiment, self.handler.name, serde=self.serde).start()
+            self.handler.bind(self)
+        self.control.refresh()
+        self.log.info("%s worker %s started (Faust app %s, %s, source %s)", self.handler.name, self.instance_id,
+                      self.group_id, self.settings.guarantee, self.source or "none")
+
+    async def _shutdown(self) -> None:
+        app = self.app
+        try:
+            if self._tasks:
+                await asyncio.wait(self._tasks, timeout=10.0)
+            if self.started.is_set() and app.producer is not None:
+                try:
+                    await self._publish_metrics()
+                except Exception as exc:
+                    self.log.warning("last metrics not published: %r", exc)
+            await app.stop()
+        except Exception as exc:
+            self.log.warning("%s: Faust app did not stop cleanly: %r", self.handler.name, exc)
+        self.log.info("%s worker %s stopped: %d in, %d out, %d dead-lettered, %d dropped", self.handler.name,
+                      self.instance_id, self.stats.records_in, self.stats.records_out,
+                      self.stats.dead_lettered_total, self.stats.dropped_total)
+
+    def close(self) -> None:
+        """Releases what outlives the app (the control reader, the handler's readers)."""
+        self.handler.close()
+        if self.control is not None:
+            self.control.close()  # kept: tests and callers may still read what it last saw
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT stop the worker gracefully (main thread only)."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop())
+
+    def start_thread(self) -> threading.Thread:
+        """Runs the worker in a thread (tests, benchmarks); returns it once the worker started."""
+        t = threading.Thread(target=self._run_quietly, name=f"worker-{self.handler.name}", daemon=True)
+        t.start()
+        while not self.started.wait(0.05):
+            if self.stopped.is_set():
+                raise self.error or KafkaLayerError(f"{self.handler.name} worker stopped before starting")
+        return t
+
+    def _run_quietly(self) -> None:
+        try:
+            self.run()
+        except BaseException:
+            self.log.exception("%s worker failed", self.handler.name)
+        finally:
+            self.close()
+
+    # ---- periodic work (Faust timers) ------------------------------------------------------------
+
+    async def tick(self) -> None:
+        """The handler's periodic work; what it sends outside `in_partition` goes out untransacted."""
+        if not self.started.is_set():
+            return
+        outbox: list[_Out] = []
+        token = _OUTBOX.set(outbox)
+        try:
+            result = self.handler.tick(time.monotonic())
+            if result is not None:
+                await result
+        finally:
+            _OUTBOX.reset(token)
+        await self._produce(outbox, None)
+
+    async def commit(self) -> None:
+        """Commits the transactions of partitions that produced or finished records (every commit interval).
+
+        Faust commits too (on its own timer, for partitions with new acks); this one also covers
+        records finished after Faust's last look, e.g. a slow reward acked between two commits.
+        """
+        if not self.exactly_once:
+            return
+        dirty, self._dirty = self._dirty, set()
+        for p in sorted(dirty & self.assigned()):
+            async with self._gate(p):
+                await self.transactions.commit_partition(p)
+
+    def refresh_control(self) -> None:
+        if self.control is not None and self.control.refresh():
+            self.log.debug("control changed (generation %d)", self.control.generation)
+
+    def gauges(self) -> dict[str, float]:
+        return {"inflight": float(len(self._tasks)), "pending_records": float(self.tracker.pending()),
+                **self.handler.gauges()}
+
+    async def _publish_metrics(self) -> None:
+        for m in self._reporter.report(self.stats, self.gauges()):
+            await self.send_now(self.topics.metrics, m, key=self.instance_id)
+
+    def on_revoked(self, partitions: set[int]) -> None:
+        if self.source is None:
+            return
+        self.tracker.forget({(self.source, p) for p in partitions})
+        self.handler.on_revoke(partitions)

@@ -1,0 +1,156 @@
+"""Builds the `faust.App` of a `StreamEngine`: settings, the agent, tables and timers.
+
+Settings chosen for AstraFlow (and why):
+
+* `store="memory://"`: tables live in memory and are rebuilt from their changelog topics when
+  a worker takes a partition (RocksDB is not a dependency; state here is small: groups in
+  assembly and recently emitted group ids).
+* `processing_guarantee` from `EngineSettings.guarantee` (`exactly_once` by default) with
+  `ExactTransactionManager` in place of Faust's (`stream_apps.transactions`).
+* `topic_disable_leader=True`, `table_standby_replicas=0`, `web_enabled=False`: no extra topics,
+  consumers or ports per worker.
+* Broker outages: the consumer retries connections forever; requests time out after 40 s,
+  the group session after 10 s (heartbeat 1 s, so a killed worker's partitions move within
+  ~10 s); a produce or a transaction that fails after those timeouts crashes the app and
+  `StreamEngine.run` rebuilds it every `restart_delay_s` until the broker is back, so the
+  process never exits on its own.
+* `producer_max_request_size` / `consumer_max_fetch_size` follow the serde's record limit;
+  `producer_compression_type="zstd"` like every other AstraFlow producer (aiokafka needs
+  `cramjam` for it, a dependency).
+"""
+
+from __future__ import annotations
+
+import ssl
+import time
+from typing import TYPE_CHECKING, Any
+
+from astraflow.errors import ConfigError
+
+if TYPE_CHECKING:
+    import faust
+
+    from astraflow.config import KafkaSettings
+    from stream_apps.engine import StreamEngine
+
+
+def broker_urls(kafka: KafkaSettings) -> list[str]:
+    """`kafka://host:port` URLs of the bootstrap servers."""
+    return [f"kafka://{h.strip()}" for h in kafka.bootstrap_servers.split(",") if h.strip()]
+
+
+def credentials(kafka: KafkaSettings) -> Any:
+    """Faust credentials for the configured security protocol (None for PLAINTEXT)."""
+    import faust
+
+    proto = kafka.security_protocol
+    if proto == "PLAINTEXT":
+        return None
+    context = None
+    if proto.endswith("SSL"):
+        context = ssl.create_default_context(cafile=kafka.ssl_ca_location)
+        if kafka.ssl_certificate_location:
+            context.load_cert_chain(kafka.ssl_certificate_location, kafka.ssl_key_location)
+    if proto == "SSL":
+        return faust.SSLCredentials(context)
+    if kafka.sasl_mechanism == "OAUTHBEARER":
+        raise ConfigError("the stream apps (Faust/aiokafka) support SASL PLAIN and SCRAM, not OAUTHBEARER")
+    password = kafka.sasl_password.get_secret_value() if kafka.sasl_password else None
+    return faust.SASLCredentials(username=kafka.sasl_username, password=password, ssl_context=context,
+                                 mechanism=kafka.sasl_mechanism)
+
+
+def source_partitions(kafka: KafkaSettings, topic: str, wait_s: float = 10.0) -> int:
+    """Partitions of `topic` (waits `wait_s` for a topic just created to show in the metadata)."""
+    from astraflow.kafka.topics import TopicAdmin
+
+    admin = TopicAdmin(kafka)
+    deadline = time.monotonic() + wait_s
+    while not (found := admin.list(topic).get(topic)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if not found:
+        raise ConfigError(f"topic {topic} does not exist; create the experiment's topics with `astraflow topics create`")
+    return found
+
+
+def build_app(engine: StreamEngine) -> faust.App:
+    """A Faust app running `engine.handler` (call inside the event loop that will run it)."""
+    import faust
+
+    from stream_apps.codec import register
+    from stream_apps.transactions import ExactTransactionManager, TxTable
+
+    register(engine.serde)
+    s = engine.settings
+    partitions = s.source_partitions or (source_partitions(engine.kafka, engine.source) if engine.source else 1)
+    conf: dict[str, Any] = dict(
+        broker=broker_urls(engine.kafka),
+        broker_credentials=credentials(engine.kafka),
+        store="memory://",
+        processing_guarantee=s.guarantee,
+        autodiscover=False,
+        client_only=engine.source is None,  # a source app (the curator) joins no consumer group
+        web_enabled=False,
+        topic_disable_leader=True,
+        topic_partitions=partitions,
+        table_standby_replicas=0,
+        consumer_auto_offset_reset="earliest",
+        broker_commit_interval=s.commit_interval_s,
+        broker_session_timeout=10.0,
+        broker_heartbeat_interval=1.0,
+        broker_request_timeout=40.0,
+        producer_request_timeout=40.0,
+        broker_max_poll_interval=300.0,
+        producer_acks=-1,
+        producer_linger=0.005,
+        producer_compression_type="zstd",
+        producer_max_request_size=engine.serde.max_record_bytes + 64 * 1024,
+        consumer_max_fetch_size=max(4 * 1024 * 1024, engine.serde.max_record_bytes + 64 * 1024),
+        stream_buffer_maxsize=512,
+        **s.faust_overrides,
+    )
+    app = faust.App(engine.group_id, **conf)
+    app.astraflow_engine = engine  # type: ignore[attr-defined]
+    app.transport.TransactionManager = ExactTransactionManager  # type: ignore[misc]
+    # Faust keeps transactional producers in class attributes shared by every app of the process.
+    app.producer._transaction_producers = {}  # type: ignore[attr-defined]
+    app.producer._trn_locks = {}  # type: ignore[attr-defined]
+    for name in engine.handler.tables:
+        engine.tables[name] = app.tables.add(TxTable(  # bytes keys and values: Faust's "raw" codec
+            app, name=name, partitions=partitions, key_type=bytes, value_type=bytes, help=f"{engine.handler.name} state: {name}",
+        ))
+    if engine.source:
+        topic = app.topic(engine.source, key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
+
+        @app.agent(topic, name=f"{engine.group_id}.{engine.handler.name}")
+        async def consume(stream: Any) -> None:
+            async for event in stream.events():
+                try:
+                    await engine._on_event(event)
+                except Exception as exc:  # a Kafka-layer failure: the record stays unacked, the app restarts
+                    engine._crash(exc)
+                    raise
+
+        async def revoked(sender: Any, revoked: Any, **_: Any) -> None:
+            engine.on_revoked({tp.partition for tp in revoked if tp.topic == engine.source})
+
+        app.on_partitions_revoked.connect(revoked)
+
+    @app.timer(s.control_interval_s, name=f"{engine.group_id}.control")
+    async def control() -> None:
+        engine.refresh_control()
+
+    @app.timer(engine.handler.tick_interval_s, name=f"{engine.group_id}.tick")
+    async def tick() -> None:
+        await engine.tick()
+
+    @app.timer(s.commit_interval_s, name=f"{engine.group_id}.commit")
+    async def commit() -> None:
+        await engine.commit()
+
+    @app.timer(s.metrics_interval_s, name=f"{engine.group_id}.metrics")
+    async def metrics() -> None:
+        if engine.started.is_set():
+            await engine._publish_metrics()
+
+    return app

@@ -1,0 +1,133 @@
+"""Exactly-once on Faust: a thin subclass of Faust's TransactionManager, and tables whose writes join it.
+
+Faust 0.15 with `processing_guarantee="exactly_once"` keeps one transactional producer per
+assigned source partition (id `<app id>-<topic group>-<partition>`), and at every commit sends
+the acked offsets to it and commits. Reading its source (faust/transport/consumer.py,
+faust/transport/drivers/aiokafka.py) and its open reports shows where that is not exact:
+
+1. `TransactionManager.send` picks the producer from the DESTINATION partition, so an output to
+   a topic with another partition count or key lands in another partition's transaction (or
+   fails with "No transaction producer found"), committed with the wrong offsets.
+2. Offsets are taken from acked events before the commit awaits anything; events that finish
+   meanwhile have their outputs in the transaction but not their offsets (duplicates after a
+   kill), and an event is acked when the agent's body returns, whatever it left running.
+3. `begin_transaction`, `commit_transaction` log and swallow every exception; the producers'
+   registry is a class attribute shared by every app of the process; transactional ids come
+   from the assignor's topic groups, which are empty (KeyError at the first rebalance) unless
+   the app has changelog tables.
+4. Table changelog writes go through the producer buffer, a separate task that may not have
+   handed them to the producer when the transaction commits; sends from timers have no
+   transaction at all.
+
+What we do instead (the engine, `stream_apps.engine`, produces with an explicit transactional
+id, holds each record until its outputs are in the producer, and serialises a partition's
+records with its commits through a per-partition gate):
+
+* `ExactTransactionManager.commit` commits, per source partition and under its gate, the
+  offset below which every record has its outputs in that partition's transaction
+  (`OffsetTracker`), then begins the next transaction; a failure crashes the app (the engine
+  rebuilds it: the transaction is aborted, the records are read again).
+* Starting a partition's producer must succeed, or the rebalance fails and the app restarts.
+* Revoked partitions commit what they finished before Faust stops their producers.
+* `TxTable` writes its changelog records into the current record's (or periodic
+  transaction's) outbox, so state and outputs commit together.
+* A send Faust makes itself outside an event (a timer, a user's `topic.send`) raises instead
+  of leaving the transaction.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from faust.exceptions import ProducerSendError
+from faust.streams import current_event
+from faust.tables.table import Table
+from faust.transport.consumer import TransactionManager
+
+from astraflow.errors import KafkaLayerError
+
+if TYPE_CHECKING:
+    from stream_apps.engine import StreamEngine
+
+
+class ExactTransactionManager(TransactionManager):
+    """Faust's TransactionManager with commits that match outputs (see the module doc)."""
+
+    @property
+    def engine(self) -> StreamEngine:
+        return self.app.astraflow_engine  # type: ignore[attr-defined,no-any-return]
+
+    async def send(self, topic: str, key: bytes | None, value: bytes | None, partition: int | None,
+                   timestamp: float | None, headers: Any, *, transactional_id: str | None = None) -> Any:
+        """A send Faust (or user code given the app) makes: into the current event's transaction."""
+        event = current_event()
+        if transactional_id is None and event is not None and event.message.topic == self.engine.source:
+            transactional_id = self.engine.tid(event.message.partition)
+        if transactional_id is None:
+            raise ProducerSendError(
+                f"record for {topic} sent outside a transaction; in an AstraFlow app send through the engine"
+            )
+        return await self.producer.send(topic, key, value, partition, timestamp, headers, transactional_id=transactional_id)
+
+    async def commit(self, offsets: Any, start_new_transaction: bool = True) -> bool:
+        engine = self.engine
+        for p in sorted({tp.partition for tp in offsets if tp.topic == engine.source}):
+            async with engine._gate(p):
+                await self.commit_partition(p)
+        return True
+
+    async def commit_partition(self, partition: int, offsets: bool = True) -> None:
+        """Commits the transaction of source `partition` (with its offset); the caller holds the gate."""
+        from aiokafka.structs import TopicPartition
+
+        engine = self.engine
+        tid = engine.tid(partition)
+        txp = self.producer._transaction_producers.get(tid)
+        if txp is None:
+            return  # not ours (any more)
+        tp = (engine.source, partition)
+        offset = engine.tracker.committable(tp) if offsets else None
+        state = engine.tracker._parts.get(tp)
+        if offset is not None and (state is None or offset <= state.committed):
+            offset = None
+        try:
+            async with self.producer._trn_locks[tid]:
+                if offset is not None:
+                    await txp.send_offsets_to_transaction({TopicPartition(engine.source, partition): offset}, self.app.conf.id)
+                await txp.commit_transaction()
+                await txp.begin_transaction()
+        except Exception as exc:
+            error = KafkaLayerError(f"transaction {tid} did not commit ({exc!r}); it is aborted and its records read again")
+            engine._crash(error)
+            raise error from exc
+        if offset is not None:
+            engine.tracker.mark_committed({tp: offset})
+
+    async def on_partitions_revoked(self, revoked: Any) -> None:
+        engine = self.engine
+        for p in sorted({tp.partition for tp in revoked if tp.topic == engine.source}):
+            async with engine._gate(p):
+                await self.commit_partition(p)
+
+    def _tps_to_transactional_ids(self, tps: Any) -> set[str]:
+        # Faust asks its assignor for the partition's topic group, which it only knows when the
+        # app has changelog tables (without, aiokafka's round-robin assignor runs): one id per
+        # source partition does not need it.
+        engine = self.engine
+        return {engine.tid(tp.partition) for tp in tps if tp.topic == engine.source}
+
+    async def _start_transactions(self, tids: Any) -> None:
+        for tid in tids:
+            await self.producer.maybe_begin_transaction(tid)
+            if tid not in self.producer._transaction_producers:  # Faust logged why and went on
+                raise KafkaLayerError(f"could not start the transactional producer {tid}; the app restarts")
+
+
+class TxTable(Table):
+    """A Faust table (bytes -> bytes) whose changelog writes join the engine's current transaction."""
+
+    def on_key_set(self, key: Any, value: Any) -> None:
+        self.app.astraflow_engine.changelog(self, key, value)  # type: ignore[attr-defined]
+
+    def on_key_del(self, key: Any) -> None:
+        self.app.astraflow_engine.changelog(self, key, None)  # type: ignore[attr-defined]

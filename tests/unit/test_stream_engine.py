@@ -1,0 +1,167 @@
+"""The Faust agent of a StreamEngine, driven with Faust's own test support (`agent.test_context()`).
+
+No broker: the agent reads an in-memory channel, and what the engine would hand to Kafka's
+producer is collected instead (`_produce` is the one place that talks to Kafka). What is
+checked is the agent body: decoding with the Avro codec, the handler's outputs, dead letters
+with their reason and strategy, the record acked only once its outputs are handed over, and
+slow records running concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from astraflow.config import KafkaSettings
+from astraflow.control import ControlState
+from astraflow.dataflow.registry import register
+from astraflow.dataflow.rewards import RewardResult
+from astraflow.kafka.topics import Topics
+from astraflow.records import Control, DeadLetter, Trajectory
+from astraflow.serde import AvroSerde
+from astraflow.testing import make_trajectory
+from stream_apps.codec import CODEC_NAME, AvroCodec
+from stream_apps.engine import EngineSettings, StreamEngine
+from stream_apps.reward import RewardApp
+
+EXP = "unit"
+
+
+class _Control:
+    """The part of ControlReader the apps read (the control topic, minus Kafka)."""
+
+    def __init__(self) -> None:
+        self.state = ControlState()
+
+    @property
+    def generation(self) -> int:
+        return self.state.generation
+
+    def get_for(self, app: str, slot: str) -> Control | None:
+        return self.state.get(app, slot)
+
+    def refresh(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+@register("reward", "unit_slow", version=1)
+class SlowReward:
+    """An async reward: sleeps, then scores 1; raises on answer 'boom'."""
+
+    def __init__(self, delay_s: float = 0.05) -> None:
+        self.delay_s = float(delay_s)
+        self.running = 0
+        self.peak = 0
+
+    def __call__(self, t: Trajectory) -> RewardResult:
+        raise AssertionError("the engine must use score_async")
+
+    async def score_async(self, t: Trajectory) -> RewardResult:
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        await asyncio.sleep(self.delay_s)
+        self.running -= 1
+        if t.final_answer == "boom":
+            raise ValueError("slow reward exploded")
+        return RewardResult(1.0, {"unit_slow": 1.0})
+
+
+def engine_with_capture() -> tuple[StreamEngine, list[tuple[str, bytes | None, bytes | None]]]:
+    engine = StreamEngine(RewardApp(), EngineSettings(EXP, KafkaSettings(), guarantee="at_least_once", source_partitions=1))
+    engine.build()
+    engine.control = _Control()  # type: ignore[assignment]
+    engine.handler.bind(engine)
+    sent: list[tuple[str, bytes | None, bytes | None]] = []
+
+    async def produce(outbox: list[Any], partition: int | None) -> None:
+        sent.extend((o.topic, o.key, o.value) for o in outbox)
+
+    engine._produce = produce  # type: ignore[method-assign]
+    return engine, sent
+
+
+def traj(i: int, answer: str) -> Trajectory:
+    t = make_trajectory(32, task_id=f"t{i}", seed=i)
+    t.final_answer, t.reference = answer, '{"answer": "4"}'
+    return t
+
+
+def test_agent_decodes_scores_and_dead_letters_with_reasons() -> None:
+    engine, sent = engine_with_capture()
+    agent = next(iter(engine.app.agents.values()))
+    serde = AvroSerde()
+    topics = Topics(EXP)
+
+    async def run() -> None:
+        async with agent.test_context() as ctx:
+            await ctx.put(serde.dumps(traj(0, "4")), key=b"g-t0")
+            await ctx.put(b"random bytes, not avro", key=b"junk")
+            await ctx.put(serde.dumps(make_trajectory(8)).replace(b"\xc3\x01", b"\xc3\x01", 1)[:12], key=b"short")
+            bad_ref = traj(1, "4")
+            bad_ref.reference = "not json"
+            await ctx.put(serde.dumps(bad_ref), key=b"g-t1")
+            await ctx.put(serde.dumps(traj(2, "five")), key=b"g-t2")
+
+    asyncio.run(run())
+    assert [topic for topic, _, _ in sent] == [topics.scored, topics.dlq, topics.dlq, topics.dlq, topics.scored]
+    scored = [serde.loads(v) for t, _, v in sent if t == topics.scored]
+    assert [(s.trajectory_id, s.reward) for s in scored] == [("t0/0", 1.0), ("t2/0", 0.0)]
+    letters = [serde.loads(v, DeadLetter) for t, _, v in sent if t == topics.dlq]
+    assert [(d.component, d.error_class, d.strategy) for d in letters] == [
+        ("reward", "CorruptRecordError", None), ("reward", "CorruptRecordError", None), ("reward", "RewardError", "exact_match")]
+    assert letters[0].original == b"random bytes, not avro" and letters[0].original_key == b"junk"
+    assert "not valid JSON" in letters[2].error
+    assert engine.stats.records_in == 5 and engine.stats.records_out == 2 and engine.stats.dead_lettered_total == 3
+
+
+def test_a_record_of_another_schema_is_dead_lettered_not_handled() -> None:
+    engine, sent = engine_with_capture()
+    agent = next(iter(engine.app.agents.values()))
+    serde = AvroSerde()
+
+    async def run() -> None:
+        async with agent.test_context() as ctx:
+            other = DeadLetter(original=b"x", original_key=None, topic="t", partition=0, offset=0, error_class="E",
+                               error="e", component="c")
+            await ctx.put(serde.dumps(other), key=b"k")
+
+    asyncio.run(run())
+    (topic, _, value), = sent
+    dl = serde.loads(value, DeadLetter)
+    assert topic == Topics(EXP).dlq and dl.component == "reward" and "Trajectory" in dl.error
+    assert engine.stats.records_out == 0
+
+
+def test_slow_rewards_run_concurrently_and_failures_are_dead_lettered_by_name() -> None:
+    engine, sent = engine_with_capture()
+    engine.control.state.apply("reward/reward", Control("reward", "reward", "unit_slow", 1, {}, issued_at=0))  # type: ignore[union-attr]
+    agent = next(iter(engine.app.agents.values()))
+    serde = AvroSerde()
+
+    async def run() -> None:
+        async with agent.test_context() as ctx:
+            for i in range(6):
+                await ctx.put(serde.dumps(traj(i, "boom" if i == 3 else "4")), key=f"g-t{i}".encode())
+            while engine._tasks:
+                await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    topics = Topics(EXP)
+    assert sorted(serde.loads(v).trajectory_id for t, _, v in sent if t == topics.scored) == [f"t{i}/0" for i in (0, 1, 2, 4, 5)]
+    (dl,) = [serde.loads(v, DeadLetter) for t, _, v in sent if t == topics.dlq]
+    assert dl.strategy == "unit_slow" and "slow reward exploded" in dl.error
+    assert engine.stats.inflight_peak > 1  # they overlapped
+    assert engine.tracker.pending() == 0  # every record finished
+
+
+def test_the_faust_codec_round_trips_typed_records() -> None:
+    from faust.serializers import codecs
+
+    codec = codecs.get_codec(CODEC_NAME)
+    assert isinstance(codec, AvroCodec)
+    t = traj(0, "4")
+    back = codec.loads(codec.dumps(t))
+    assert isinstance(back, Trajectory) and back.trajectory_id == t.trajectory_id
