@@ -59,6 +59,7 @@ class CrashReport:
     split_groups: int  # curate: groups with some but not all of their samples
     uncommitted_extra: int  # records visible read_uncommitted but not read_committed (aborted)
     seconds: float  # wall time of the run
+    missing_groups: list[str] = field(default_factory=list)  # groups with a missing sample (first 10)
     worker_logs: list[str] = field(default_factory=list)  # where the workers' logs are
 
     @property
@@ -76,24 +77,33 @@ def _traj(group: str, i: int, size: int, reward: float | None, seed: int) -> Any
 
 
 def curate_input(run: str, rng: random.Random) -> tuple[list[Any], dict[str, int]]:
-    """(records in send order, expected samples per group) for curate."""
-    records, expected = [], {}
-    for g in range(48):
-        name = f"{run}-full-{g}"
-        records += [_traj(name, i, 4, 1.0 if i % 2 == 0 else 0.0, g * 10 + i) for i in range(4)]
-        expected[name] = 4
+    """(records in send order, expected samples per group) for curate.
+
+    Partial groups come first (they time out while the run goes on); a complete group's members
+    are sent close together (shuffled among a few neighbours), so only a stall longer than the
+    group timeout could split one. Redelivered copies go anywhere after their original.
+    """
+    partial, expected = [], {}
     for g in range(8):
         name = f"{run}-half-{g}"
-        records += [_traj(name, i, 4, 1.0 if i % 2 == 0 else 0.0, 1000 + g * 10 + i) for i in range(2)]
+        partial += [_traj(name, i, 4, 1.0 if i % 2 == 0 else 0.0, 1000 + g * 10 + i) for i in range(2)]
         expected[name] = 2
     for g in range(4):
         name = f"{run}-lone-{g}"
-        records.append(_traj(name, 0, 4, 1.0, 2000 + g))
+        partial.append(_traj(name, 0, 4, 1.0, 2000 + g))
         expected[name] = 0
-    rng.shuffle(records)
-    again = rng.sample(records, 16)  # redelivered: some while their group assembles, some after it left
-    for t in again:
-        records.insert(rng.randrange(len(records) // 2, len(records) + 1), t)
+    full = []
+    for g in range(48):
+        name = f"{run}-full-{g}"
+        full += [_traj(name, i, 4, 1.0 if i % 2 == 0 else 0.0, g * 10 + i) for i in range(4)]
+        expected[name] = 4
+    for start in range(0, len(full), 12):  # three groups at a time, interleaved
+        block = full[start:start + 12]
+        rng.shuffle(block)
+        full[start:start + 12] = block
+    records = partial + full
+    for t in rng.sample(records, 16):  # redelivered: the same trajectory_id again, later
+        records.insert(rng.randrange(records.index(t) + 1, len(records) + 1), t)
     return records, expected
 
 
@@ -138,15 +148,27 @@ class Workers:
         self.app, self.experiment, self.args, self.logs = app, experiment, args, logs
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.started = 0
+        self.started_as: dict[str, int] = {}
 
     def start(self, name: str) -> None:
         from stream_apps.launch import app_command
 
         self.started += 1
+        self.started_as[name] = self.started
         log = open(self.logs / f"{name}-{self.started}.log", "wb")  # noqa: SIM115 - closed with the process
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         self.procs[name] = subprocess.Popen(app_command(self.app, self.experiment, *self.args), stdout=log,
                                             stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+
+    def wait_started(self, name: str, timeout_s: float = 60.0, mark: bytes = b": first record, ") -> bool:
+        """Until the worker logged `mark` (default: it handles records; a kill before tests nothing)."""
+        log = self.logs / f"{name}-{self.started_as[name]}.log"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if mark in log.read_bytes():
+                return True
+            time.sleep(0.2)
+        return False
 
     def kill(self, name: str) -> bool:
         proc = self.procs[name]
@@ -169,7 +191,7 @@ class Workers:
 
 
 def run_crash(kafka: Any, app: str, *, guarantee: str = "exactly_once", kills: int = 3, seed: int = 0,
-              work: Path | None = None, partitions: int = 2, group_timeout_s: float = 5.0) -> CrashReport:
+              work: Path | None = None, partitions: int = 2, group_timeout_s: float = 40.0) -> CrashReport:
     """One crash run on a fresh experiment (deleted afterwards); see the module doc."""
     from astraflow.config import TopicSettings
     from astraflow.kafka.clients import RecordProducer
@@ -202,6 +224,7 @@ def run_crash(kafka: Any, app: str, *, guarantee: str = "exactly_once", kills: i
     delivered = 0
     try:
         workers.start("a")
+        workers.wait_started("a", mark=b" started (Faust app ")
         rounds = 12
         per_round = -(-len(records) // rounds)
         kill_rounds = sorted(rng.sample(range(1, rounds), kills)) if kills else []
@@ -209,15 +232,18 @@ def run_crash(kafka: Any, app: str, *, guarantee: str = "exactly_once", kills: i
             for t in records[r * per_round:(r + 1) * per_round]:
                 producer.send(source, t, key=t.group_id)
             producer.flush()
-            time.sleep(rng.uniform(0.3, 1.5))  # the worker is mid-way through this round
+            time.sleep(rng.uniform(0.2, 0.8))  # the worker is mid-way through this round
             if r in kill_rounds:
-                delivered += workers.kill("a")
+                workers.wait_started("a", timeout_s=30)  # it handles records (recovery is over)
+                time.sleep(rng.uniform(0.05, 0.4))
+                delivered += workers.kill("a")  # most likely inside an open transaction
                 workers.start("a")
                 if "b" not in workers.procs:
                     workers.start("b")  # joins while a runs: partitions move by rebalance
-        if app == "curate":
-            time.sleep(group_timeout_s)  # partial groups time out
-        deadline = time.monotonic() + 180
+                workers.wait_started("a", mark=b" started (Faust app ")
+        if app == "curate":  # partial groups time out (they came first)
+            time.sleep(max(0.0, group_timeout_s - (time.monotonic() - t0)))
+        deadline = time.monotonic() + 90
         committed = _read(kafka, sink, "read_committed", 12.0, deadline, len(expected_ids))
         uncommitted = _read(kafka, sink, "read_uncommitted", 3.0, time.monotonic() + 60, len(committed))
     finally:
@@ -230,9 +256,11 @@ def run_crash(kafka: Any, app: str, *, guarantee: str = "exactly_once", kills: i
         duplicates = sum(max(0, counts[k] - want[k]) for k in counts)
         missing = sum(max(0, want[k] - counts[k]) for k in want)
         split = 0
+        missing_groups = sorted({k.split("/")[0] for k in want if counts[k] < want[k]})[:10]
     else:
         duplicates = sum(n - 1 for n in counts.values() if n > 1)
         missing = len(expected_ids - set(counts))
+        missing_groups = sorted({i.split("/")[0] for i in expected_ids - set(counts)})[:10]
         by_group = Counter(s.group_id for s in {s.sample_id: s for s in committed}.values())
         split = sum(1 for g, n in per_group.items() if by_group.get(g, 0) not in (0, n) or (n == 0 and by_group.get(g)))
     return CrashReport(
@@ -240,6 +268,7 @@ def run_crash(kafka: Any, app: str, *, guarantee: str = "exactly_once", kills: i
         expected=len(expected_ids) if app == "curate" else len(records), committed=len(committed), distinct=len(counts),
         duplicates=duplicates, missing=missing, unexpected=len(set(counts) - expected_ids), split_groups=split,
         uncommitted_extra=len(uncommitted) - len(committed), seconds=round(time.monotonic() - t0, 1),
+        missing_groups=missing_groups,
         worker_logs=sorted(str(p) for p in work.glob("*.log")),
     )
 

@@ -138,6 +138,7 @@ class StreamEngine:
         self._reporter = MetricsReporter(handler.name, self.instance_id, {"experiment": settings.experiment})
         self._dirty: set[int] = set()  # partitions with records produced since their last commit
         self._crashing: asyncio.Future[Any] | None = None
+        self._seen_record = False  # per Faust app built: logged once, so supervisors see it is working
 
     # ---- what handlers call ----------------------------------------------------------------------
 
@@ -215,6 +216,10 @@ class StreamEngine:
         self.stats.records_in += 1
         if self.stats.first_in_at is None:
             self.stats.first_in_at = time.monotonic()
+        if not self._seen_record:
+            self._seen_record = True
+            self.log.info("%s worker %s: first record, %s[%d]@%d", self.handler.name, self.instance_id,
+                          msg.topic, msg.partition, msg.offset)
         msg.incref()  # acked by us once its outputs are in the producer, not when this body returns
         outbox: list[_Out] = []
         box_token, part_token = _OUTBOX.set(outbox), _PARTITION.set(msg.partition)
@@ -365,6 +370,7 @@ class StreamEngine:
         self._loop = asyncio.get_running_loop()
         self.tracker = OffsetTracker()
         self._gates, self._tasks, self._dirty = {}, set(), set()
+        self._seen_record = False
         app = self.build()
         data_dir = self.settings.data_dir or Path(tempfile.mkdtemp(prefix=f"faust-{self.handler.name}-"))
         app.conf.datadir = str(data_dir)
@@ -373,6 +379,8 @@ class StreamEngine:
             self._bind()
             await app.start()
             self.started.set()
+            self.log.info("%s worker %s started (Faust app %s, %s, source %s)", self.handler.name, self.instance_id,
+                          self.group_id, self.settings.guarantee, self.source or "none")
             while not self._stop.is_set() and not app.should_stop:
                 await asyncio.sleep(0.1)
             if app.crash_reason is not None and self.error is None:
@@ -391,8 +399,6 @@ class StreamEngine:
             self.control = ControlReader(self.kafka, self.settings.experiment, self.handler.name, serde=self.serde).start()
             self.handler.bind(self)
         self.control.refresh()
-        self.log.info("%s worker %s started (Faust app %s, %s, source %s)", self.handler.name, self.instance_id,
-                      self.group_id, self.settings.guarantee, self.source or "none")
 
     async def _shutdown(self) -> None:
         app = self.app

@@ -78,7 +78,7 @@ def build_app(engine: StreamEngine) -> faust.App:
     import faust
 
     from stream_apps.codec import register
-    from stream_apps.transactions import ExactTransactionManager, TxTable
+    from stream_apps.transactions import ExactConsumer, ExactTransactionManager, TxTable
 
     register(engine.serde)
     s = engine.settings
@@ -112,6 +112,7 @@ def build_app(engine: StreamEngine) -> faust.App:
     app = faust.App(engine.group_id, **conf)
     app.astraflow_engine = engine  # type: ignore[attr-defined]
     app.transport.TransactionManager = ExactTransactionManager  # type: ignore[misc]
+    app.transport.Consumer = ExactConsumer  # type: ignore[misc]
     # Faust keeps transactional producers in class attributes shared by every app of the process.
     app.producer._transaction_producers = {}  # type: ignore[attr-defined]
     app.producer._trn_locks = {}  # type: ignore[attr-defined]

@@ -31,6 +31,9 @@ records with its commits through a per-partition gate):
 * Revoked partitions commit what they finished before Faust stops their producers.
 * `TxTable` writes its changelog records into the current record's (or periodic
   transaction's) outbox, so state and outputs commit together.
+* Recovery asks the broker for each changelog partition's last stable offset: Faust reads the
+  one cached from the latest fetch, None for a partition just assigned (taken as -1: a
+  ConsistencyError that crashes the app at every rebalance, or a recovery that reads nothing).
 * A send Faust makes itself outside an event (a timer, a user's `topic.send`) raises instead
   of leaving the transaction.
 """
@@ -43,6 +46,8 @@ from faust.exceptions import ProducerSendError
 from faust.streams import current_event
 from faust.tables.table import Table
 from faust.transport.consumer import TransactionManager
+from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
+from faust.transport.drivers.aiokafka import Consumer as AIOKafkaConsumer
 
 from astraflow.errors import KafkaLayerError
 
@@ -124,10 +129,42 @@ class ExactTransactionManager(TransactionManager):
 
 
 class TxTable(Table):
-    """A Faust table (bytes -> bytes) whose changelog writes join the engine's current transaction."""
+    """A Faust table (bytes -> bytes) whose changelog writes join the engine's current transaction.
+
+    After every rebalance each assigned partition is recovered from the start of its
+    changelog: Faust's recovery resumes from the offset it last read, assuming the store kept
+    what it had, but the memory store drops recovered keys of partitions it lost, and the apps
+    forget revoked partitions (eager rebalancing revokes all of them, also those assigned
+    again at once), so resuming would miss everything before that offset.
+    """
+
+    async def on_rebalance(self, assigned: Any, revoked: Any, newly_assigned: Any, generation_id: int = 0) -> None:
+        await super().on_rebalance(assigned, revoked, newly_assigned, generation_id)
+        changelog = self.changelog_topic.get_topic_name()
+        offsets = self.app.tables.recovery.active_offsets
+        for tp in assigned:
+            if tp.topic == changelog:
+                offsets.pop(tp, None)
 
     def on_key_set(self, key: Any, value: Any) -> None:
         self.app.astraflow_engine.changelog(self, key, value)  # type: ignore[attr-defined]
 
     def on_key_del(self, key: Any) -> None:
         self.app.astraflow_engine.changelog(self, key, None)  # type: ignore[attr-defined]
+
+
+class ExactConsumerThread(AIOKafkaConsumerThread):
+    """Faust's aiokafka consumer thread, with last stable offsets asked from the broker."""
+
+    async def _highwaters(self, partitions: Any) -> Any:
+        consumer = self._ensure_consumer()
+        if self.consumer.in_transaction:  # read_committed: end_offsets answers the last stable offset
+            return await consumer.end_offsets(list(partitions))
+        return await super()._highwaters(partitions)
+
+
+class ExactConsumer(AIOKafkaConsumer):
+    """Faust's aiokafka consumer running `ExactConsumerThread`."""
+
+    def _new_consumer_thread(self) -> ExactConsumerThread:
+        return ExactConsumerThread(self, loop=self.loop, beacon=self.beacon)
