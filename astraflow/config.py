@@ -115,8 +115,9 @@ class TopicSettings(_Frozen):
 
     partitions: int = 4
     """Partitions of the work topics (tasks, rollouts, scored, train): the parallelism ceiling."""
-    replication_factor: int = 1
-    """1 for the local broker; 3 on a production cluster (and `kafka up --brokers 3`)."""
+    replication_factor: int | None = None
+    """Replicas per partition; None uses the cluster's `default.replication.factor` (1 on the single
+    local broker, 3 on `kafka up --brokers 3`; set 3 explicitly on a production cluster)."""
     min_insync_replicas: int | None = None
     """`min.insync.replicas` of every topic (None: the broker's default). With replication factor 3,
     2 means an acks=all write survives the loss of any one broker."""
@@ -131,7 +132,10 @@ class TopicSettings(_Frozen):
 
     @model_validator(mode="after")
     def _check_isr(self) -> TopicSettings:
-        if self.min_insync_replicas is not None and not 1 <= self.min_insync_replicas <= self.replication_factor:
+        rf = self.replication_factor
+        if rf is not None and rf < 1:
+            raise ValueError(f"topics.replication_factor={rf} must be at least 1 (or unset: the cluster's default)")
+        if self.min_insync_replicas is not None and not 1 <= self.min_insync_replicas <= (rf or self.min_insync_replicas):
             raise ValueError(
                 f"topics.min_insync_replicas={self.min_insync_replicas} must be between 1 and "
                 f"topics.replication_factor={self.replication_factor} (or a write could never succeed)"

@@ -134,15 +134,18 @@ class TopicAdmin:
     def __init__(self, kafka: KafkaSettings) -> None:
         self.admin = AdminClient(kafka.client_config())
 
-    def create(self, specs: list[TopicSpec], replication_factor: int = 1, timeout_s: float = 30.0) -> dict[str, str]:
-        """Creates the missing topics; returns name -> 'created' | 'exists'."""
+    def create(self, specs: list[TopicSpec], replication_factor: int | None = None, timeout_s: float = 30.0) -> dict[str, str]:
+        """Creates the missing topics; returns name -> 'created' | 'exists'.
+
+        `replication_factor` None leaves it to the cluster's `default.replication.factor`."""
         existing = set(self.list(timeout_s=timeout_s))
         todo = [s for s in specs if s.name not in existing]
         result = {s.name: "exists" for s in specs if s.name in existing}
         if not todo:
             return result
         futures = self.admin.create_topics(
-            [NewTopic(s.name, num_partitions=s.partitions, replication_factor=replication_factor, config=s.config) for s in todo],
+            [NewTopic(s.name, num_partitions=s.partitions, replication_factor=replication_factor or -1, config=s.config)
+             for s in todo],
             operation_timeout=timeout_s,
         )
         for name, fut in futures.items():

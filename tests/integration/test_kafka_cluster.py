@@ -62,6 +62,11 @@ def test_three_nodes_report_and_experiment_topics_get_rf3_isr2(cluster: LocalKaf
         assert all(len(p.replicas) == 3 for p in md.topics[spec.name].partitions.values()), spec.name
     described = admin.describe([s.name for s in specs])
     assert {conf["min.insync.replicas"] for conf in described.values()} == {"2"}
+    # Unset, the replication factor is the cluster's default: 3 on this cluster, and so is min ISR.
+    defaults = topic_specs(unique("exp"), [], TopicSettings(partitions=1))
+    admin.create(defaults, TopicSettings().replication_factor)
+    md = metadata_with(admin, [s.name for s in defaults])
+    assert {len(md.topics[s.name].partitions[0].replicas) for s in defaults} == {3}
     # Kafka's own state is as durable as the data: group offsets and transaction state.
     commit_group(kafka, specs[0].name)
     md = admin.admin.list_topics(timeout=10)

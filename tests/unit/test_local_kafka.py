@@ -82,3 +82,17 @@ def test_secure_nodes_require_sasl_and_acls(tmp_path: Path) -> None:
     assert props["allow.everyone.if.no.acl.found"] == "false"
     assert oct(k.nodes[0].properties.stat().st_mode & 0o777) == "0o600"
     assert oct((tmp_path / "credentials.json").stat().st_mode & 0o777) == "0o600"
+
+
+def test_topic_durability_settings_are_checked_and_reach_every_topic() -> None:
+    from pydantic import ValidationError
+
+    from astraflow.config import TopicSettings
+    from astraflow.kafka.topics import topic_specs
+
+    with pytest.raises(ValidationError, match="min_insync_replicas=4 must be between 1 and topics.replication_factor=3"):
+        TopicSettings(replication_factor=3, min_insync_replicas=4)
+    specs = topic_specs("e", ["p"], TopicSettings(replication_factor=3, min_insync_replicas=2))
+    assert {s.config["min.insync.replicas"] for s in specs} == {"2"} and len(specs) == 10
+    assert all("min.insync.replicas" not in s.config for s in topic_specs("e", ["p"], TopicSettings()))
+    assert TopicSettings().replication_factor is None  # the cluster's default.replication.factor
