@@ -34,7 +34,7 @@ import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from astraflow.weights.bits import Manifest
-from astraflow.weights.publish import WeightPublisher, check_finite, published_state
+from astraflow.weights.publish import NonFiniteWeightsError, WeightPublisher, check_finite, published_state
 from trainers.callbacks import SnapshotRequests, save_checkpoint
 from trainers.crash import CrashPoints
 
@@ -149,11 +149,17 @@ class DurablePublication(L.Callback):
 
     def _weights(self, trainer: L.Trainer) -> dict[str, Any] | None:
         state = trainer.strategy.lightning_module_state_dict()  # full state on rank 0 (FSDP gathers)
-        if not trainer.is_global_zero:
-            return None
-        weights = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
-        new = published_state(weights, self.publisher.settings.dtype)
-        check_finite(new)  # before any checkpoint: a non-finite state is never made durable
+        new, problem = None, None
+        if trainer.is_global_zero:
+            weights = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
+            new = published_state(weights, self.publisher.settings.dtype)
+            try:
+                check_finite(new)  # before any checkpoint: a non-finite state is never made durable
+            except NonFiniteWeightsError as exc:
+                problem = str(exc)
+        problem = trainer.strategy.broadcast(problem, src=0)  # every rank stops, none waits
+        if problem is not None:
+            raise NonFiniteWeightsError(f"{problem} (step {trainer.global_step}; restart resumes from the last checkpoint)")
         return new
 
     def _send(self, trainer: L.Trainer, weights: dict[str, Any], version: int, snapshot: bool) -> int:

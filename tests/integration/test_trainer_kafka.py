@@ -371,3 +371,31 @@ def test_a_second_publisher_of_the_policy_fences_the_first(kafka: KafkaSettings,
     assert new.publish({"w": torch.full((8,), 3.0)}).version == 1
     latest = latest_policy_version(kafka, Topics(experiment), "policy")
     assert latest is not None and latest.version == 1
+
+
+def test_weights_that_are_not_finite_are_neither_checkpointed_nor_published(
+    kafka: KafkaSettings, experiment: str, tmp_path: Path, one_thread: None
+) -> None:
+    """A learning rate that drives weights past float16's range: the first step's weights are
+    infinite in the published dtype, so the trainer stops before checkpointing or publishing them."""
+    from astraflow.weights.publish import NonFiniteWeightsError
+
+    topics = Topics(experiment)
+    model_dir = init_tiny(tmp_path / "tiny", vocab_size=512, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64)
+    initial, _ = load_tiny(model_dir)
+    producer = RecordProducer(kafka)
+    for s in make_samples(initial, prompts=1, group_size=8, policy="policy"):
+        producer.send(topics.train("policy"), s, key=s.group_id)
+    producer.flush()
+    cfg = TrainRunConfig.model_validate({
+        "experiment": experiment, "run_dir": str(tmp_path / "runs"), "kafka": kafka.model_dump(),
+        "topics": {"partitions": 2},
+        "trainer": {"model_dir": str(model_dir), "batch_size": 8, "max_wait_s": 0.3, "stop_when_idle_s": 1.5,
+                    "lr": 1e6, "grad_clip": None, "publish_dtype": "float16", "logger": "none", "progress_bar": False},
+    })
+    with pytest.raises(NonFiniteWeightsError, match="step 1"):
+        run_training(cfg)
+    assert not list(cfg.checkpoint_dir().glob("step-*.ckpt"))
+    latest = latest_policy_version(kafka, topics, "policy", strict=True)
+    assert latest is not None and latest.version == 0  # the starting weights only
+    assert not cfg.trained_log().exists()
