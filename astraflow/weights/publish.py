@@ -64,6 +64,11 @@ class PublisherFencedError(WeightsError):
     policy) took over: this one must stop publishing."""
 
 
+_DENIED = (
+    KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+    KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+)
 TRANSACTION_TIMEOUT_MS = 15 * 60 * 1000  # the broker's default transaction.max.timeout.ms
 
 
@@ -109,6 +114,7 @@ class WeightPublisher:
         # A given producer must have been built with publisher_producer_config(transactional_id).
         self.producer = producer or RecordProducer(kafka, **publisher_producer_config(transactional_id))
         self.transactional = transactional_id is not None
+        self.producer_id = transactional_id
         self.on_progress = on_progress  # called with "chunks_sent" mid-publication (crash tests)
         self.encoder = VersionEncoder(policy, settings)
         self.latest: PolicyVersion | None = None  # last version published by this process
@@ -135,7 +141,13 @@ class WeightPublisher:
                 last = last_published_version(self.kafka, self.topics, self.policy, timeout_s, latest=self.committed)
                 break
             except (KafkaException, KafkaLayerError) as exc:
-                if isinstance(exc, KafkaException) and exc.args[0].fatal():
+                err = exc.args[0] if isinstance(exc, KafkaException) else None
+                if err is not None and err.code() in _DENIED:
+                    raise KafkaLayerError(
+                        f"Kafka denies the publisher of {self.policy} ({err.str()}): its principal needs WRITE and "
+                        f"DESCRIBE on the transactional id {self.producer_id!r} and on the weights and policies topics"
+                    ) from exc
+                if err is not None and err.fatal():
                     raise PublisherFencedError(f"cannot start publishing {self.policy}: {exc}") from exc
                 waited += timeout_s
                 log.warning("waiting for Kafka to read the versions of %s (%.0f s): %s", self.policy, waited, exc)
