@@ -95,6 +95,14 @@ def experiment(kafka: KafkaSettings, unique: Callable[[str], str]) -> Iterator[s
     admin.delete([s.name for s in specs])
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random model with the locally trained tokenizer, built once per test session."""
+    from astraflow.models.tiny import init_tiny
+
+    return Path(init_tiny(tmp_path_factory.mktemp("tiny-shared"), seed=0))
+
+
 @pytest.fixture(autouse=True)
 def _no_leaks() -> Iterator[None]:
     """Fails a test that leaves threads running or environment variables changed."""

@@ -40,6 +40,7 @@ KINDS = ("reward", "filter", "advantage", "curator")
 BUILTIN_MODULES = (
     "astraflow.dataflow.rewards",
     "astraflow.dataflow.code_reward",
+    "astraflow.dataflow.env_rewards",
     "astraflow.dataflow.filters",
     "astraflow.dataflow.advantages",
     "astraflow.dataflow.curators",

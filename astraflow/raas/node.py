@@ -17,6 +17,8 @@ Guarantees (DESIGN.md, "RaaS node"):
   sample becomes an ERROR trajectory (`astraflow.raas.guard`), so its group still completes
   and the node keeps serving; a
   trajectory that cannot be encoded is replaced by an ERROR trajectory without segments;
+- a workflow may hand an agent program an OpenAI-compatible base URL and a key scoped to its
+  rollout (`ctx.openai_endpoint()`, `astraflow.raas.agent_api`): one listener on 127.0.0.1;
 - on SIGTERM it stops taking work, drains what is in flight, commits and leaves the group.
 """
 
@@ -42,6 +44,7 @@ from astraflow.kafka.clients import DeadLetterWriter, Received, RecordConsumer, 
 from astraflow.kafka.offsets import OffsetTracker
 from astraflow.kafka.topics import Topics
 from astraflow.raas.admission import InvalidTaskError, admit
+from astraflow.raas.agent_api.server import AgentEndpoint
 from astraflow.raas.backends.base import InferenceBackend
 from astraflow.raas.guard import error_trajectory, run_workflow
 from astraflow.raas.tools import ToolBox, ToolFn, default_tools
@@ -94,6 +97,7 @@ class RaasNode:
         self._running: set[asyncio.Task] = set()
         self._workflows: weakref.WeakSet[asyncio.Future] = weakref.WeakSet()  # rollouts' own tasks
         self.metric_observers: list[Callable[[Metric], None]] = []  # e.g. a Prometheus collector's observe
+        self.agent_api = AgentEndpoint(config.raas)  # OpenAI-compatible endpoint, listening once a rollout asks
 
     def _make_consumer(self) -> RecordConsumer[Task]:
         return RecordConsumer(
@@ -160,6 +164,7 @@ class RaasNode:
             self._publish_metrics(mark)
             self.producer.flush()
         finally:
+            await self.agent_api.close()
             self.consumer.close()  # leaves the group: partitions move to the other nodes at once
 
     def _backpressure(self) -> None:
@@ -189,7 +194,8 @@ class RaasNode:
 
     async def _serve(self, rec: Received[Task], workflow: Workflow, epoch: int) -> None:
         task = rec.record
-        contexts = [RolloutContext(task, i, dict(self.backends), self.tools, self.node) for i in range(task.n_samples)]
+        contexts = [RolloutContext(task, i, dict(self.backends), self.tools, self.node, agent_api=self.agent_api)
+                    for i in range(task.n_samples)]
         results = await asyncio.gather(*(self._rollout(ctx, workflow) for ctx in contexts))
         acked = asyncio.get_running_loop().create_future()
         remaining = [len(results)]

@@ -14,11 +14,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from astraflow.errors import AstraflowError
 from astraflow.raas.workflows.base import RolloutContext
 from astraflow.raas.workflows.builtin import extract_answer, rlvr, solver_verifier, tool_use
+from astraflow.raas.workflows.envs import ENV_WORKFLOWS
 from astraflow.records import Trajectory
 
 Workflow = Callable[[RolloutContext], Awaitable[Trajectory]]
 
-WORKFLOWS: dict[str, Workflow] = {"rlvr": rlvr, "tool_use": tool_use, "solver_verifier": solver_verifier}
+WORKFLOWS: dict[str, Workflow] = {"rlvr": rlvr, "tool_use": tool_use, "solver_verifier": solver_verifier,
+                                  **ENV_WORKFLOWS}
 
 
 def register_workflow(name: str) -> Callable[[Workflow], Workflow]:

@@ -3,19 +3,27 @@
 A workflow is `async def wf(ctx: RolloutContext) -> Trajectory`. It calls the policies'
 backends through `ctx.generate(policy, ...)`, which appends a trained segment, and adds context
 it did not sample (prompt, tool results) with `ctx.add_context(...)`, which is masked out of the
-loss. `ctx.finish(...)` returns the Trajectory.
+loss. `ctx.finish(...)` returns the Trajectory. `ctx.openai_endpoint()` hands an agent program an
+OpenAI-compatible base URL and key whose calls are recorded the same way.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from astraflow.errors import ConfigError
 from astraflow.raas.backends.base import GenerateRequest, Generation, InferenceBackend
 from astraflow.raas.tools import ToolBox
 from astraflow.records import NodeInfo, Segment, Task, Timings, ToolCall, Trajectory, TrajectoryStatus, now_ms
+
+if TYPE_CHECKING:
+    from contextlib import AbstractAsyncContextManager
+
+    from astraflow.raas.agent_api.server import AgentEndpoint, EndpointAccess
 
 
 @dataclass
@@ -32,6 +40,15 @@ class RolloutContext:
     started_at: int = field(default_factory=now_ms)
     generate_s: float = 0.0
     tool_s: float = 0.0
+    agent_api: AgentEndpoint | None = None  # the node's OpenAI-compatible endpoint
+
+    def openai_endpoint(self) -> AbstractAsyncContextManager[EndpointAccess]:
+        """`async with ctx.openai_endpoint() as access:` a base URL and key scoped to this rollout;
+        an agent's calls through them are recorded in this trajectory (`astraflow.raas.agent_api`)."""
+        if self.agent_api is None:
+            raise ConfigError("this rollout has no OpenAI endpoint: a RaasNode gives every rollout one; "
+                              "elsewhere pass RolloutContext(..., agent_api=AgentEndpoint())")
+        return self.agent_api.open(self)
 
     def backend(self, policy: str) -> InferenceBackend:
         try:
