@@ -145,7 +145,7 @@ class GuardedDb:
                 msg = str(exc)
                 if "interrupted" in msg:
                     msg = f"the statement ran past its {self.timeout_s:g} s limit and was stopped"
-                elif "not authorized" in msg or "prohibited" in msg:
+                elif "authoriz" in msg or "prohibited" in msg:
                     msg = ("not authorized: only this task's own database may be used (no ATTACH, DETACH, "
                            "VACUUM INTO, writing pragmas or extensions)")
                 raise SqlError(msg) from None

@@ -1,0 +1,110 @@
+"""The environments without a broker: the SQL guard, the sandboxed shell, and their rewards
+checked against known right and wrong answers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from astraflow.dataflow.registry import REGISTRY
+from astraflow.envs.database import DbSpecError, GuardedDb, SqlError, answer_values, parse_spec
+from astraflow.envs.datasets import env_dataset
+from astraflow.envs.shell import ShellState, run_check, run_command
+from astraflow.errors import RewardError
+from astraflow.records import NodeInfo, Timings, Trajectory, TrajectoryStatus
+
+DB = {"tables": [{"name": "employees", "columns": [["id", "INTEGER"], ["name", "TEXT"], ["dept", "TEXT"], ["salary", "INTEGER"]],
+                  "rows": [[1, "alice", "sales", 50000], [2, "bob", "sales", 70000], [3, "carol", "research", 90000]]}]}
+
+
+def _traj(reference: dict, answer: str | None, workflow: str = "db_agent", metadata: dict | None = None,
+          status: TrajectoryStatus = TrajectoryStatus.OK) -> Trajectory:
+    return Trajectory("t/0", "t", "g", "p", "d", workflow, 0, 1, [], Timings(0, 0, 0), NodeInfo("n", "cpu", "l", "b"),
+                      final_answer=answer, reference=json.dumps(reference), status=status, metadata=metadata or {})
+
+
+def test_sql_guard_refuses_writing_outside_the_database(tmp_path: Path) -> None:
+    db = GuardedDb(parse_spec(DB), timeout_s=1.0)
+    target = tmp_path / "escape.db"
+    for sql in [f"ATTACH DATABASE '{target}' AS x", f"VACUUM INTO '{target}'", "PRAGMA journal_mode=WAL",
+                "SELECT load_extension('/tmp/x')", "DETACH DATABASE main"]:
+        with pytest.raises(SqlError, match="not authorized|cannot|no such"):
+            db.query(sql)
+    assert not target.exists() and not os.path.exists(f"{target}-journal")
+    with pytest.raises(SqlError, match="one statement"):
+        db.query("SELECT 1; SELECT 2")
+    with pytest.raises(SqlError, match="limit and was stopped"):
+        db.query("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT COUNT(*) FROM c")
+    with pytest.raises(SqlError, match="too big|string or blob"):
+        db.query("SELECT length(zeroblob(100000000))")
+    with pytest.raises(SqlError, match="no such table"):
+        db.query("SELECT * FROM missing_table")
+    # its own database stays usable, writes included
+    db.query("INSERT INTO employees VALUES (4, 'dave', 'support', 40000)")
+    assert db.query("SELECT COUNT(*) FROM employees") == [(4,)]
+    assert db.run_text("PRAGMA table_info(employees)").startswith("0 | id | INTEGER")
+    db.close()
+
+
+def test_db_spec_is_checked() -> None:
+    for bad in [{}, {"tables": []}, {"tables": [{"name": "x; DROP", "columns": [["a", "TEXT"]]}]},
+                {"tables": [{"name": "t", "columns": [["a", "BLOB"]]}]},
+                {"tables": [{"name": "t", "columns": [["a", "TEXT"]], "rows": [[1, 2]]}]},
+                {"tables": [{"name": "t", "columns": [["a", "TEXT"]], "rows": [["x" * 1000]]}]}]:
+        with pytest.raises(DbSpecError):
+            parse_spec(bad)
+
+
+def test_sql_result_reward_on_known_right_and_wrong_answers() -> None:
+    reward = REGISTRY.get("reward", "sql_result")
+    count = {"db": DB, "query": "SELECT COUNT(*) FROM employees WHERE dept = 'sales'"}
+    names = {"db": DB, "query": "SELECT name FROM employees WHERE salary > 60000"}
+    assert reward(_traj(count, "2")).reward == 1.0
+    assert reward(_traj(count, "2.0")).reward == 1.0
+    assert reward(_traj(count, "3")).reward == 0.0
+    assert reward(_traj(count, None)).reward == 0.0
+    assert reward(_traj(names, "Carol, bob")).reward == 1.0
+    assert reward(_traj(names, "bob")).reward == 0.0
+    assert answer_values("[3, 'x']") == ["3", "x"]
+    with pytest.raises(RewardError, match="ground-truth query failed"):
+        reward(_traj({"db": DB, "query": "ATTACH DATABASE '/tmp/x' AS y"}, "1"))
+    with pytest.raises(RewardError, match="needs 'query'"):
+        reward(_traj({"db": DB}, "1"))
+    for row in env_dataset("db", 20, seed=3):  # every generated question has an answer
+        ref = json.loads(row["reference"])
+        db = GuardedDb(parse_spec(ref["db"]))
+        (value,) = db.query(ref["query"])[0]
+        assert reward(_traj(ref, str(value))).reward == 1.0
+        db.close()
+
+
+def test_shell_keeps_files_between_commands_and_has_no_network() -> None:
+    async def run() -> tuple[str, str, ShellState, tuple[bool, str], tuple[bool, str]]:
+        state = ShellState.from_reference({"files": {"logs/app.log": "ERROR a\nINFO b\nERROR c\n"}})
+        out1, state = await run_command(state, "grep -c ERROR logs/app.log; echo hi > out.txt; mkdir -p d/e")
+        net = ("python3 -c \"import socket; socket.create_connection(('1.1.1.1', 80), timeout=2)\"; "
+               "cat /etc/passwd; ls /root /work")
+        out2, state = await run_command(state, net)
+        right = await run_check(state, 'test "$ANSWER" = "$(grep -c ERROR logs/app.log)" && test -d d/e', "2")
+        wrong = await run_check(state, 'test "$ANSWER" = "$(grep -c ERROR logs/app.log)"', "3")
+        return out1, out2, state, right, wrong
+
+    out1, out2, state, right, wrong = asyncio.run(run())
+    assert out1.startswith("2\n") and "[exit code 0]" in out1
+    assert state.files["out.txt"] == b"hi\n" and "d/e" in state.dirs
+    assert "Address family not supported" in out2 or "Operation not permitted" in out2
+    assert "root:x:0" not in out2 and "cannot access '/work'" in out2 and "[exit code" in out2
+    assert right[0] is True and wrong[0] is False
+
+
+def test_os_check_reward_reads_the_workflows_verdict_only() -> None:
+    reward = REGISTRY.get("reward", "os_check")
+    assert reward(_traj({}, "2", "os_agent", {"os_check": "pass"})).reward == 1.0
+    assert reward(_traj({}, "3", "os_agent", {"os_check": "fail"})).reward == 0.0
+    assert reward(_traj({}, "2", "os_agent", {"os_check": "pass"}, TrajectoryStatus.ERROR)).reward == 0.0
+    with pytest.raises(RewardError, match="scores os_agent"):
+        reward(_traj({}, "2", "rlvr", {"os_check": "pass"}))
