@@ -160,7 +160,7 @@ def run_training(config: TrainRunConfig) -> TrainSummary:
     # the version it may have left half-sent.
     publisher = WeightPublisher(
         config.kafka, config.experiment, tc.policy, settings, store=store,
-        transactional_id=f"af.{config.experiment}.{tc.policy}.publisher", on_progress=crash,
+        transactional_id=topics.publisher_id(tc.policy), on_progress=crash,
     )
     durable = DurablePublication(
         publisher, ckpt_dir, publish_every=tc.publish_every_steps, checkpoint_every=tc.checkpoint_every_steps,

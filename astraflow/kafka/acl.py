@@ -9,6 +9,8 @@ the Admin API (SCRAM users and ACL bindings), and `kafka_acls_commands` spells t
   `af.<exp>.<app>` is their consumer group, and Faust names their changelog / repartition topics
   `<app id>-<table>-changelog` and their transactional ids `<app id>-<group>-<partition>`,
   hence a prefix grant on `<app id>-` for topics and transactional ids;
+- a trainer publishes each version in one transaction under the literal transactional id
+  `af.<exp>.<policy>.publisher` (`Topics.publisher_id`): no other principal may use it;
 - assign-only readers (control and compacted readers, weight readers, status) carry a throwaway
   group id that librdkafka looks up but never commits to: DESCRIBE on those group prefixes lets
   them start and does not let them commit (OffsetCommit needs READ);
@@ -118,6 +120,7 @@ def role_grants(experiment: str, policies: list[str]) -> list[Grant]:
         g(who, "TOPIC", t.policies, (READ, WRITE), "latest version of its policy")
         g(who, "GROUP", READER_GROUPS["weights"], (DESCRIBE,), "weight reader's group (assign only)")
         g(who, "GROUP", READER_GROUPS["trainer_control"], (DESCRIBE,), "snapshot-request reader's group (assign only)")
+        g(who, "TRANSACTIONAL_ID", t.publisher_id(p), (WRITE,), "publishes each version in one transaction (fences a predecessor)")
 
     g("archive", "TOPIC", pre, (READ,), "archives any stream of the experiment", "PREFIXED")
     g("archive", "GROUP", f"{pre}archive.", (READ,), "one group per archive destination", "PREFIXED")

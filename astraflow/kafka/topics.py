@@ -79,6 +79,11 @@ class Topics:
     def weights(self, policy: str) -> str:
         return self._t(f"{check_name('policy', policy)}.weights")
 
+    def publisher_id(self, policy: str) -> str:
+        """The transactional id (not a topic) of the policy's trainer when it publishes weights:
+        one per policy, so a restarted trainer fences its predecessor (ACLs grant it by name)."""
+        return self._t(f"{check_name('policy', policy)}.publisher")
+
     def stream(self, name: str) -> str:
         """Resolves a stream name (`rollouts`, `solver.train`) or passes a full topic name through."""
         if name.startswith("af."):

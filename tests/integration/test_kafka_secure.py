@@ -13,18 +13,25 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from astraflow.config import KafkaSettings, LocalKafkaSettings, TopicSettings
 from astraflow.control import ControlReader
+from astraflow.errors import KafkaLayerError
 from astraflow.kafka.acl import principal_of, principals, role_grants
 from astraflow.kafka.clients import consumer_config, producer_config
 from astraflow.kafka.local import LocalKafka
 from astraflow.kafka.secure import CredentialStore, upsert_users
 from astraflow.kafka.topics import TopicAdmin, Topics, topic_specs
 from astraflow.ops.status import collect_status
-from astraflow.weights.publish import last_published_version, latest_policy_version
+from astraflow.weights.publish import (
+    PublishSettings,
+    WeightPublisher,
+    last_published_version,
+    latest_policy_version,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -238,3 +245,27 @@ def test_transactions_and_changelog_topics_only_under_the_apps_own_prefix(cluste
     with pytest.raises(KafkaException) as exc:
         next(iter(fut.values())).result(30)
     assert exc.value.args[0].code() == KafkaError.TOPIC_AUTHORIZATION_FAILED
+
+
+def test_a_trainer_publishes_versions_in_transactions_and_no_other_principal_may_use_its_id(cluster: Cluster) -> None:
+    """The trainer's real publisher (one transaction per version, transactional id
+    `af.<exp>.<policy>.publisher`) works under its principal; the same id is refused to a RaaS
+    node and to the other policy's trainer, which therefore cannot fence it."""
+    topics, tid = Topics(EXP), Topics(EXP).publisher_id("solver")
+    owner = WeightPublisher(cluster.as_(principal_of("trainer", "solver")), EXP, "solver",
+                            PublishSettings(dtype="float32"), transactional_id=tid)
+    first = owner.start()
+    v = owner.publish({"w": torch.ones(4)}).version
+    assert v == (0 if first is None else first + 1)
+    for user in ("raas", principal_of("trainer", "verifier")):
+        intruder = WeightPublisher(cluster.as_(user), EXP, "solver", transactional_id=tid)
+        with pytest.raises(KafkaLayerError, match="denies the publisher") as exc:
+            intruder.start()
+        cause = exc.value.__cause__
+        assert isinstance(cause, KafkaException), user
+        assert cause.args[0].code() == KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED, (user, cause)
+    # Not fenced by the refused attempts: the owner publishes the next version, and readers see it.
+    assert owner.publish({"w": torch.full((4,), 2.0)}).version == v + 1
+    owner.close()
+    latest = latest_policy_version(cluster.as_("raas"), topics, "solver", strict=True)
+    assert latest is not None and latest.version == v + 1

@@ -359,7 +359,7 @@ def test_a_second_publisher_of_the_policy_fences_the_first(kafka: KafkaSettings,
     new one numbers after the last committed version."""
     from astraflow.weights.publish import PublisherFencedError
 
-    tid = f"af.{experiment}.policy.publisher"
+    tid = Topics(experiment).publisher_id("policy")
     old = WeightPublisher(kafka, experiment, "policy", transactional_id=tid)
     assert old.start() is None
     weights = {"w": torch.ones(8)}

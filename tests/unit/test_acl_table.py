@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from astraflow.kafka.acl import kafka_acls_commands, principal_of, role_grants
+from astraflow.kafka.topics import Topics
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
 
@@ -29,6 +30,18 @@ def test_only_a_policys_trainer_writes_its_weights() -> None:
         if g.pattern == "PREFIXED" and g.resource == "TOPIC" and "af.e.a.weights".startswith(g.name):
             assert set(g.operations) <= {"READ", "DESCRIBE_CONFIGS", "CREATE", "DESCRIBE"}, g
             assert g.principal in ("archive", "monitor", "operator"), g
+
+
+def test_only_a_policys_trainer_uses_its_publisher_transactional_id() -> None:
+    grants = role_grants("e", ["a", "b"])
+    ids = {(g.principal, g.name, g.pattern) for g in grants if g.resource == "TRANSACTIONAL_ID" and "WRITE" in g.operations}
+    assert {i for i in ids if i[0].startswith("trainer-")} == {
+        ("trainer-a", Topics("e").publisher_id("a"), "LITERAL"), ("trainer-b", Topics("e").publisher_id("b"), "LITERAL")
+    }
+    # No other principal's grant (literal or prefix) reaches a publisher id.
+    for who, name, pattern in ids - {("trainer-a", "af.e.a.publisher", "LITERAL"), ("trainer-b", "af.e.b.publisher", "LITERAL")}:
+        for tid in ("af.e.a.publisher", "af.e.b.publisher"):
+            assert not (tid.startswith(name) if pattern == "PREFIXED" else tid == name), (who, name)
 
 
 def test_principals_and_commands() -> None:
