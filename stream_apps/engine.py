@@ -36,9 +36,7 @@ import asyncio
 import contextvars
 import logging
 import os
-import signal
 import socket
-import tempfile
 import threading
 import time
 import uuid
@@ -47,10 +45,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from astraflow.errors import AstraflowError, ConfigError, KafkaLayerError, RecordTooLargeError, SerdeError
+from astraflow.errors import AstraflowError, KafkaLayerError, RecordTooLargeError, SerdeError
 from astraflow.kafka.offsets import OffsetTracker
 from astraflow.records import DeadLetter
 from stream_apps.handler import AppHandler, Incoming, StrategyFailed
+from stream_apps.lifecycle import EngineLifecycle
 from stream_apps.metrics import MetricsReporter, WorkerStats
 
 if TYPE_CHECKING:
@@ -101,7 +100,7 @@ def _key(key: str | bytes | None) -> bytes | None:
     return key.encode() if isinstance(key, str) else key
 
 
-class StreamEngine:
+class StreamEngine(EngineLifecycle):
     """Runs one `AppHandler` as a Faust app (see the module doc)."""
 
     def __init__(self, handler: AppHandler, settings: EngineSettings) -> None:
@@ -139,6 +138,7 @@ class StreamEngine:
         self._dirty: set[int] = set()  # partitions with records produced since their last commit
         self._crashing: asyncio.Future[Any] | None = None
         self._seen_record = False  # per Faust app built: logged once, so supervisors see it is working
+        self._bound = False  # handler.bind succeeded
 
     # ---- what handlers call ----------------------------------------------------------------------
 
@@ -336,114 +336,6 @@ class StreamEngine:
     @property
     def transactions(self) -> Any:
         return self.app.consumer.transactions
-
-    # ---- building and running --------------------------------------------------------------------
-
-    def build(self) -> faust.App:
-        """The Faust app of this worker (call in the thread whose event loop runs it)."""
-        from stream_apps.faust_app import build_app
-
-        self.app = build_app(self)
-        return self.app
-
-    def run(self) -> None:
-        """Blocks until stopped (SIGTERM / SIGINT with `install_signal_handlers`); rebuilds a crashed app."""
-        try:
-            while not self._stop.is_set():
-                self.error = None
-                try:
-                    asyncio.run(self.run_once())
-                except ConfigError:
-                    raise  # the user must fix something: retrying cannot help
-                except Exception as exc:  # e.g. Kafka unreachable while building the app
-                    self.error = exc
-                if self._stop.is_set():
-                    break
-                self.log.error("%s worker ended (%r); starting again in %.0f s", self.handler.name, self.error,
-                               self.settings.restart_delay_s)
-                self._stop.wait(self.settings.restart_delay_s)
-        finally:
-            self.stopped.set()
-
-    async def run_once(self) -> None:
-        """Runs the Faust app until stopped or crashed."""
-        self._loop = asyncio.get_running_loop()
-        self.tracker = OffsetTracker()
-        self._gates, self._tasks, self._dirty = {}, set(), set()
-        self._seen_record = False
-        app = self.build()
-        data_dir = self.settings.data_dir or Path(tempfile.mkdtemp(prefix=f"faust-{self.handler.name}-"))
-        app.conf.datadir = str(data_dir)
-        app.in_worker = True  # what faust.Worker sets; Faust enables transactions only in a worker
-        try:
-            self._bind()
-            await app.start()
-            self.started.set()
-            self.log.info("%s worker %s started (Faust app %s, %s, source %s)", self.handler.name, self.instance_id,
-                          self.group_id, self.settings.guarantee, self.source or "none")
-            while not self._stop.is_set() and not app.should_stop:
-                await asyncio.sleep(0.1)
-            if app.crash_reason is not None and self.error is None:
-                self.error = app.crash_reason
-        except Exception as exc:
-            self.error = exc
-            self.log.exception("%s worker failed", self.handler.name)
-        finally:
-            await self._shutdown()
-
-    def _bind(self) -> None:
-        """Reads the control topic and binds the handler, once per engine (the app may be rebuilt)."""
-        from astraflow.control import ControlReader
-
-        if self.control is None:
-            self.control = ControlReader(self.kafka, self.settings.experiment, self.handler.name, serde=self.serde).start()
-            self.handler.bind(self)
-        self.control.refresh()
-
-    async def _shutdown(self) -> None:
-        app = self.app
-        try:
-            if self._tasks:
-                await asyncio.wait(self._tasks, timeout=10.0)
-            if self.started.is_set() and app.producer is not None:
-                try:
-                    await self._publish_metrics()
-                except Exception as exc:
-                    self.log.warning("last metrics not published: %r", exc)
-            await app.stop()
-        except Exception as exc:
-            self.log.warning("%s: Faust app did not stop cleanly: %r", self.handler.name, exc)
-        self.log.info("%s worker %s stopped: %d in, %d out, %d dead-lettered, %d dropped", self.handler.name,
-                      self.instance_id, self.stats.records_in, self.stats.records_out,
-                      self.stats.dead_lettered_total, self.stats.dropped_total)
-
-    def close(self) -> None:
-        """Releases what outlives the app (the control reader, the handler's readers)."""
-        self.handler.close()
-        if self.control is not None:
-            self.control.close()  # kept: tests and callers may still read what it last saw
-
-    def install_signal_handlers(self) -> None:
-        """SIGTERM and SIGINT stop the worker gracefully (main thread only)."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stop())
-
-    def start_thread(self) -> threading.Thread:
-        """Runs the worker in a thread (tests, benchmarks); returns it once the worker started."""
-        t = threading.Thread(target=self._run_quietly, name=f"worker-{self.handler.name}", daemon=True)
-        t.start()
-        while not self.started.wait(0.05):
-            if self.stopped.is_set():
-                raise self.error or KafkaLayerError(f"{self.handler.name} worker stopped before starting")
-        return t
-
-    def _run_quietly(self) -> None:
-        try:
-            self.run()
-        except BaseException:
-            self.log.exception("%s worker failed", self.handler.name)
-        finally:
-            self.close()
 
     # ---- periodic work (Faust timers) ------------------------------------------------------------
 
