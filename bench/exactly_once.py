@@ -3,10 +3,10 @@
     python -m bench.exactly_once --app curate [--kills 3] [--guarantee at_least_once] [--json out.json]
     python -m bench.exactly_once --app reward
 
-A fixed input goes to the app's source topic in rounds while workers run as separate processes
-(`astraflow app run APP`, exactly as operators start them): one worker is `kill -9`ed `--kills`
-times at random moments (each time restarted at once), and a second worker joins after the
-first kill, so partitions also move by rebalance. When the output has been stable for a while,
+A fixed input trickles into the app's source topic (~25 s) while workers run as separate
+processes (`astraflow app run APP`, exactly as operators start them): one worker is `kill -9`ed
+`--kills` times at random moments while it handles records (each time restarted at once), and
+a second worker joins after the first kill, so partitions also move by rebalance. When the output has been stable for a while,
 it is read `read_committed` (what the trainer reads) and counted:
 
 * curate: complete groups of 4 (rewards 1,0,1,0), partial groups of 2 (emitted whole after the
@@ -31,6 +31,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
@@ -142,6 +143,16 @@ def _read(kafka: Any, topic: str | list[str], isolation: str, quiet_s: float, de
     return out
 
 
+def _feed(producer: Any, topic: str, records: list[Any], seconds: float) -> None:
+    """Produces `records` evenly over `seconds`."""
+    pause = seconds / max(1, len(records))
+    for t in records:
+        producer.send(topic, t, key=t.group_id)
+        producer.poll(0)
+        time.sleep(pause)
+    producer.flush()
+
+
 class Workers:
     """Worker processes of one app (separate processes, so kill -9 is real)."""
 
@@ -226,22 +237,19 @@ def run_crash(kafka: Any, app: str, *, guarantee: str = "exactly_once", kills: i
     try:
         workers.start("a")
         workers.wait_started("a", mark=b" started (Faust app ")
-        rounds = 12
-        per_round = -(-len(records) // rounds)
-        kill_rounds = sorted(rng.sample(range(1, rounds), kills)) if kills else []
-        for r in range(rounds):
-            for t in records[r * per_round:(r + 1) * per_round]:
-                producer.send(source, t, key=t.group_id)
-            producer.flush()
-            time.sleep(rng.uniform(0.2, 0.8))  # the worker is mid-way through this round
-            if r in kill_rounds:
-                workers.wait_started("a", timeout_s=30)  # it handles records (recovery is over)
-                time.sleep(rng.uniform(0.05, 0.4))
-                delivered += workers.kill("a")  # most likely inside an open transaction
-                workers.start("a")
-                if "b" not in workers.procs:
-                    workers.start("b")  # joins while a runs: partitions move by rebalance
-                workers.wait_started("a", mark=b" started (Faust app ")
+        # Records trickle in (~25 s) while worker a is killed: each kill lands while it is
+        # handling records, so most often inside an open transaction.
+        feeder = threading.Thread(target=_feed, args=(producer, source, records, 25.0), daemon=True)
+        feeder.start()
+        for k in range(kills):
+            workers.wait_started("a", timeout_s=30)  # it handles records (its recovery is over)
+            time.sleep(rng.uniform(0.5, 2.5))
+            delivered += workers.kill("a")
+            workers.start("a")
+            if k == 0:
+                workers.start("b")  # joins while a runs: partitions move by rebalance
+            workers.wait_started("a", mark=b" started (Faust app ")
+        feeder.join()
         if app == "curate":  # partial groups time out (they came first)
             time.sleep(max(0.0, group_timeout_s - (time.monotonic() - t0)))
         deadline = time.monotonic() + 90
