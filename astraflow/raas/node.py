@@ -19,14 +19,15 @@ Guarantees (DESIGN.md, "RaaS node"):
   trajectory that cannot be encoded is replaced by an ERROR trajectory without segments;
 - a workflow may hand an agent program an OpenAI-compatible base URL and a key scoped to its
   rollout (`ctx.openai_endpoint()`, `astraflow.raas.agent_api`): one listener on 127.0.0.1;
-- on SIGTERM it stops taking work, drains what is in flight, commits and leaves the group.
+- on SIGTERM it stops taking work, drains what is in flight, commits and leaves the group;
+- a broker outage of any length only pauses it: commits go through `commit_offsets` (retried
+  until the coordinator is back) in a worker thread, so rollouts in flight go on meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import os
 import socket
@@ -39,8 +40,8 @@ from dataclasses import dataclass, field
 from confluent_kafka import TopicPartition
 
 from astraflow.config import AstraflowConfig
-from astraflow.errors import SerdeError
-from astraflow.kafka.clients import DeadLetterWriter, Received, RecordConsumer, RecordProducer
+from astraflow.errors import AstraflowError, SerdeError
+from astraflow.kafka.clients import DeadLetterWriter, Received, RecordConsumer, RecordProducer, commit_offsets
 from astraflow.kafka.offsets import OffsetTracker
 from astraflow.kafka.topics import Topics
 from astraflow.raas.admission import InvalidTaskError, admit
@@ -148,7 +149,7 @@ class RaasNode:
                 while self._pending and self.inflight < self.s.max_inflight:
                     self._start_task(self._pending.popleft())
                 self.producer.poll(0)
-                self._commit()
+                await self._commit_in_thread()
                 if time.monotonic() - last_metrics >= self.s.metrics_interval_s:
                     mark = self._publish_metrics(mark)
                     last_metrics = time.monotonic()
@@ -157,7 +158,7 @@ class RaasNode:
             while self._running:
                 await asyncio.to_thread(self.consumer.poll_batch, 1, 0.1)  # keep membership while draining
                 self.producer.poll(0)
-                self._commit()
+                await self._commit_in_thread()
                 await asyncio.sleep(0.05)
             self.producer.flush()
             self._commit()
@@ -197,16 +198,14 @@ class RaasNode:
         contexts = [RolloutContext(task, i, dict(self.backends), self.tools, self.node, agent_api=self.agent_api)
                     for i in range(task.n_samples)]
         results = await asyncio.gather(*(self._rollout(ctx, workflow) for ctx in contexts))
-        acked = asyncio.get_running_loop().create_future()
-        remaining = [len(results)]
+        # Delivery reports may be served by the commit thread's DLQ flush: appends only (thread-safe).
+        reports: list[str | None] = []
         failed: list[str] = []
 
         def on_delivery(err, _msg) -> None:
             if err is not None:
                 failed.append(err.str())
-            remaining[0] -= 1
-            if remaining[0] == 0 and not acked.done():
-                acked.set_result(None)
+            reports.append(None if err is None else err.str())
 
         for ctx, traj in zip(contexts, results, strict=True):
             try:
@@ -217,7 +216,7 @@ class RaasNode:
                 self.rollouts_failed += traj.error is None  # not counted yet
                 bare = error_trajectory(ctx, task, f"trajectory cannot be encoded: {exc}", keep_segments=False)
                 self.producer.send(self.topics.rollouts, bare, key=task.group_id, on_delivery=on_delivery)
-        while not acked.done():
+        while len(reports) < len(results):
             self.producer.poll(0)
             await asyncio.sleep(0.01)
         if failed:
@@ -237,15 +236,28 @@ class RaasNode:
         return traj
 
     def _commit(self) -> None:
+        """Commits finished tasks, blocking (rebalance callback, drain)."""
         positions = self.offsets.to_commit()
-        if not positions:
-            return
-        with contextlib.suppress(Exception):  # e.g. a partition just revoked; the next commit catches up
+        if positions and self._commit_positions(positions):
+            self.offsets.mark_committed(positions)
+
+    async def _commit_in_thread(self) -> None:
+        """The main loop's commit: an outage blocks only this coroutine, not the rollouts."""
+        positions = self.offsets.to_commit()
+        if positions and await asyncio.to_thread(self._commit_positions, positions):
+            self.offsets.mark_committed(positions)
+
+    def _commit_positions(self, positions: dict[tuple[str, int], int]) -> bool:
+        """Dead letters made durable first, then the offsets; waits out an outage. False when the
+        commit cannot succeed (partitions revoked: their next owner redoes those tasks)."""
+        try:
             if self.dlq.count:  # a dead-lettered task must be durable before its offset is committed
                 self.dlq.producer.flush()
-            self.consumer.raw.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in positions.items()],
-                                     asynchronous=False)
-            self.offsets.mark_committed(positions)
+            commit_offsets(self.consumer.raw, [TopicPartition(t, p, o) for (t, p), o in positions.items()])
+            return True
+        except AstraflowError as exc:  # KafkaLayerError (revoked, fenced), ProduceError (a dead letter refused)
+            log.warning("tasks before %s not committed: %s", positions, exc)
+            return False
 
     def _publish_metrics(self, mark: tuple[int, int, float]) -> tuple[int, int, float]:
         now = time.monotonic()

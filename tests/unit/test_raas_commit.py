@@ -1,0 +1,66 @@
+"""A RaaS node's commits ride out a broker outage (`commit_offsets`), in a worker thread.
+
+The consumer here fails its commits as librdkafka does while the group coordinator is
+unreachable (_TRANSPORT), then recovers; the node's commit must wait for it, not drop the
+commit, and must give up (without raising) only when the partitions were revoked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+from astraflow.kafka.offsets import OffsetTracker
+from astraflow.raas.node import RaasNode
+
+
+class OutageConsumer:
+    """Fails the first `failures` commits with `code`, then accepts them."""
+
+    def __init__(self, failures: int, code: int = KafkaError._TRANSPORT) -> None:
+        self.failures, self.code = failures, code
+        self.attempts = 0
+        self.committed: list[list[tuple[str, int, int]]] = []
+
+    def commit(self, offsets: list[TopicPartition], asynchronous: bool = True) -> None:
+        assert not asynchronous
+        self.attempts += 1
+        if self.attempts <= self.failures:
+            raise KafkaException(KafkaError(self.code))
+        self.committed.append([(tp.topic, tp.partition, tp.offset) for tp in offsets])
+
+
+def _node(consumer: OutageConsumer) -> RaasNode:
+    """A node with only what committing uses (no broker in unit tests)."""
+    node = RaasNode.__new__(RaasNode)
+    node.offsets = OffsetTracker()
+    node.consumer = SimpleNamespace(raw=consumer)  # type: ignore[assignment]
+    node.dlq = SimpleNamespace(count=0)  # type: ignore[assignment]
+    for off in range(3):
+        node.offsets.finished(("tasks", 0), off, node.offsets.received(("tasks", 0), off))
+    return node
+
+
+def test_a_commit_during_an_outage_waits_for_the_coordinator() -> None:
+    consumer = OutageConsumer(failures=3)
+    node = _node(consumer)
+    asyncio.run(node._commit_in_thread())
+    assert consumer.committed == [[("tasks", 0, 3)]]
+    assert node.offsets.to_commit() == {}  # marked committed: not sent again
+
+
+def test_the_blocking_commit_waits_too() -> None:
+    consumer = OutageConsumer(failures=2, code=KafkaError.COORDINATOR_LOAD_IN_PROGRESS)
+    node = _node(consumer)
+    node._commit()
+    assert consumer.committed == [[("tasks", 0, 3)]] and node.offsets.to_commit() == {}
+
+
+def test_revoked_partitions_are_not_marked_committed_and_do_not_stop_the_node() -> None:
+    consumer = OutageConsumer(failures=1, code=KafkaError.ILLEGAL_GENERATION)
+    node = _node(consumer)
+    asyncio.run(node._commit_in_thread())
+    assert consumer.committed == [] and consumer.attempts == 1
+    assert node.offsets.to_commit() == {("tasks", 0): 3}  # still to commit (if the partition stays)
