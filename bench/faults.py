@@ -49,7 +49,7 @@ from pathlib import Path
 
 from _brokers import Brokers
 from _fault_report import Report, build_report, print_report
-from _ledger import Ledger
+from _ledger import Ledger, TopicReader
 from _pipeline import (
     PipelineSpec,
     app_role,
@@ -141,6 +141,8 @@ class Harness:
                    [f"af.{self.exp}.raas", f"af.{self.exp}.reward", f"af.{self.exp}.curate"], self.probe,
                    self.topics.weights("policy"), self.sup, a.ready_timeout_s)
         self.ledger = Ledger(self.cfg.kafka, self.topics.tasks, self.topics.dlq, self.trained_log)
+        self.rollouts = TopicReader(self.cfg.kafka, self.topics.rollouts)
+        self.node_output: dict[str, int] = {}  # node id -> trajectories seen
 
     def env(self) -> dict[str, str]:
         """Every role's environment: the harness's cluster and its topic durability settings."""
@@ -177,8 +179,11 @@ class Harness:
         """How much the role has written so far (records of its output topic; trainer: steps logged)."""
         if role == "trainer":
             return _lines(self.trained_log)
-        topic = {"curator": self.topics.tasks, "reward": self.topics.scored, "curate": self.topics.train("policy")}.get(
-            role, self.topics.rollouts)  # a node: any node's rollouts
+        if role.startswith("raas-"):  # trajectories of that node
+            for rec, _ in self.rollouts.read(10.0):
+                self.node_output[rec.node.node_id] = self.node_output.get(rec.node.node_id, 0) + 1
+            return self.node_output.get(role, 0)
+        topic = {"curator": self.topics.tasks, "reward": self.topics.scored, "curate": self.topics.train("policy")}[role]
         return sum(watermarks(self.probe, topic, p)[1] for p in range(self.cfg.topics.partitions))
 
     def await_work(self, role: str, phase: PhaseRecord) -> None:
@@ -317,8 +322,9 @@ class Harness:
             self.sup.stop_all()
             if getattr(self, "ledger", None) is not None:
                 self.ledger.close()
-            if getattr(self, "probe", None) is not None:
-                self.probe.close()
+            for client in (getattr(self, "probe", None), getattr(self, "rollouts", None)):
+                if client is not None:
+                    client.close()
             self.brokers.down()
 
     def settings(self) -> dict:
@@ -362,7 +368,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-wait-s", type=float, default=3.0, help="trainer: longest wait for a full batch")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--nodes", type=int, default=2)
-    ap.add_argument("--group-timeout-s", type=float, default=60.0, help="curate's group timeout")
+    ap.add_argument("--group-timeout-s", type=float, default=300.0, help="curate's group timeout (its default)")
     ap.add_argument("--curate-arg", action="append", default=[], help="extra `app run curate` argument (repeatable)")
     ap.add_argument("--trainer-set", action="append", default=[], help="extra trainer --set key=value (repeatable)")
     args = ap.parse_args(argv)
