@@ -146,8 +146,8 @@ def build_report(kafka: KafkaSettings, topics: Topics, ledger: Ledger, phases: l
             for sid in expected_samples(t.task_id, t.n_samples):
                 if sid in trained_ids or sid in ledger.accounted:
                     continue
-                    lost_at["train topic" if train_seen[sid] else "scored" if sid in scored_ids
-                            else "rollouts" if sid in rolled_ids else "tasks"] += 1
+                lost_at["train topic" if train_seen[sid] else "scored" if sid in scored_ids
+                        else "rollouts" if sid in rolled_ids else "tasks"] += 1
         faults = []
         for ev in ph.faults:
             role_out = outputs.get(ev.target.removesuffix("-2"), step_times) if ev.kind == "kill" else step_times
