@@ -66,7 +66,7 @@ class Report:
     totals: dict[str, Any]
     settings: dict[str, Any]
     dead_letter_reasons: dict[str, int]
-    clean: bool  # 0 lost, 0 trained twice, 0 version conflicts, no exits, in every phase
+    clean: bool  # 0 lost, trained twice, written twice to the train topic, version conflicts, exits
 
 
 def _first_after(times: list[float], t: float) -> float | None:
@@ -179,8 +179,8 @@ def build_report(kafka: KafkaSettings, topics: Topics, ledger: Ledger, phases: l
         "wall_s": round(wall_s, 1),
     }
     reasons = Counter(ledger.accounted.values()) + Counter(ledger.unattributed_dead_letters)
-    clean = (whole.lost == 0 and whole.trained_twice == 0 and not conflicts and totals["trained_never_issued"] == 0
-             and not any(r.exits for r in rows))
+    clean = (whole.lost == 0 and whole.trained_twice == 0 and not train_dup_times and not conflicts
+             and totals["trained_never_issued"] == 0 and not any(r.exits for r in rows))
     return Report(rows, totals, settings, dict(reasons.most_common(20)), clean)
 
 
@@ -218,5 +218,6 @@ def print_report(report: Report) -> None:
         print("dead letters:", report.dead_letter_reasons)
     print(f"trained but never issued: {t['trained_never_issued']}; tasks written twice: {t['tasks_written_twice']}; "
           f"torn trained-log lines: {t['torn_log_lines']}; wall {t['wall_s']:.0f}s")
-    print("CLEAN: 0 lost, 0 trained twice, no version conflict, no role exited" if report.clean else "NOT CLEAN (see above)")
+    print("CLEAN: 0 lost, 0 trained twice, 0 written twice to the train topic, no version conflict, no role exited"
+          if report.clean else "NOT CLEAN (see above)")
 
