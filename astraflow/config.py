@@ -152,7 +152,8 @@ class RaasSettings(_Frozen):
 
     workflow_modules: list[str] = Field(default_factory=list)
     """Modules whose workflows tasks may name as `module:function` (a listed module or any of its
-    submodules). Empty: only registered workflows (the built-ins rlvr, tool_use, solver_verifier)."""
+    submodules). Empty: only registered workflows (the built-ins rlvr, tool_use, solver_verifier,
+    db_agent, os_agent, code_agent)."""
     rollout_timeout_s: float = Field(600.0, gt=0)
     """Deadline of one rollout (one sample of a task); past it the sample becomes an ERROR trajectory."""
     max_n_samples: int = Field(256, ge=1)

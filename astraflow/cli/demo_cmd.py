@@ -21,11 +21,16 @@ def demo(
     lr: float = typer.Option(3e-4, help="RL learning rate."),
     batch_size: int = typer.Option(64, help="Trainer batch size (samples)."),
     sft_steps: int = typer.Option(900, help="Warm-start SFT steps."),
+    scenario: str = typer.Option("arith", help="arith (the calculator agent), or an AgentBench-style environment "
+                                 "through the OpenAI endpoint: db (SQL), os (sandboxed shell), code (hidden tests)."),
 ) -> None:
-    """Learn a tool-using arithmetic agent on CPU through the whole dataflow, with a live view."""
+    """Learn a tool-using agent on CPU through the whole dataflow (default: arithmetic, with a live view)."""
     import time
 
     from astraflow.demo.run import DemoSettings, run_demo
+
+    if scenario not in ("arith", "db", "os", "code"):
+        raise typer.BadParameter(f"--scenario {scenario!r}: choose arith, db, os or code")
 
     overrides = [f"kafka.bootstrap_servers={bootstrap}"] if bootstrap else []
     cfg = load(ctx, *overrides)
@@ -38,9 +43,13 @@ def demo(
         console.print(f"No --bootstrap given: using the local Apache Kafka at {local.bootstrap} (astraflow kafka up)")
         local.up(echo=console.print)
         cfg = load(ctx, f"kafka.bootstrap_servers={local.bootstrap}")
+    run_dir = Path(out) if out else Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    if scenario != "arith":
+        from astraflow.demo.scenarios import ScenarioSettings, run_scenario
+
+        raise typer.Exit(run_scenario(cfg, ScenarioSettings(scenario, minutes=minutes), run_dir, console))
     settings = DemoSettings(minutes=minutes, target_success=target, nodes=nodes, n_samples=n_samples, lr=lr,
                             batch_size=batch_size, sft_steps=sft_steps)
-    run_dir = Path(out) if out else Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     code = run_demo(cfg, settings, run_dir, console)
     raise typer.Exit(code)
 

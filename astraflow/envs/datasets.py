@@ -1,9 +1,9 @@
 """Small generated datasets for the three environments (no downloads), as curator JSONL rows.
 
 Each row is `{"id", "prompt", "reference", "dataset", "workflow"}`: the curator turns rows into
-Tasks for the named workflow, and the reward reads the reference. Same seed, same rows.
-
-    astraflow model env-dataset --env db --n 200 --out data/db.jsonl   (or write_dataset below)
+Tasks for the named workflow, and the reward reads the reference. Same seed, same rows. A
+reference also holds a known solution (`query`, `solution`), which the workflows never show the
+agent: the demo's warm start learns from it (`astraflow.demo.scenarios`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 NAMES = ["alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi", "ivan", "judy", "mallory", "oscar",
          "peggy", "rupert", "sybil", "trent", "victor", "walter"]
 DEPTS = ["sales", "research", "support", "finance"]
+SUM_LINES = "s=0; while read n; do s=$((s + n)); done < nums.txt; echo $s"  # POSIX sh only (no awk in the sandbox)
 
 
 def _row(i: int, prompt: str, reference: dict[str, Any], env: str, workflow: str) -> dict[str, Any]:
@@ -44,7 +45,7 @@ def db_task(rng: random.Random) -> tuple[str, dict[str, Any]]:
         (f"How many employees are older than {age}?", f"SELECT COUNT(*) FROM employees WHERE age > {age}"),
         (f"What is the total salary of the {dept} department?", f"SELECT SUM(salary) FROM employees WHERE dept = '{dept}'"),
     ])
-    return question, {"db": db, "query": query}
+    return question, {"db": db, "query": query}  # the query is also the demonstration's solution
 
 
 # ---- operating system ---------------------------------------------------------------------------------
@@ -55,22 +56,28 @@ def os_task(rng: random.Random) -> tuple[str, dict[str, Any]]:
     kind = rng.randrange(4)
     if kind == 0:
         lines = [rng.choice(["INFO ok", "ERROR disk", "WARN slow", "ERROR net"]) for _ in range(rng.randint(4, 12))]
+        n = str(sum("ERROR" in line for line in lines))
         return ("How many lines of logs/app.log contain ERROR? Answer with the number.",
                 {"files": {"logs/app.log": "\n".join(lines) + "\n"},
-                 "check": 'test "$(echo $ANSWER)" = "$(grep -c ERROR logs/app.log)"'})
+                 "check": 'test "$(echo $ANSWER)" = "$(grep -c ERROR logs/app.log)"',
+                 "solution": {"command": "grep -c ERROR logs/app.log", "output": n, "answer": n}})
     if kind == 1:
         word = rng.choice(["hello", "kafka", "agent", "reward"])
         return (f"Create a file named out.txt that contains exactly the word {word}.",
-                {"files": {}, "check": f'test "$(cat out.txt)" = "{word}"'})
+                {"files": {}, "check": f'test "$(cat out.txt)" = "{word}"',
+                 "solution": {"command": f"echo {word} > out.txt", "output": "", "answer": "done"}})
     if kind == 2:
         k = rng.randint(1, 6)
         files = {f"docs/note{i}.txt": f"note {i}\n" for i in range(k)}
         return ("How many files are in the directory docs? Answer with the number.",
-                {"files": files, "check": 'test "$(echo $ANSWER)" = "$(ls docs | wc -l)"'})
+                {"files": files, "check": 'test "$(echo $ANSWER)" = "$(ls docs | wc -l)"',
+                 "solution": {"command": "ls docs | wc -l", "output": str(k), "answer": str(k)}})
     nums = [rng.randint(1, 50) for _ in range(rng.randint(3, 8))]
     return ("What is the sum of the numbers in nums.txt (one per line)? Answer with the number.",
             {"files": {"nums.txt": "\n".join(map(str, nums)) + "\n"},
-             "check": "test \"$(echo $ANSWER)\" = \"$(awk '{s+=$1} END {print s}' nums.txt)\""})
+             "check": f'test "$(echo $ANSWER)" = "$({SUM_LINES})"',
+             "solution": {"command": SUM_LINES, "output": str(sum(nums)),
+                          "answer": str(sum(nums))}})
 
 
 # ---- programming ----------------------------------------------------------------------------------------
@@ -83,18 +90,22 @@ def code_task(rng: random.Random) -> tuple[str, dict[str, Any]]:
     if kind == 0:
         return (f"Write a Python function scale(xs) that returns the list xs with every number multiplied by {k}.",
                 {"tests": [f"assert scale([1, 2, 3]) == [{k}, {2 * k}, {3 * k}]", "assert scale([]) == []",
-                           f"assert scale([-1]) == [{-k}]"]})
+                           f"assert scale([-1]) == [{-k}]"],
+                 "solution": f"def scale(xs):\n    return [x * {k} for x in xs]\n"})
     if kind == 1:
         return (f"Write a Python function count_above(xs) that returns how many numbers in xs are greater than {k}.",
                 {"tests": [f"assert count_above([{k}, {k + 1}, {k + 2}]) == 2", "assert count_above([]) == 0",
-                           f"assert count_above([{k - 1}]) == 0"]})
+                           f"assert count_above([{k - 1}]) == 0"],
+                 "solution": f"def count_above(xs):\n    return sum(1 for x in xs if x > {k})\n"})
     if kind == 2:
         return ("Write a Python function is_palindrome(s) that returns True when the string s reads the same "
                 "backwards, else False.",
                 {"tests": ["assert is_palindrome('abba') is True", "assert is_palindrome('abc') is False",
-                           "assert is_palindrome('') is True"]})
+                           "assert is_palindrome('') is True"],
+                 "solution": "def is_palindrome(s):\n    return s == s[::-1]\n"})
     return (f"Write a Python function add_k(n) that returns n + {k}.",
-            {"tests": [f"assert add_k(0) == {k}", f"assert add_k(-{k}) == 0", f"assert add_k(10) == {10 + k}"]})
+            {"tests": [f"assert add_k(0) == {k}", f"assert add_k(-{k}) == 0", f"assert add_k(10) == {10 + k}"],
+             "solution": f"def add_k(n):\n    return n + {k}\n"})
 
 
 ENVS: dict[str, tuple[Callable[[random.Random], tuple[str, dict[str, Any]]], str]] = {

@@ -131,7 +131,7 @@ async def run_command(state: ShellState, command: str, *, timeout_s: float = 5.0
         return f"[the shell failed ({reason}); the files are unchanged]\n{res.stderr[-500:]}", state
     note = f"\n[{report['dropped']} files over the limits were not kept]" if report["dropped"] else ""
     code = "timed out" if report["code"] is None else f"exit code {report['code']}"
-    return f"{report['output']}{note}\n[{code}]".strip(), new
+    return f"{report['output'].rstrip()}{note}\n[{code}]".strip(), new
 
 
 async def run_check(state: ShellState, check: str, answer: str, *, timeout_s: float = 10.0) -> tuple[bool, str]:

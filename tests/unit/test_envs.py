@@ -108,3 +108,44 @@ def test_os_check_reward_reads_the_workflows_verdict_only() -> None:
     assert reward(_traj({}, "2", "os_agent", {"os_check": "pass"}, TrajectoryStatus.ERROR)).reward == 0.0
     with pytest.raises(RewardError, match="scores os_agent"):
         reward(_traj({}, "2", "rlvr", {"os_check": "pass"}))
+
+
+def test_every_os_task_kind_is_solved_by_its_solution_and_failed_by_a_wrong_answer() -> None:
+    kinds: dict[str, dict] = {}
+    for row in env_dataset("os", 40, seed=0):
+        kinds.setdefault(row["prompt"][:20], json.loads(row["reference"]))
+    assert len(kinds) == 4
+
+    async def verdicts(ref: dict) -> tuple[bool, bool, str]:
+        start = ShellState.from_reference(ref)
+        out, state = await run_command(start, ref["solution"]["command"])
+        right = await run_check(state, ref["check"], ref["solution"]["answer"])
+        wrong = await run_check(start, ref["check"], "-1")  # wrong answer, and nothing done
+        return right[0], wrong[0], out
+
+    async def run_all() -> list[tuple[bool, bool, str]]:
+        return await asyncio.gather(*(verdicts(r) for r in kinds.values()))
+
+    for (right, wrong, out), ref in zip(asyncio.run(run_all()), kinds.values(), strict=True):
+        assert right and not wrong
+        assert out == f"{ref['solution']['output']}\n[exit code 0]".strip()
+
+
+def test_env_workflows_refuse_a_bad_reference_with_an_error_trajectory() -> None:
+    from astraflow.raas.guard import run_workflow
+    from astraflow.raas.tools import ToolBox
+    from astraflow.raas.workflows import RolloutContext, resolve_workflow
+    from astraflow.testing import make_task
+
+    async def run(workflow: str, reference: str) -> Trajectory:
+        task = make_task(1, n_samples=1)
+        task.workflow, task.reference = workflow, reference
+        ctx = RolloutContext(task, 0, {}, ToolBox({}), NodeInfo("n", "cpu", "l", "b"))
+        return await run_workflow(resolve_workflow(workflow), ctx, 10.0)
+
+    db = asyncio.run(run("db_agent", json.dumps({"db": {"tables": [{"name": "x;", "columns": []}]}})))
+    assert db.status is TrajectoryStatus.ERROR and "DbSpecError" in (db.error or "")
+    os_ = asyncio.run(run("os_agent", json.dumps({"files": {"../etc/x": "y"}, "check": "true"})))
+    assert os_.status is TrajectoryStatus.ERROR and "inside home" in (os_.error or "")
+    nocheck = asyncio.run(run("os_agent", "{}"))
+    assert nocheck.status is TrajectoryStatus.ERROR and "needs 'check'" in (nocheck.error or "")

@@ -26,6 +26,7 @@ from astraflow.raas.workflows.builtin import extract_answer
 from astraflow.records import Trajectory, TrajectoryStatus
 
 SYSTEM = "Use the tool when you need it. End with 'Answer: ' and the answer."
+CODE_SYSTEM = "Answer with the code of the function in a ```python block."
 
 
 def _reference(ctx: RolloutContext) -> dict[str, Any]:
@@ -89,7 +90,7 @@ async def code_agent(ctx: RolloutContext) -> Trajectory:
     tool = AgentTool("python", "Run Python code in a sandbox; returns what it prints.", "code", python_exec)
     async with ctx.openai_endpoint() as access:
         run = await run_agent(access.base_url, access.api_key, access.model, ctx.task.prompt, [tool],
-                              system="Answer with the code of the function in a ```python block.",
+                              system=CODE_SYSTEM,
                               max_turns=ctx.task.sampling.max_turns)
     return ctx.finish(run.final, _status(run), metadata={"agent_turns": str(run.turns)})
 
