@@ -96,7 +96,12 @@ def warm_model(s: ScenarioSettings, console: Console) -> Path:
     init_tiny(tmp, seed=s.seed)
     console.print(f"Warm-starting it with {s.sft_steps} SFT steps on {s.scenario} demonstrations "
                   f"({s.wrong_fraction:.0%} of them end with a wrong answer)...")
-    m = sft(tmp, demonstrations(s.scenario, 1000, s.wrong_fraction, s.seed), steps=s.sft_steps, seed=s.seed)
+    def progress(step: int, loss: float) -> None:
+        if (step + 1) % 50 == 0:
+            console.print(f"  step {step + 1}/{s.sft_steps}  loss {loss:.3f}")
+
+    m = sft(tmp, demonstrations(s.scenario, 1000, s.wrong_fraction, s.seed), steps=s.sft_steps, seed=s.seed,
+            on_step=progress)
     console.print(f"  SFT loss {m.first_loss:.2f} -> {m.final_loss:.2f} in {m.seconds:.0f}s")
     tmp.rename(cached)
     return cached

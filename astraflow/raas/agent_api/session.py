@@ -70,7 +70,7 @@ class AgentSession:
     key: str
     calls: int = 0  # model calls served
     _seqs: dict[str, _Sequence] = field(default_factory=dict)
-    _sampled: dict[tuple, list[int]] = field(default_factory=dict)  # assistant message -> sampled ids
+    _sampled: dict[tuple, list[int]] = field(default_factory=dict)  # (policy, assistant message) -> sampled ids
     _open: dict[str, _OpenCall] = field(default_factory=dict)  # tool call id -> call not answered yet
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     closed: bool = False
@@ -90,7 +90,7 @@ class AgentSession:
             gen = await self._generate(policy, ids, req.sampling, stops)
             content, calls = split_tool_call(gen.text, req.tools)
             specs = [ToolCallSpec(f"call_{uuid.uuid4().hex[:20]}", n, a) for n, a in calls]
-            self._sampled[assistant_key(content, specs)] = [int(t) for t in gen.token_ids]
+            self._sampled[(policy, assistant_key(content, specs))] = [int(t) for t in gen.token_ids]
             for s in specs:
                 self._open[s.id] = _OpenCall(s.name, s.arguments, time.monotonic(), self.calls - 1)
             message: dict[str, Any] = {"role": "assistant", "content": content if content or not specs else None}
@@ -150,7 +150,8 @@ class AgentSession:
         backend = self.ctx.backend(policy)
         pieces = []
         for i, m in enumerate(req.messages):
-            sampled = self._sampled.get(assistant_key(m.content, m.tool_calls)) if m.role == "assistant" else None
+            key = (policy, assistant_key(m.content, m.tool_calls))
+            sampled = self._sampled.get(key) if m.role == "assistant" else None
             if sampled is not None:
                 pieces.append(Piece("assistant", sampled, message_text(m)))
             else:
