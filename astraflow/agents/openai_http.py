@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import aiohttp
+from typing import TYPE_CHECKING, Any
 
 from astraflow.errors import AstraflowError
+
+if TYPE_CHECKING:
+    import aiohttp
 
 
 class AgentHttpError(AstraflowError):
@@ -65,6 +66,8 @@ async def chat(session: aiohttp.ClientSession, base_url: str, api_key: str, body
 async def run_agent(base_url: str, api_key: str, model: str, user: str, tools: list[AgentTool], *,
                     system: str | None = None, max_turns: int = 8, max_tokens: int | None = None) -> AgentRun:
     """Runs one episode (see the module doc)."""
+    import aiohttp  # here, not at import: a node that never runs an agent does not pay for it
+
     run = AgentRun()
     by_name = {t.name: t for t in tools}
     if system:

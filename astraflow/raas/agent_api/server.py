@@ -22,14 +22,15 @@ import logging
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
-
-from aiohttp import web
+from typing import TYPE_CHECKING, Any
 
 from astraflow.config import RaasSettings
 from astraflow.raas.agent_api.protocol import ApiError, Limits, parse_chat, parse_completion, parse_json
 from astraflow.raas.agent_api.session import AgentSession
 from astraflow.raas.workflows.base import RolloutContext
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 log = logging.getLogger("astraflow.raas.agent_api")
 
@@ -60,13 +61,15 @@ class AgentEndpoint:
         self.requests = 0  # requests answered (errors included)
         self.refused = 0  # requests answered with an error
         self._sessions: dict[str, AgentSession] = {}
-        self._runner: web.AppRunner | None = None
+        self._runner: web.AppRunner | None = None  # aiohttp is imported when the listener starts
         self._starting = asyncio.Lock()
 
     async def start(self) -> None:
         async with self._starting:
             if self._runner is not None:
                 return
+            from aiohttp import web
+
             app = web.Application(client_max_size=MAX_BODY_BYTES)
             app.router.add_post("/v1/chat/completions", self._chat)
             app.router.add_post("/v1/completions", self._completions)
@@ -115,6 +118,8 @@ class AgentEndpoint:
                        type="authentication_error")
 
     async def _handle(self, request: web.Request, kind: str) -> web.StreamResponse:
+        from aiohttp import web
+
         self.requests += 1
         try:
             session = self._session(request)
@@ -143,6 +148,8 @@ class AgentEndpoint:
         return await self._sse(request, result)
 
     async def _sse(self, request: web.Request, result: dict[str, Any]) -> web.StreamResponse:
+        from aiohttp import web
+
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         choice = dict(result["choices"][0])
@@ -163,6 +170,8 @@ class AgentEndpoint:
         return await self._handle(request, "completion")
 
     async def _models(self, request: web.Request) -> web.Response:
+        from aiohttp import web
+
         try:
             session = self._session(request)
         except ApiError as exc:
