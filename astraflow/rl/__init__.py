@@ -1,8 +1,10 @@
-"""RL math for the trainer: token logprobs and entropies, policy losses (PPO, GRPO, decoupled/TIS)."""
+"""RL math for the trainer: token logprobs and entropies, policy losses (PPO, GRPO, decoupled PPO, TIS, MIS, M2PO)."""
 
 from astraflow.rl.logprobs import entropy_from_logits, masked_mean, sequence_logprobs, token_logprobs
 from astraflow.rl.losses import (
+    MODES,
     Aggregation,
+    Mode,
     PolicyLossConfig,
     PolicyLossOutput,
     aggregate,
@@ -15,7 +17,9 @@ from astraflow.rl.losses import (
 )
 
 __all__ = [
+    "MODES",
     "Aggregation",
+    "Mode",
     "PolicyLossConfig",
     "PolicyLossOutput",
     "aggregate",

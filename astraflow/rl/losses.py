@@ -1,24 +1,37 @@
-"""Policy-gradient losses for RL on LLMs: PPO-clip, GRPO, decoupled PPO with truncated IS.
+"""Policy-gradient losses for RL on LLMs: PPO-clip, GRPO, decoupled PPO and off-policy corrections.
 
 Pure torch functions on per-token tensors, shapes B (sequences) x T (tokens); `mask` is 1 on
-the tokens this policy generated and is trained on. `policy_loss` is the one entry point:
+the tokens this policy generated and is trained on. `policy_loss` is the one entry point; its
+`mode` picks how stale (off-policy) tokens are corrected (the weights and masks themselves are
+in `astraflow.rl.corrections`, with their papers):
 
-- mode ``"ppo"``: the behaviour policy (whose logprobs each sample carries, recorded by the
-  rollout node) is the old policy. ``ratio = pi / pi_behaviour``, clipped to
-  ``[1 - eps_low, 1 + eps_high]`` (asymmetric: "clip-higher" uses eps_high > eps_low).
-- mode ``"decoupled"``: decoupled PPO (Hilton et al. 2022) / truncated importance sampling
-  (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training").
-  The ratio is taken against a proximal policy (the trainer's own logprobs before this update;
-  when not given, the current logprobs detached, i.e. one optimizer step per batch), and each
-  token is weighted by ``w = min(pi_proximal / pi_behaviour, tis_cap)``, detached. It corrects
-  for stale rollouts and for inference/training numeric mismatch without letting rare tokens
-  blow up the gradient.
+- ``"ppo"``: the behaviour policy mu (whose logprobs each sample carries) is the old policy:
+  ``ratio = pi / mu`` clipped to ``[1 - eps_low, 1 + eps_high]`` (clip-higher when eps_high >
+  eps_low), and for negative advantages the loss is capped at ``-dual_clip * A`` (dual-clip
+  PPO, Ye et al. 2020), so one very stale token with a huge ratio cannot dominate.
+- ``"decoupled"``: decoupled PPO (Hilton et al. 2022; AReaL, Fu et al. 2025). The clip acts on
+  ``pi / pi_prox`` where pi_prox is the proximal policy, the trainer's weights before this
+  batch's first optimizer step (`proximal_logprobs`; when not given, the current logprobs
+  detached, which is exact for one optimizer step per batch and then makes the clip inert);
+  each token is weighted by ``min(pi_prox / mu, tis_cap)``, detached. Dual clip as in ppo.
+- ``"tis"``: truncated importance sampling without a trust region: the policy gradient
+  ``min(pi / mu, tis_cap) * A * grad log pi`` (V-trace's truncated rho; Yao et al. 2025).
+- ``"mis"``: masked importance sampling: the same with ``pi / mu`` outside ``[1/tis_cap,
+  tis_cap]`` dropped instead of truncated.
+- ``"m2po"``: M2PO (Zheng et al. 2025): no clip; ``ratio = pi / mu`` on the tokens kept by the
+  second-moment mask (mean of ``log(pi/mu)^2`` over kept tokens <= `m2_threshold`).
 
-GRPO is PPO-clip with one advantage per sequence broadcast to its tokens (`grpo_loss`).
+In every mode, `token_lags` (versions behind the trainer per token) can weight each token by
+``1 / max(1, lag)`` (`staleness_weight="inverse"`) and drop those beyond `max_staleness`.
+Tokens masked by a correction stay in the normaliser (the batch's token count or sequence
+count), so masking lowers the step instead of re-weighting the survivors.
+
+GRPO is any of these with one advantage per sequence broadcast to its tokens (`grpo_loss`).
 Aggregations: ``token_mean`` (sum over all tokens / number of tokens), ``seq_mean_token_mean``
 (mean per sequence, then over sequences), ``seq_mean_token_sum_norm`` (Dr. GRPO: sum per
-sequence / a constant `max_tokens`, then mean over sequences). Gradients flow only through the
-current `logprobs` (and `entropy` when an entropy bonus is used); every other input is detached.
+sequence / a constant `max_tokens`, then mean over sequences; `max_tokens` must be set, so the
+loss does not depend on how much a batch is padded). Gradients flow only through the current
+`logprobs` (and `entropy` when an entropy bonus is used); every other input is detached.
 """
 
 from __future__ import annotations
@@ -29,23 +42,37 @@ from typing import Literal
 import torch
 
 from astraflow.errors import RLError
+from astraflow.rl.corrections import (
+    LOG_RATIO_CLAMP,
+    log_ratio,
+    masked_is_weights,
+    second_moment_mask,
+    staleness_weights,
+    truncated_is_weights,
+)
 from astraflow.rl.logprobs import masked_mean
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
-LOG_RATIO_CLAMP = 20.0  # log-ratios are clamped to +-this before exp, so one token cannot overflow
+MIN_LOGPROB = -1e4  # a -inf logprob is read as this (finite, so differences and gradients stay finite)
+Mode = Literal["ppo", "decoupled", "tis", "mis", "m2po"]
+MODES = ("ppo", "decoupled", "tis", "mis", "m2po")
 
 
 @dataclass(frozen=True, slots=True)
 class PolicyLossConfig:
     """Settings of `policy_loss`; validated on construction."""
 
-    mode: Literal["ppo", "decoupled"] = "ppo"  # old policy = behaviour ("ppo") or proximal + TIS
+    mode: Mode = "ppo"  # the off-policy correction (module docstring)
     eps_low: float = 0.2  # ratio clipped below at 1 - eps_low
     eps_high: float = 0.2  # ratio clipped above at 1 + eps_high (0.28 for DAPO clip-higher)
+    dual_clip: float | None = 3.0  # ppo/decoupled, A < 0: loss capped at -dual_clip * A; None: off
     aggregation: Aggregation = "token_mean"  # how token losses become one number
-    max_tokens: int | None = None  # Dr. GRPO's constant; None means the padded length T
-    tis_cap: float | None = 2.0  # truncation of the decoupled IS weight; None: no truncation
+    max_tokens: int | None = None  # Dr. GRPO's constant: required by seq_mean_token_sum_norm
+    tis_cap: float | None = 2.0  # decoupled/tis: truncation of the IS weight (None: none); mis: mask bound
+    m2_threshold: float = 0.04  # m2po: bound on the mean squared log-ratio of the kept tokens
+    staleness_weight: Literal["none", "inverse"] = "none"  # per-token weight 1 / max(1, lag)
+    max_staleness: int | None = None  # tokens more versions behind than this get weight 0
     kl_coef: float = 0.0  # weight of the KL penalty to the reference policy (needs ref_logprobs)
     kl_estimator: KLEstimator = "k3"  # k1: log-ratio, k2: half squared, k3: unbiased, non-negative
     entropy_coef: float = 0.0  # weight of the entropy bonus (needs entropy)
@@ -53,14 +80,29 @@ class PolicyLossConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.eps_low < 1.0 or self.eps_high < 0.0:
             raise RLError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {self.eps_low}, {self.eps_high}")
+        if self.mode not in MODES:
+            raise RLError(f"unknown mode {self.mode!r}: use one of {', '.join(MODES)}")
         if self.tis_cap is not None and self.tis_cap <= 0.0:
             raise RLError(f"tis_cap must be positive or None, got {self.tis_cap}")
+        if self.mode == "mis" and (self.tis_cap is None or self.tis_cap <= 1.0):
+            raise RLError(f"mode 'mis' masks ratios outside [1/tis_cap, tis_cap]: set tis_cap > 1, got {self.tis_cap}")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise RLError(f"dual_clip must be > 1 or None, got {self.dual_clip}")
+        if self.m2_threshold < 0.0:
+            raise RLError(f"m2_threshold must be >= 0, got {self.m2_threshold}")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise RLError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
+        if self.staleness_weight not in ("none", "inverse"):
+            raise RLError(f"unknown staleness_weight {self.staleness_weight!r}: use 'none' or 'inverse'")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise RLError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
         if self.aggregation not in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"):
             raise RLError(f"unknown aggregation {self.aggregation!r}")
-        if self.mode not in ("ppo", "decoupled"):
-            raise RLError(f"unknown mode {self.mode!r}: use 'ppo' or 'decoupled'")
+        if self.aggregation == "seq_mean_token_sum_norm" and self.max_tokens is None:
+            raise RLError(
+                "seq_mean_token_sum_norm (Dr. GRPO) divides by a constant: set max_tokens "
+                "(the trainer uses trainer.max_seq_len), never the padded batch length"
+            )
 
 
 @dataclass(slots=True)
@@ -86,8 +128,9 @@ def aggregate(
     """Reduces token losses [B, T] under `mask` to a scalar (see the module docstring).
 
     ``seq_mean_token_mean`` averages over sequences that have at least one token;
-    ``seq_mean_token_sum_norm`` averages over all B sequences, dividing each sum by `max_tokens`
-    (default T), so a token weighs the same whatever the length of its sequence.
+    ``seq_mean_token_sum_norm`` averages over all B sequences, dividing each sum by the constant
+    `max_tokens` (required), so a token weighs the same whatever the length of its sequence and
+    however the batch is padded.
     """
     keep = mask.bool()
     m = keep.to(token_losses.dtype)
@@ -102,26 +145,27 @@ def aggregate(
         per_seq = per_seq_sum / counts.clamp(min=1.0)
         return per_seq[present].sum() / present.sum().clamp(min=1)
     if mode == "seq_mean_token_sum_norm":
-        return (per_seq_sum / float(max_tokens or mask.shape[-1])).mean()
+        if max_tokens is None:
+            raise RLError("seq_mean_token_sum_norm needs max_tokens (a constant, not the padded length)")
+        return (per_seq_sum / float(max_tokens)).mean()
     raise RLError(f"unknown aggregation {mode!r}")
 
 
 def ppo_clip_token_loss(
-    ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float
+    ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float, dual_clip: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token PPO-clip loss ``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)`` and where the clip bound."""
+    """Per-token PPO-clip loss ``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)`` and where a clip
+    bound; with `dual_clip` c, a negative-advantage token's loss is also capped at ``-c A``."""
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages
-    return -torch.minimum(unclipped, clipped), clipped < unclipped
-
-
-def truncated_is_weights(
-    proximal_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, cap: float | None
-) -> torch.Tensor:
-    """Detached importance weights ``min(exp(proximal - behaviour), cap)``; no cap when None."""
-    log_w = (proximal_logprobs - behaviour_logprobs).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    weights = log_w.exp()
-    return weights if cap is None else weights.clamp(max=cap)
+    loss = -torch.minimum(unclipped, clipped)
+    bound = clipped < unclipped
+    if dual_clip is not None:
+        cap = -dual_clip * advantages
+        dual = (advantages < 0) & (loss > cap)
+        loss = torch.where(dual, cap, loss)
+        bound = bound | dual
+    return loss, bound
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
@@ -150,13 +194,17 @@ def policy_loss(
     proximal_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    token_lags: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
-    """PPO-clip / decoupled-PPO policy loss with optional KL and entropy terms.
+    """The policy loss of `config.mode` with optional staleness weights, KL and entropy terms.
 
     logprobs: [B, T] current policy, differentiable. behaviour_logprobs: [B, T] recorded at
     rollout. advantages: [B] (per sequence, GRPO) or [B, T]. mask: [B, T] bool or 0/1.
-    proximal_logprobs, ref_logprobs, entropy: optional [B, T]. Returns the aggregated loss
-    ``pg + kl_coef * kl - entropy_coef * entropy`` (each aggregated the same way) and metrics.
+    proximal_logprobs, ref_logprobs, entropy: optional [B, T]; token_lags: optional int [B, T]
+    (versions behind the trainer; needed by staleness_weight / max_staleness). Returns the
+    aggregated loss ``pg + kl_coef * kl - entropy_coef * entropy`` and metrics, among them the
+    spread of the importance weights (``is_weight_*``, of the correction's weight) and of
+    ``log mu - log pi`` (``log_mu_pi_*``) over the trained tokens of the batch.
     """
     if logprobs.dim() != 2 or behaviour_logprobs.shape != logprobs.shape or mask.shape != logprobs.shape:
         raise RLError(
@@ -170,26 +218,64 @@ def policy_loss(
         """Zero at masked positions, so padding garbage (even NaN) reaches neither loss nor grads."""
         return torch.where(keep, values.to(logprobs.dtype), zeros)
 
-    current = kept(logprobs)
+    # Logprobs are <= 0 and finite in any valid sample (the trainer dead-letters others); here a
+    # -inf becomes MIN_LOGPROB (its ratio then clamps at e^+-20) and a NaN behaviour logprob 0.
+    current = kept(logprobs.clamp(min=MIN_LOGPROB))
     adv = kept(broadcast_advantages(advantages.detach(), keep))
-    behaviour = kept(behaviour_logprobs.detach())
-    if config.mode == "decoupled":
-        old = kept(proximal_logprobs.detach()) if proximal_logprobs is not None else current.detach()
-        weights = kept(truncated_is_weights(old, behaviour, config.tis_cap))
+    behaviour = kept(torch.nan_to_num(behaviour_logprobs.detach(), nan=0.0, posinf=0.0, neginf=MIN_LOGPROB))
+    mode = config.mode
+    metrics: dict[str, float] = {}
+    if mode in ("ppo", "decoupled"):
+        if mode == "decoupled":
+            old = kept(proximal_logprobs.detach()) if proximal_logprobs is not None else current.detach()
+            weights = kept(truncated_is_weights(old, behaviour, config.tis_cap))
+        else:
+            old, weights = behaviour, kept(torch.ones_like(logprobs))
+        lr = (current - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        ratio = lr.exp()
+        token_pg, clipped = ppo_clip_token_loss(ratio, adv, config.eps_low, config.eps_high, config.dual_clip)
+        if config.dual_clip is not None:
+            dual = (adv < 0) & (ratio > config.dual_clip)  # where the dual clip bounds (clip(r) <= 1 + eps < c)
+            metrics["dual_clip_frac"] = masked_mean(dual.float(), keep).item()
     else:
-        old, weights = behaviour, torch.ones_like(logprobs)
-    log_ratio = (current - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = log_ratio.exp()
-    token_pg, clipped = ppo_clip_token_loss(ratio, adv, config.eps_low, config.eps_high)
+        lr = (current - behaviour).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        ratio = lr.exp()
+        # exp(lp - sg(lp)) is 1 in value with the gradient of log pi: -w A (value) and -w A grad log pi.
+        score = (current - current.detach()).exp()
+        if mode == "tis":
+            weights = kept(truncated_is_weights(current, behaviour, config.tis_cap))
+            token_pg = -adv * score
+            clipped = (ratio.detach() > config.tis_cap) if config.tis_cap is not None else torch.zeros_like(keep)
+        elif mode == "mis":
+            w, inside = masked_is_weights(current, behaviour, float(config.tis_cap or 0.0))
+            weights = kept(w)
+            token_pg = -adv * score
+            clipped = ~inside
+        else:  # m2po
+            m2_kept = second_moment_mask(lr.detach(), keep, config.m2_threshold)
+            weights = kept(m2_kept.to(logprobs.dtype))
+            token_pg = -ratio * adv
+            clipped = ~m2_kept
+        clipped = clipped & keep
+    is_weights = weights
+    if config.staleness_weight != "none" or config.max_staleness is not None:
+        if token_lags is None:
+            raise RLError("staleness_weight / max_staleness need token_lags: pass the versions behind the trainer per token")
+        stale = staleness_weights(token_lags, keep, inverse=config.staleness_weight == "inverse",
+                                  max_staleness=config.max_staleness)
+        weights = weights * stale
+        metrics["stale_dropped_frac"] = masked_mean((stale == 0).float(), keep).item()
     pg = aggregate(weights * token_pg, keep, config.aggregation, config.max_tokens)
     loss = pg
-    metrics = _clip_metrics(ratio.detach(), log_ratio.detach(), adv, clipped, keep)
+    metrics.update(_clip_metrics(ratio.detach(), lr.detach(), adv, clipped, keep))
+    metrics.update(_spread_metrics(is_weights, log_ratio(behaviour, current), keep))
     metrics["pg_loss"] = pg.item()
-    if config.mode == "decoupled":
-        raw = (old - behaviour).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-        metrics["is_weight_mean"] = masked_mean(weights, keep).item()
+    if mode in ("decoupled", "tis"):
+        raw = log_ratio(old if mode == "decoupled" else current, behaviour).exp()
         capped = (raw > config.tis_cap).float() if config.tis_cap is not None else zeros
         metrics["is_truncated_frac"] = masked_mean(capped, keep).item()
+    if mode in ("mis", "m2po"):
+        metrics["is_masked_frac"] = masked_mean(clipped.float(), keep).item()
     if config.kl_coef > 0.0:
         if ref_logprobs is None:
             raise RLError(
@@ -214,6 +300,20 @@ def policy_loss(
             loss = loss - config.entropy_coef * ent
     metrics["loss"] = loss.item()
     return PolicyLossOutput(loss=loss, metrics=metrics)
+
+
+def _spread_metrics(weights: torch.Tensor, log_mu_pi: torch.Tensor, keep: torch.Tensor) -> dict[str, float]:
+    """Mean, std and max of the importance weights and of ``log mu - log pi`` over kept tokens."""
+    out: dict[str, float] = {}
+    for name, values in (("is_weight", weights.detach().float()), ("log_mu_pi", log_mu_pi.float())):
+        v = values[keep]
+        if v.numel() == 0:
+            out.update({f"{name}_mean": 0.0, f"{name}_std": 0.0, f"{name}_max": 0.0})
+            continue
+        out[f"{name}_mean"] = v.mean().item()
+        out[f"{name}_std"] = v.std(unbiased=False).item()
+        out[f"{name}_max"] = v.abs().max().item() if name == "log_mu_pi" else v.max().item()
+    return out
 
 
 def grpo_loss(

@@ -98,7 +98,8 @@ def test_aggregation_modes_differ_as_expected() -> None:
     mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 0]])
     assert aggregate(losses, mask, "token_mean").item() == pytest.approx(10 / 4)
     assert aggregate(losses, mask, "seq_mean_token_mean").item() == pytest.approx((1 + 3) / 2)
-    assert aggregate(losses, mask, "seq_mean_token_sum_norm").item() == pytest.approx((1 / 4 + 9 / 4) / 2)
+    with pytest.raises(RLError, match="max_tokens"):
+        aggregate(losses, mask, "seq_mean_token_sum_norm")
     assert aggregate(losses, mask, "seq_mean_token_sum_norm", max_tokens=8).item() == pytest.approx(
         (1 / 8 + 9 / 8) / 2
     )
@@ -112,7 +113,7 @@ def test_aggregation_in_policy_loss_changes_weighting() -> None:
     adv = torch.tensor([1.0, -1.0])
     loss = {
         mode: policy_loss(
-            logprobs, logprobs.detach(), adv, mask, PolicyLossConfig(aggregation=mode)
+            logprobs, logprobs.detach(), adv, mask, PolicyLossConfig(aggregation=mode, max_tokens=3)
         ).loss.item()
         for mode in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
     }
@@ -238,6 +239,13 @@ def test_approx_kl_metric_matches_formula() -> None:
         {"max_tokens": 0},
         {"aggregation": "sum"},
         {"mode": "vtrace"},
+        {"aggregation": "seq_mean_token_sum_norm"},  # Dr. GRPO without its constant
+        {"dual_clip": 1.0},
+        {"mode": "mis", "tis_cap": 1.0},
+        {"mode": "mis", "tis_cap": None},
+        {"m2_threshold": -0.1},
+        {"max_staleness": -1},
+        {"staleness_weight": "exp"},
     ],
 )
 def test_invalid_config_raises(kwargs: dict) -> None:
