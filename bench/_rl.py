@@ -83,6 +83,7 @@ class Run:
     success: list[tuple[int, float, float]] = field(default_factory=list)  # step, t, held-out success
     train_reward: list[float] = field(default_factory=list)  # mean reward per step
     notes: dict[str, float] = field(default_factory=dict)  # mode-specific extras
+    learner_metrics: list[dict[str, float]] = field(default_factory=list)  # per optimizer batch (in-process)
 
     def summary(self, target: float) -> dict:
         """The figures every benchmark reports, as JSON-ready values."""
@@ -151,30 +152,59 @@ def reward_of(workload: str, completion: str, reference: str | None) -> float:
 
 
 class Learner:
-    """The trainer side: its own copy of the model, AdamW, one GRPO step per call."""
+    """The trainer side: its own copy of the model, AdamW, one GRPO batch per call.
 
-    def __init__(self, model_dir: str) -> None:
+    `loss` is the policy loss (default: PPO clip on the behaviour logprobs). A batch is split
+    into `minibatches` optimizer steps; the proximal policy of decoupled PPO is the model before
+    the first of them (its logprobs recomputed once per batch, no gradient), so from the second
+    minibatch on the clip acts. `metrics` keeps, per batch, the loss metrics (mean over its
+    minibatches) and the staleness of its samples (versions behind, by oldest token).
+    """
+
+    def __init__(self, model_dir: str, loss: PolicyLossConfig | None = None, minibatches: int = 1) -> None:
         from astraflow.models.tiny import load_tiny
 
         self.model, self.tokenizer = load_tiny(model_dir)
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
         self.pad = self.tokenizer.pad_token_id or 0
+        self.loss = loss or PolicyLossConfig()
+        self.minibatches = max(1, minibatches)
+        self.version = 0  # optimizer batches done = the version the rollouts see after the push
+        self.metrics: list[dict[str, float]] = []
+
+    def _logprobs(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        return sequence_logprobs(self.model(input_ids=ids, attention_mask=attn).logits.float(), ids)
 
     def step(self, groups: list[list[tuple[Trajectory, float]]]) -> None:
         trajs = [t for g in groups for t, _ in g]
         rewards = np.array([r for g in groups for _, r in g])
         gids = np.array([i for i, g in enumerate(groups) for _ in g])
-        adv = grpo(rewards, gids)
+        adv = grpo(rewards, gids)  # on the full groups; corrections mask tokens afterwards
         samples = [s for t, a in zip(trajs, adv, strict=True) if (s := train_sample(t, "policy", advantage=float(a)))]
         batch = collate(samples, self.pad)
-        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        out = policy_loss(sequence_logprobs(logits.float(), batch["input_ids"]), batch["behaviour_logprobs"],
-                          batch["advantages"], batch["loss_mask"], PolicyLossConfig())
-        self.opt.zero_grad()
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
+        ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+        lags = torch.where(mask, self.version - batch["versions"], torch.zeros_like(batch["versions"]))
+        proximal = None
+        if self.minibatches > 1:
+            with torch.no_grad():
+                proximal = self._logprobs(ids, attn)
+        parts = [p for p in torch.arange(len(samples)).chunk(self.minibatches) if len(p)]
+        seen: list[dict[str, float]] = []
+        for part in parts:
+            out = policy_loss(self._logprobs(ids[part], attn[part]), batch["behaviour_logprobs"][part],
+                              batch["advantages"][part], mask[part], self.loss,
+                              proximal_logprobs=None if proximal is None else proximal[part], token_lags=lags[part])
+            self.opt.zero_grad()
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.opt.step()
+            seen.append(out.metrics)
+        row = {k: float(np.mean([m[k] for m in seen if k in m])) for k in seen[0]}
+        sample_lags = (self.version - batch["min_versions"]).clamp(min=0).float()
+        row.update(staleness_mean=sample_lags.mean().item(), staleness_max=sample_lags.max().item())
+        self.metrics.append(row)
+        self.version += 1
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -212,7 +242,7 @@ async def sync_mode(tasks: list[Task], steps: int, backend: TorchBackend, learne
 
 
 async def dataflow_mode(tasks: list[Task], steps: int, backend: TorchBackend, learner: Learner, tools: ToolBox,
-                        eval_every: int, staleness: int, run: Run) -> None:
+                        eval_every: int, staleness: int, run: Run, slots: int = SLOTS) -> None:
     node = NodeInfo("dataflow", backend.hardware(), "local", "torch")
     t0 = time.monotonic()
     run.snapshots.append((0, 0.0, learner.weights()))
@@ -257,7 +287,7 @@ async def dataflow_mode(tasks: list[Task], steps: int, backend: TorchBackend, le
     while not stop:
         # Bounded staleness: a group may start at most `staleness` steps ahead of the trainer.
         limit = min(len(tasks), (version + 1 + staleness) * PROMPTS_PER_STEP)
-        while slots_busy < SLOTS and next_task < limit:
+        while slots_busy < slots and next_task < limit:
             i, k = next(samples)
             slots_busy += 1
             t = asyncio.create_task(one(i, k))
@@ -307,17 +337,20 @@ def reach(run: Run, target: float) -> float | None:
 
 
 def one_run(mode: str, workload: str, sigma: float, *, steps: int, eval_every: int, staleness: int, seed: int,
-            median_s: float, model_dir: str, tasks: list[Task], heldout: list[tuple[str, str]]) -> Run:
-    """One in-process run ("sync" or "dataflow"), scored."""
+            median_s: float, model_dir: str, tasks: list[Task], heldout: list[tuple[str, str]],
+            loss: PolicyLossConfig | None = None, minibatches: int = 1, slots: int = SLOTS) -> Run:
+    """One in-process run ("sync" or "dataflow"), scored; `loss` / `minibatches`: see `Learner`;
+    `slots`: rollouts in flight in dataflow mode (and the backend's decode batch)."""
     torch.manual_seed(seed)
-    backend = TorchBackend("policy", model_dir, seed=seed, max_batch=SLOTS, threads=1, device="cpu")
-    learner = Learner(model_dir)
+    backend = TorchBackend("policy", model_dir, seed=seed, max_batch=max(SLOTS, slots), threads=1, device="cpu")
+    learner = Learner(model_dir, loss, minibatches)
     tools = ToolBox({"calc": slow_tool(calculator, median_s, sigma, seed=seed)}, timeout_s=120.0)
     run = Run(mode, workload, sigma)
     if mode == "sync":
         asyncio.run(sync_mode(tasks, steps, backend, learner, tools, eval_every, run))
     else:
-        asyncio.run(dataflow_mode(tasks, steps, backend, learner, tools, eval_every, staleness, run))
+        asyncio.run(dataflow_mode(tasks, steps, backend, learner, tools, eval_every, staleness, run, slots))
     backend.close()
+    run.learner_metrics = learner.metrics
     score_snapshots(run, learner.model, learner.tokenizer, heldout)
     return run

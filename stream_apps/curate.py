@@ -13,12 +13,14 @@ For every group (records keyed by `group_id`, so a group lives on one partition)
    updated (`update_prompt_stats`: pass rate, EWMA, zero-variance streak, ...) and published
    to `feedback` keyed `<policy>/<prompt_id>` — for every group, whatever the filters keep,
    since curators choose prompts by how they went.
-3. **Trajectory filters** (slots `filter.dedupe`, `filter.length`).
+3. **Dedupe** (slot `filter.dedupe`): redelivered trajectories are dropped.
 4. **Per policy**: one TrainSample per trajectory (`stream_apps.groups.train_sample`), then
-   the **sample filters** — `filter.staleness` (default 8 versions), `filter.zero_variance`,
-   then any other `filter.<name>` slot set on the control topic, in slot-name order — then
-   **advantages** (slot `advantage`, default `grpo`) over that policy's remaining samples of
-   the group; the samples go to `<policy>.train` keyed by `group_id`. Every sample's lineage is
+   **advantages** (slot `advantage`, default `grpo`) over ALL of that policy's samples of the
+   group, and only then the filters mask samples out (DAPO-style: a filtered member does not
+   change its siblings' advantages) — `filter.zero_variance` (on the whole group),
+   `filter.length`, `filter.staleness` (default 8 versions), then any other `filter.<name>` slot
+   set on the control topic, in slot-name order; the samples go to `<policy>.train` keyed by
+   `group_id`. Every sample's lineage is
    its trajectory's (the reward) plus each curate strategy applied.
 
 **Staleness.** The trainer's current version of each policy comes from the compacted
@@ -77,7 +79,7 @@ DEFAULTS: dict[str, SlotDefault] = {
     "advantage": SlotDefault("grpo"),
 }
 TRAJECTORY_FILTERS = ("filter.dedupe", "filter.length")
-SAMPLE_FILTERS = ("filter.staleness", "filter.zero_variance")
+SAMPLE_FILTERS = ("filter.zero_variance", "filter.staleness")
 
 
 class UnscoredTrajectoryError(AstraflowError):
@@ -279,10 +281,12 @@ class CurateApp(AppHandler):
         if not group.complete and len(trajs) < self.min_group_size:
             self.worker.drop("incomplete_group", len(trajs))
             return []
-        kept, refs = trajs, []
-        for slot in TRAJECTORY_FILTERS:
-            kept, ref = self._filter(slot, kept, FilterContext())
-            refs += ref
+        # Advantages are computed on the whole (deduplicated) group, then filters mask samples
+        # out of it (as DAPO does): dropping a stale or over-long member must not change its
+        # siblings' advantages.
+        kept, refs = self._filter("filter.dedupe", trajs, FilterContext())
+        short, length_refs = self._filter("filter.length", kept, FilterContext())
+        short_ids = {t.trajectory_id for t in short}
         by_id = {t.trajectory_id: t for t in kept}
         outputs: list[tuple[str, TrainSample, str]] = []
         for policy in trained_policies(kept, self._trained_versions):
@@ -290,13 +294,6 @@ class CurateApp(AppHandler):
                 self.worker.drop("unrouted_policy", len(kept))
                 continue
             samples = [s for t in kept if (s := train_sample(t, policy)) is not None]
-            policy_refs = list(refs)
-            ctx = FilterContext(current_version=self.current_version(policy))
-            for slot in self._sample_filter_slots():
-                if slot == "filter.staleness" and ctx.current_version is None:
-                    continue  # no trainer version known yet: nothing can be stale
-                samples, ref = self._filter(slot, samples, ctx)
-                policy_refs += ref
             if not samples:
                 continue
             adv = self.slots["advantage"].get()
@@ -305,10 +302,22 @@ class CurateApp(AppHandler):
                 values = advantages_for(samples, adv.impl)
             except Exception as exc:
                 raise StrategyFailed(adv.name, exc) from exc
-            policy_refs.append(adv.ref(self.name, "advantage"))
-            topic = self.worker.topics.train(policy)
             for sample, value in zip(samples, np.asarray(values, dtype=np.float64).tolist(), strict=True):
                 sample.advantage = float(value)
+            policy_refs = [*refs, *length_refs]
+            ctx = FilterContext(current_version=self.current_version(policy))
+            zero_variance, *others = self._sample_filter_slots()  # zero variance: judged on the whole group
+            samples, ref = self._filter(zero_variance, samples, ctx)
+            policy_refs += ref
+            samples = [s for s in samples if s.trajectory_id in short_ids]
+            for slot in others:
+                if slot == "filter.staleness" and ctx.current_version is None:
+                    continue  # no trainer version known yet: nothing can be stale
+                samples, ref = self._filter(slot, samples, ctx)
+                policy_refs += ref
+            policy_refs.append(adv.ref(self.name, "advantage"))
+            topic = self.worker.topics.train(policy)
+            for sample in samples:
                 sample.lineage = [*by_id[sample.trajectory_id].lineage, *policy_refs]
                 outputs.append((topic, sample, sample.group_id))
         return outputs

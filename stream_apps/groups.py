@@ -271,6 +271,7 @@ def train_sample(
         reward=policy_reward(traj, policy),
         min_version=int(vers[on].min()),
         lineage=list(lineage or []),
+        temperature=traj.temperature,
     )
 
 

@@ -23,9 +23,11 @@ class _Frozen(BaseModel):
 class LossSettings(_Frozen):
     """The policy loss (`astraflow.rl.policy_loss`)."""
 
-    mode: Literal["ppo", "decoupled"] = "decoupled"
-    """`ppo`: ratio against the behaviour logprobs; `decoupled`: decoupled PPO with truncated
-    importance sampling (ratio against the trainer's own logprobs, IS weight against behaviour)."""
+    mode: Literal["ppo", "decoupled", "tis", "mis", "m2po"] = "decoupled"
+    """The off-policy correction (docs/training.md): `ppo` (ratio against the behaviour
+    logprobs), `decoupled` (decoupled PPO: clip against the proximal policy, truncated IS weight
+    against behaviour), `tis` / `mis` (truncated / masked importance sampling), `m2po`
+    (second-moment masking)."""
     eps_low: float = 0.2
     """Ratio clipped below at 1 - eps_low."""
     eps_high: float = 0.28
@@ -33,9 +35,20 @@ class LossSettings(_Frozen):
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
     """Token-level (`token_mean`) or sequence-level aggregation; `seq_mean_token_sum_norm` is Dr. GRPO."""
     max_tokens: int | None = None
-    """Dr. GRPO's normalising constant; None uses the padded batch length."""
+    """Dr. GRPO's normalising constant; None: the trainer's longest sample (`trainer.max_seq_len`),
+    never the padded batch length."""
+    dual_clip: float | None = 3.0
+    """`ppo`/`decoupled`: a negative-advantage token's loss is capped at -dual_clip x A; None: off."""
     tis_cap: float | None = 2.0
-    """Truncation of the importance weight in `decoupled` mode; None disables truncation."""
+    """`decoupled`/`tis`: truncation of the importance weight (None: none); `mis`: tokens whose
+    ratio is outside [1/tis_cap, tis_cap] are masked."""
+    m2_threshold: float = 0.04
+    """`m2po`: bound on the mean squared log-ratio of the kept tokens."""
+    staleness_weight: Literal["none", "inverse"] = "none"
+    """`inverse`: each token weighted 1 / max(1, versions behind the trainer)."""
+    max_staleness: int | None = None
+    """Tokens more versions behind the trainer than this, at the step that trains them, get
+    weight 0 (None: no token limit; samples are also checked by `trainer.max_staleness`)."""
     kl_coef: float = 0.0
     """Weight of KL(policy || reference); > 0 loads a frozen reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -88,6 +101,10 @@ class TrainerSettings(_Frozen):
     """Samples whose |advantage| exceeds this are refused."""
     min_behaviour_logprob: float = -1000.0
     """Behaviour logprobs of trained tokens must lie in [this, 0]."""
+    max_staleness: int | None = 8
+    """A sample whose oldest trained token is more than this many versions behind the newest
+    published version when the trainer reads it is refused (DLQ, `stale`): queueing in Kafka
+    must not exceed the curate filter's bound. None: no limit."""
     dedup_window: int = 100_000
     """Sample ids remembered as trained (kept in every checkpoint); a sample id seen again within
     this many trained samples is dropped (DLQ, `DuplicateSample`) instead of trained twice."""

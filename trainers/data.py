@@ -77,27 +77,31 @@ class BatchLimits:
 
 def collate(samples: Sequence[TrainSample], pad_id: int = 0) -> dict[str, torch.Tensor]:
     """Right-padded tensors of a batch: input_ids / attention_mask / loss_mask / behaviour_logprobs
-    [B, T], advantages / rewards [B] float32, min_versions [B] int64. Position 0 is never trained
-    (it has no context), padding never is."""
+    / versions (int64, -1 where not trained) [B, T], advantages / rewards / temperatures [B] float32,
+    min_versions [B] int64. Position 0 is never trained (it has no context), padding never is."""
     b, t = len(samples), max(len(s.token_ids) for s in samples)
     ids = np.full((b, t), pad_id, np.int64)
     attn = np.zeros((b, t), np.int64)
     mask = np.zeros((b, t), np.bool_)
     blp = np.zeros((b, t), np.float32)
+    vers = np.full((b, t), -1, np.int64)
     for i, s in enumerate(samples):
         n = len(s.token_ids)
         ids[i, :n] = s.token_ids
         attn[i, :n] = 1
         mask[i, :n] = s.loss_mask.astype(bool)
         blp[i, :n] = s.behaviour_logprobs
+        vers[i, :n] = s.versions
     mask[:, 0] = False
     return {
         "input_ids": torch.from_numpy(ids),
         "attention_mask": torch.from_numpy(attn),
         "loss_mask": torch.from_numpy(mask),
         "behaviour_logprobs": torch.from_numpy(blp),
+        "versions": torch.from_numpy(vers),
         "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),
+        "temperatures": torch.tensor([s.temperature for s in samples], dtype=torch.float32),
         "min_versions": torch.tensor([s.min_version for s in samples], dtype=torch.int64),
     }
 

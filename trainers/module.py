@@ -25,7 +25,7 @@ import lightning as L
 import torch
 
 from astraflow.errors import ModelError
-from astraflow.rl import PolicyLossConfig, entropy_from_logits, policy_loss, sequence_logprobs
+from astraflow.rl import PolicyLossConfig, entropy_from_logits, policy_loss, scale_logits, sequence_logprobs
 from trainers.config import LossSettings
 
 log = logging.getLogger(__name__)
@@ -78,11 +78,17 @@ class PolicyTrainer(L.LightningModule):
         warmup_steps: int = 0,
         ref_model_dir: str | Path | None = None,
         model: torch.nn.Module | None = None,
+        max_seq_len: int | None = None,
     ) -> None:
         super().__init__()
         self.model = model if model is not None else load_causal_lm(model_dir)
         self.loss_settings = loss
-        self.loss_config = PolicyLossConfig(**loss.model_dump())
+        settings = loss.model_dump()
+        if loss.aggregation == "seq_mean_token_sum_norm" and loss.max_tokens is None:
+            # Dr. GRPO divides by a constant: the longest sample the trainer accepts, never the padded length.
+            cfg = getattr(self.model, "config", None)
+            settings["max_tokens"] = max_seq_len or int(getattr(cfg, "max_position_embeddings", 0) or 32768)
+        self.loss_config = PolicyLossConfig(**settings)
         self.lr, self.weight_decay, self.betas, self.warmup_steps = lr, weight_decay, tuple(betas), warmup_steps
         # A plain list keeps the frozen reference out of state_dict, the optimizer and checkpoints.
         self._ref: list[torch.nn.Module] = []
@@ -105,10 +111,18 @@ class PolicyTrainer(L.LightningModule):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
+    def scored_logits(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Logits [B, T, V] of the distribution each sample was drawn from: divided by its sampling
+        temperature (the rollout node recorded ``log_softmax(logits / T)``), float32."""
+        logits = self(batch["input_ids"], batch["attention_mask"])
+        temps = batch.get("temperatures")
+        return scale_logits(logits, temps) if temps is not None else logits
+
     def compute_loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         """Policy loss and metrics of one batch (no logging, no side effects)."""
         ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
-        logits = self(ids, attn)
+        temps = batch.get("temperatures")
+        logits = self.scored_logits(batch)
         logprobs = sequence_logprobs(logits, ids)
         # Entropy of the distribution each trained token was drawn from (logits of position t-1).
         if self.loss_config.entropy_coef > 0:
@@ -120,7 +134,7 @@ class PolicyTrainer(L.LightningModule):
         if self._ref:
             with torch.no_grad():
                 ref_logits = self._ref[0](input_ids=ids, attention_mask=attn, use_cache=False).logits
-                ref_logprobs = sequence_logprobs(ref_logits, ids)
+                ref_logprobs = sequence_logprobs(ref_logits, ids, temps)
         out = policy_loss(
             logprobs,
             batch["behaviour_logprobs"],
@@ -129,6 +143,7 @@ class PolicyTrainer(L.LightningModule):
             self.loss_config,
             ref_logprobs=ref_logprobs,
             entropy=ent,
+            token_lags=self.token_lags(batch),
         )
         metrics = dict(out.metrics)
         metrics["reward"] = batch["rewards"].float().mean().item()
@@ -136,6 +151,13 @@ class PolicyTrainer(L.LightningModule):
         metrics["samples"] = float(ids.shape[0])
         metrics["seq_len"] = float(attn.sum(dim=1).float().mean().item())
         return out.loss, metrics
+
+    def token_lags(self, batch: dict[str, Any]) -> torch.Tensor | None:
+        """Versions behind the trainer of each trained token, at this step (0 where not trained)."""
+        versions = batch.get("versions")
+        if versions is None:
+            return None
+        return torch.where(batch["loss_mask"].bool(), self.policy_version - versions, torch.zeros_like(versions))
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         now = time.perf_counter()

@@ -74,7 +74,8 @@ def sample_limits(config: TrainRunConfig, model: torch.nn.Module) -> SampleLimit
     tc = config.trainer
     vocab = int(model.get_input_embeddings().num_embeddings)
     max_len = tc.max_seq_len or int(getattr(getattr(model, "config", None), "max_position_embeddings", 0) or 32768)
-    return SampleLimits(tc.policy, vocab, max_len, tc.max_abs_advantage, tc.min_behaviour_logprob)
+    return SampleLimits(tc.policy, vocab, max_len, tc.max_abs_advantage, tc.min_behaviour_logprob,
+                        max_staleness=tc.max_staleness)
 
 
 def _strategy(name: str, model: torch.nn.Module) -> Any:
@@ -135,6 +136,7 @@ def run_training(config: TrainRunConfig) -> TrainSummary:
         betas=tc.betas,
         warmup_steps=tc.warmup_steps,
         ref_model_dir=tc.ref_model_dir,
+        max_seq_len=tc.max_seq_len,
     )
     deadline = None if tc.max_time_s is None else time.monotonic() + tc.max_time_s
     data = KafkaTrainData(

@@ -291,6 +291,7 @@ class Trajectory:
     lineage: list[StrategyRef] = field(default_factory=list)
     metadata: dict[str, str] = field(default_factory=dict)
     created_at: int = field(default_factory=now_ms)
+    temperature: float = 1.0  # sampling temperature of its model calls (schema v2; v1 reads as 1.0)
 
     @staticmethod
     def make_id(task_id: str, sample_index: int) -> str:
@@ -324,6 +325,7 @@ class Trajectory:
             "lineage": [s.to_avro() for s in self.lineage],
             "metadata": dict(self.metadata),
             "created_at": self.created_at,
+            "temperature": self.temperature,
         }
 
     @classmethod
@@ -350,4 +352,5 @@ class Trajectory:
             lineage=[StrategyRef.from_avro(s) for s in d["lineage"]],
             metadata=dict(d["metadata"]),
             created_at=d["created_at"],
+            temperature=float(d.get("temperature", 1.0)),
         )

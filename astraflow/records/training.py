@@ -32,6 +32,7 @@ class TrainSample:
     min_version: int  # oldest version among trained tokens
     lineage: list[StrategyRef] = field(default_factory=list)
     created_at: int = field(default_factory=now_ms)
+    temperature: float = 1.0  # sampling temperature of the behaviour logprobs (schema v2; v1 reads as 1.0)
 
     def to_avro(self) -> dict[str, Any]:
         return {
@@ -49,6 +50,7 @@ class TrainSample:
             "min_version": self.min_version,
             "lineage": [s.to_avro() for s in self.lineage],
             "created_at": self.created_at,
+            "temperature": self.temperature,
         }
 
     @classmethod
@@ -68,6 +70,7 @@ class TrainSample:
             min_version=d["min_version"],
             lineage=[StrategyRef.from_avro(s) for s in d["lineage"]],
             created_at=d["created_at"],
+            temperature=float(d.get("temperature", 1.0)),
         )
 
 

@@ -1,6 +1,12 @@
 """RL math for the trainer: token logprobs and entropies, policy losses (PPO, GRPO, decoupled PPO, TIS, MIS, M2PO)."""
 
-from astraflow.rl.logprobs import entropy_from_logits, masked_mean, sequence_logprobs, token_logprobs
+from astraflow.rl.logprobs import (
+    entropy_from_logits,
+    masked_mean,
+    scale_logits,
+    sequence_logprobs,
+    token_logprobs,
+)
 from astraflow.rl.losses import (
     MODES,
     Aggregation,
@@ -30,6 +36,7 @@ __all__ = [
     "masked_mean",
     "policy_loss",
     "ppo_clip_token_loss",
+    "scale_logits",
     "sequence_logprobs",
     "token_logprobs",
     "truncated_is_weights",

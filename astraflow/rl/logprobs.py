@@ -25,8 +25,14 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return picked - torch.logsumexp(logits, dim=-1)
 
 
-def sequence_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+def sequence_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, temperatures: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per-token log-probabilities of a causal LM, aligned with `token_ids`.
+
+    With `temperatures` [B] (each > 0), sequence b is scored under ``log_softmax(logits / T_b)``:
+    the distribution its tokens were sampled from (before top-p, which the rollout node folds
+    into the behaviour logprob), so the trainer's and the sampler's logprobs compare.
 
     logits: [B, T, V] from the model run on token_ids [B, T]. Position t holds
     ``log p(token_ids[:, t] | token_ids[:, :t])`` (from logits[:, t-1]); position 0, which has no
@@ -35,8 +41,19 @@ def sequence_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Te
     """
     if logits.dim() != 3 or logits.shape[:2] != token_ids.shape:
         raise RLError(f"expected logits [B, T, V] for token_ids [B, T], got {tuple(logits.shape)}")
+    if temperatures is not None:
+        logits = scale_logits(logits, temperatures)
     shifted = token_logprobs(logits[:, :-1], token_ids[:, 1:])
     return torch.nn.functional.pad(shifted, (1, 0), value=0.0)
+
+
+def scale_logits(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """``logits / T`` per sequence: logits [B, T, V] (float32), temperatures [B], each > 0."""
+    if temperatures.shape != logits.shape[:1]:
+        raise RLError(f"temperatures {tuple(temperatures.shape)} do not match logits {tuple(logits.shape)}")
+    if not bool((temperatures > 0).all()) or not bool(torch.isfinite(temperatures).all()):
+        raise RLError("temperatures must be finite and > 0: greedy (T = 0) samples cannot be trained")
+    return logits.float() / temperatures.to(device=logits.device, dtype=torch.float32)[:, None, None]
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

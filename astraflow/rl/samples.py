@@ -38,6 +38,8 @@ class SampleLimits:
     max_abs_advantage: float = 100.0  # |advantage| bound (GRPO-normalised advantages are small)
     min_logprob: float = -1000.0  # behaviour logprobs of trained tokens lie in [min_logprob, 0]
     max_abs_reward: float = 1e6  # the reward is reported in metrics only, but must be a number
+    max_staleness: int | None = None  # most versions the oldest trained token may lag the newest published
+    max_temperature: float = 100.0  # sampling temperatures of trained samples lie in (0, max_temperature]
 
 
 def sample_problem(s: TrainSample, limits: SampleLimits, newest_version: int | None = None) -> str | None:
@@ -90,6 +92,13 @@ def sample_problem(s: TrainSample, limits: SampleLimits, newest_version: int | N
         return f"versions: a trained token claims version {int(versions.max())}, newer than the newest published ({newest_version})"
     if s.min_version != int(versions.min()):
         return f"min_version: {s.min_version} differs from the oldest version of its trained tokens ({int(versions.min())})"
+    t = s.temperature
+    if not np.isfinite(t) or not 0.0 < t <= limits.max_temperature:
+        return (f"temperature: {t} is not in (0, {limits.max_temperature}] (greedy samples carry no sampling "
+                "probability to correct for: sample with temperature > 0 to train)")
+    if limits.max_staleness is not None and newest_version is not None and newest_version - s.min_version > limits.max_staleness:
+        return (f"stale: its oldest trained token is {newest_version - s.min_version} versions behind the newest "
+                f"published ({newest_version}), more than trainer.max_staleness={limits.max_staleness}")
     return None
 
 

@@ -82,9 +82,10 @@ def test_archive_then_replay_same_bytes_same_order_counted(kafka: KafkaSettings,
 def _v2_catalog(tmp_path: Path) -> SchemaCatalog:
     root = tmp_path / "schemas"
     shutil.copytree(default_schemas_dir(), root)
-    v2 = json.loads((root / "trajectory" / "v1.avsc").read_text())
+    latest = SchemaCatalog.load(root).latest("astraflow.Trajectory")
+    v2 = json.loads(latest.path.read_text())
     v2["fields"].append({"name": "difficulty", "type": "double", "default": 0.5})
-    (root / "trajectory" / "v2.avsc").write_text(json.dumps(v2))
+    (root / "trajectory" / f"v{latest.version + 1}.avsc").write_text(json.dumps(v2))
     return SchemaCatalog.load(root)
 
 

@@ -136,7 +136,7 @@ def test_old_schema_version_decodes_into_current(tmp_path: Path) -> None:
 
 def test_interop_with_official_avro_package(serde: AvroSerde) -> None:
     """Our bytes decode with Apache's `avro` reading the .avsc file, and the reverse."""
-    path = default_schemas_dir() / "trajectory" / "v1.avsc"
+    path = SchemaCatalog.load(default_schemas_dir()).latest("astraflow.Trajectory").path
     schema = avro.schema.parse(path.read_text())
     t = make_trajectory(256, reward=0.5)
     data = serde.dumps(t)

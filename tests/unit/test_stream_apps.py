@@ -454,3 +454,14 @@ def test_curator_feeds_greso_the_zero_variance_share_it_sees(tmp_path: Any) -> N
     # all-solved share 100% > its target: skip more easy prompts; all-failed share 0%: skip fewer hard ones
     assert greso.p_easy == pytest.approx(0.4) and greso.p_hard == pytest.approx(0.6)
     assert app.curated == 4 and app._zv == [0, 0, 0]
+
+
+def test_curate_computes_advantages_on_the_whole_group_before_filters_mask() -> None:
+    """DAPO-style: two stale members are masked out, but the survivors' advantages are those of
+    the full group of four (rewards 1, 0, 0, 0), not of the two left (1, 0)."""
+    app, w = make_curate(policies=("a",), versions={"a": 20})
+    versions = [19, 19, 3, 3]  # members 2 and 3 are 17 versions behind: stale
+    feed(app, [two_policy_traj("mix", i, 4, r, False, version=v) for i, (r, v) in enumerate(zip([1.0, 0.0, 0.0, 0.0], versions, strict=True))])
+    assert w.dropped["staleness"] == 2
+    std = np.std([1.0, 0.0, 0.0, 0.0])
+    assert by_policy(w)["a"] == pytest.approx({"mix/0": 0.75 / std, "mix/1": -0.25 / std}, abs=1e-4)

@@ -103,7 +103,9 @@ def test_loss_options_report_their_metrics(tiny: Path, loss: LossSettings) -> No
     for key in ("loss", "pg_loss", "clip_frac", "kl_ref", "entropy", "reward", "approx_kl"):
         assert np.isfinite(metrics[key]), key
     assert metrics["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before any step
-    assert ("is_weight_mean" in metrics) == (loss.mode == "decoupled")
+    assert ("is_truncated_frac" in metrics) == (loss.mode == "decoupled")
+    for key in ("is_weight_mean", "is_weight_std", "log_mu_pi_mean", "log_mu_pi_std", "log_mu_pi_max"):
+        assert np.isfinite(metrics[key]), key  # the spread of the IS weights and of log mu - log pi, every batch
 
 
 class _OnPolicy(IterableDataset):

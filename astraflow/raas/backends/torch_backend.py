@@ -6,8 +6,10 @@ Weight updates are applied between two decoding steps, so rollouts in flight con
 new weights (their earlier tokens keep the version that produced them).
 
 The logprob recorded for each token is its log-probability under the distribution it was
-sampled from before top-p truncation, i.e. `log_softmax(logits / temperature)` (plain
-`log_softmax(logits)` for greedy decoding): the behaviour policy a trainer corrects for.
+sampled from (`sample_tokens`): `log_softmax(logits / temperature)` renormalised over the top-p
+nucleus, i.e. minus the log of the kept mass (plain `log_softmax(logits)` for greedy
+decoding). That is the behaviour policy a trainer corrects for; the trainer scores the same
+tokens with `log_softmax(logits / temperature)`, the temperature coming with each sample.
 """
 
 from __future__ import annotations
@@ -212,18 +214,7 @@ class TorchBackend:
             next_pos = next_pos + 1
 
     def _sample(self, logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        greedy = temps <= 0
-        scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-        logp = torch.log_softmax(scaled, dim=-1)
-        probs = logp.exp()
-        if bool((top_ps < 1.0).any()):
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            keep = (sorted_p.cumsum(-1) - sorted_p) < top_ps[:, None]
-            sorted_p = sorted_p * keep
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-        sampled = torch.multinomial(probs.cpu(), 1, generator=self._gen).squeeze(-1).to(logits.device)
-        tokens = torch.where(greedy, logits.argmax(-1), sampled)
-        return tokens.cpu(), logp.gather(-1, tokens[:, None].to(logp.device)).squeeze(-1).cpu()
+        return sample_tokens(logits, temps, top_ps, self._gen)
 
     def _hit_stop(self, ids: list[int], stops: list[str]) -> bool:
         if not stops:
@@ -242,3 +233,30 @@ class TorchBackend:
         )
         if not p.future.done():
             p.future.set_result(gen)
+
+
+def sample_tokens(
+    logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of `logits` [B, V] and its behaviour logprob, both on the CPU.
+
+    Row b samples from ``softmax(logits / temps[b])`` truncated to its top-p nucleus (the
+    smallest set of most likely tokens whose mass reaches top_ps[b]) and renormalised; the
+    logprob returned is of that distribution (``log_softmax(logits / T) - log(kept mass)``).
+    A temperature <= 0 decodes greedily and returns ``log_softmax(logits)`` of the argmax.
+    """
+    greedy = temps <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+    logp = torch.log_softmax(scaled, dim=-1)
+    probs = logp.exp()
+    if bool((top_ps < 1.0).any()):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        keep = (sorted_p.cumsum(-1) - sorted_p) < top_ps[:, None]
+        kept_mass = (sorted_p * keep).sum(-1)
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        nucleus = (top_ps < 1.0) & ~greedy
+        logp = logp - torch.where(nucleus, kept_mass.clamp(min=1e-30).log(), torch.zeros_like(kept_mass))[:, None]
+    sampled = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+    tokens = torch.where(greedy, logits.argmax(-1), sampled)
+    return tokens.cpu(), logp.gather(-1, tokens[:, None].to(logp.device)).squeeze(-1).cpu()

@@ -115,5 +115,6 @@ class RolloutContext:
             error=error,
             lineage=list(t.lineage),
             metadata={**t.metadata, **(metadata or {})},
+            temperature=t.sampling.temperature,
         )
 
