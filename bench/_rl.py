@@ -127,7 +127,7 @@ def tiny_model_dir() -> str:
     return str(out)
 
 
-def make_tasks(n_prompts: int, seed: int, workload: str) -> tuple[list[Task], list[tuple[str, str]]]:
+def make_tasks(n_prompts: int, seed: int, workload: str, n_heldout: int = N_HELDOUT) -> tuple[list[Task], list[tuple[str, str]]]:
     """Training tasks and held-out (prompt, answer) pairs, split as the demo splits them."""
     from astraflow.models.tasks import arithmetic_dataset, split_heldout
 
@@ -137,7 +137,7 @@ def make_tasks(n_prompts: int, seed: int, workload: str) -> tuple[list[Task], li
     tasks = [Task(task_id=f"t{i}", group_id=f"g{i}", prompt_id=p.prompt_id, dataset="arith", workflow=w["workflow"],
                   prompt=p.prompt, reference=p.reference, policies=["policy"], n_samples=GROUP, sampling=sampling)
              for i, p in enumerate(train[:n_prompts])]
-    return tasks, [(p.prompt, reference_answer(p.reference)) for p in heldout[:N_HELDOUT]]
+    return tasks, [(p.prompt, reference_answer(p.reference)) for p in heldout[:n_heldout]]
 
 
 def final_answer(workload: str, completion: str) -> str | None:
@@ -242,12 +242,16 @@ async def sync_mode(tasks: list[Task], steps: int, backend: TorchBackend, learne
 
 
 async def dataflow_mode(tasks: list[Task], steps: int, backend: TorchBackend, learner: Learner, tools: ToolBox,
-                        eval_every: int, staleness: int, run: Run, slots: int = SLOTS) -> None:
+                        eval_every: int, staleness: int, run: Run, slots: int = SLOTS, weight_lag: int = 0) -> None:
+    """The dataflow schedule (module docstring). `weight_lag` L > 0 pushes the rollout engine the
+    weights of version v - L when the trainer reaches v: rollouts run L versions behind, so the
+    trained samples are about L + 1 versions stale, as behind a queue L batches deep."""
     node = NodeInfo("dataflow", backend.hardware(), "local", "torch")
     t0 = time.monotonic()
     run.snapshots.append((0, 0.0, learner.weights()))
     pending: dict[int, list[tuple[Trajectory, float]]] = {}
     ready: list[list[tuple[Trajectory, float]]] = []
+    history: dict[int, dict[str, torch.Tensor]] = {0: learner.weights()}  # versions not yet pushed
     version, next_task, slots_busy = 0, 0, 0
     wake = asyncio.Event()
     samples = ((i, k) for i in range(len(tasks)) for k in range(GROUP))  # group by group, as the curator issues
@@ -273,7 +277,11 @@ async def dataflow_mode(tasks: list[Task], steps: int, backend: TorchBackend, le
             ts = time.monotonic()
             await asyncio.to_thread(learner.step, groups)  # rollouts go on meanwhile
             w = learner.weights()
-            backend.update_weights(w, version + 1)
+            history[version + 1] = w
+            pushed = max(0, version + 1 - weight_lag)
+            backend.update_weights(history[pushed], pushed)
+            for old in [v for v in history if v < pushed]:
+                del history[old]
             run.train_s += time.monotonic() - ts
             run.trained += sum(len(g) for g in groups)
             version += 1
@@ -338,9 +346,9 @@ def reach(run: Run, target: float) -> float | None:
 
 def one_run(mode: str, workload: str, sigma: float, *, steps: int, eval_every: int, staleness: int, seed: int,
             median_s: float, model_dir: str, tasks: list[Task], heldout: list[tuple[str, str]],
-            loss: PolicyLossConfig | None = None, minibatches: int = 1, slots: int = SLOTS) -> Run:
+            loss: PolicyLossConfig | None = None, minibatches: int = 1, slots: int = SLOTS, weight_lag: int = 0) -> Run:
     """One in-process run ("sync" or "dataflow"), scored; `loss` / `minibatches`: see `Learner`;
-    `slots`: rollouts in flight in dataflow mode (and the backend's decode batch)."""
+    `slots` / `weight_lag`: rollouts in flight and lag of the engine's weights in dataflow mode."""
     torch.manual_seed(seed)
     backend = TorchBackend("policy", model_dir, seed=seed, max_batch=max(SLOTS, slots), threads=1, device="cpu")
     learner = Learner(model_dir, loss, minibatches)
@@ -349,7 +357,7 @@ def one_run(mode: str, workload: str, sigma: float, *, steps: int, eval_every: i
     if mode == "sync":
         asyncio.run(sync_mode(tasks, steps, backend, learner, tools, eval_every, run))
     else:
-        asyncio.run(dataflow_mode(tasks, steps, backend, learner, tools, eval_every, staleness, run, slots))
+        asyncio.run(dataflow_mode(tasks, steps, backend, learner, tools, eval_every, staleness, run, slots, weight_lag))
     backend.close()
     run.learner_metrics = learner.metrics
     score_snapshots(run, learner.model, learner.tokenizer, heldout)

@@ -7,10 +7,12 @@ calculator behind a log-normal delay):
 * `sync`: the trainer-centred loop (staleness 0), with the trainer's default loss;
 * `dataflow` at each `--staleness` K (groups start at most K versions ahead of the trainer) with
   each `--corrections` loss (`astraflow.rl.policy_loss` modes; see docs/training.md). With 64
-  rollouts in flight a batch is rarely more than 1-3 versions old, whatever K; so by default the
-  dataflow keeps 64 x (1 + K) rollouts in flight (one decode batch), as a pipeline with K
-  batches queued between rollout and training does, and its samples really are up to K stale
-  (`--fixed-slots` keeps 64).
+  rollouts in flight and a trainer faster than the rollouts, a batch is rarely more than 1-3
+  versions old whatever K (measured: mean 1.4, max 3 at K = 8). A real pipeline gets older
+  samples when batches queue between rollout and training; to reproduce that on one machine,
+  the rollout engine receives the weights K - 1 versions late (`_rl.dataflow_mode`'s
+  `weight_lag`), so trained samples are about K versions stale, at the same compute per sample
+  (`--no-lag` runs the plain schedule). The staleness each run really had is reported.
 
 Every run trains the same number of samples (`--steps` x 64) on the same tasks in the same
 order, with `--minibatches` optimizer steps per batch (so decoupled PPO's proximal policy, the
@@ -25,7 +27,7 @@ and the plot from such a file.
 
 Usage: python bench/staleness.py [--staleness 1,2,4,8] [--corrections decoupled,tis,mis,m2po,stale]
        [--seeds 0,1,2] [--steps 10] [--sigma 1.0] [--minibatches 2] [--json OUT] [--plot PNG]
-       python bench/staleness.py --report bench/results/staleness.json [--plot PNG]
+       python bench/staleness.py --report A.json[,B.json...] [--plot PNG]   (e.g. one file per seed)
 """
 
 from __future__ import annotations
@@ -167,14 +169,16 @@ def main() -> None:
     ap.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of the tool delay")
     ap.add_argument("--median-s", type=float, default=0.2)
     ap.add_argument("--minibatches", type=int, default=2, help="optimizer steps per batch")
-    ap.add_argument("--fixed-slots", action="store_true",
-                    help="dataflow keeps 64 rollouts in flight at every K (default: 64 x (1 + K), so samples can be K stale)")
+    ap.add_argument("--no-lag", action="store_true",
+                    help="no weight lag: the plain dataflow schedule at bound K (samples then 1-3 versions stale)")
     ap.add_argument("--json", default="bench/results/staleness.json")
     ap.add_argument("--plot", default="docs/img/staleness.png")
-    ap.add_argument("--report", default=None, help="only re-make table and plot from this JSON")
+    ap.add_argument("--heldout", type=int, default=_rl.N_HELDOUT, help="held-out problems (2 episodes each) per snapshot")
+    ap.add_argument("--report", default=None, help="only re-make table and plot from these JSON files (comma-separated)")
     args = ap.parse_args()
     if args.report:
-        report(json.loads(Path(args.report).read_text())["rows"], Path(args.plot))
+        rows = [r for path in args.report.split(",") for r in json.loads(Path(path).read_text())["rows"]]
+        report(rows, Path(args.plot))
         return
     corrections = args.corrections.split(",")
     if bad := [c for c in corrections if c not in CORRECTIONS]:
@@ -188,19 +192,19 @@ def main() -> None:
     for seed in seeds:
         if seed != seeds[0]:
             plan.append((seed, "sync", 0, SYNC_LOSS))
-        plan += [(seed, f"K={k} {c}", k, c) for k in levels for c in corrections]
+        plan += [(seed, f"K={k} {c}", k, c) for k in sorted(levels, reverse=True) for c in corrections]
     t_start = time.monotonic()
     meta = {"workload": _rl.WORKLOADS["b"]["label"], "sigma": args.sigma, "median_s": args.median_s,
             "steps": args.steps, "samples_per_step": _rl.SLOTS, "lr": _rl.LR, "minibatches": args.minibatches,
-            "seeds": seeds, "staleness": levels, "corrections": {c: CORRECTIONS[c] for c in corrections},
-            "base": BASE, "planned_runs": len(plan), "fixed_slots": args.fixed_slots}
+            "seeds": seeds, "staleness": levels, "heldout_episodes": 2 * args.heldout, "corrections": {c: CORRECTIONS[c] for c in corrections},
+            "base": BASE, "planned_runs": len(plan), "weight_lag": "none" if args.no_lag else "K - 1"}
     for i, (seed, setting, k, corr) in enumerate(plan, 1):
-        tasks, heldout = _rl.make_tasks(args.steps * _rl.PROMPTS_PER_STEP * 4, seed, "b")
+        tasks, heldout = _rl.make_tasks(args.steps * _rl.PROMPTS_PER_STEP * 4, seed, "b", args.heldout)
         mode = "sync" if setting == "sync" else "dataflow"
         run = _rl.one_run(mode, "b", args.sigma, steps=args.steps, eval_every=args.eval_every, staleness=k, seed=seed,
                           median_s=args.median_s, model_dir=model_dir, tasks=tasks, heldout=heldout,
                           loss=loss_config(corr), minibatches=args.minibatches,
-                          slots=_rl.SLOTS if args.fixed_slots or mode == "sync" else _rl.SLOTS * (1 + k))
+                          weight_lag=0 if args.no_lag or mode == "sync" else max(0, k - 1))
         row = run_row(run, setting, k, corr, seed)
         rows.append(row)
         print(f"[{i}/{len(plan)} {time.monotonic() - t_start:.0f}s] seed {seed} {setting}: {run.wall_s:.1f}s "

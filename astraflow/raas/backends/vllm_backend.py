@@ -6,6 +6,12 @@ restart (`collective_rpc("load_weights")`), applied before the next request is s
 vLLM, a version switch happens between requests, not between decoding steps, and every token of
 a request records the version it was submitted under.
 
+The logprobs recorded are vLLM's *processed* logprobs (`logprobs_mode="processed_logprobs"`,
+vLLM >= 0.10.2): after temperature scaling and top-p/top-k masking, so renormalised over what
+could be sampled, as the torch backend records them. vLLM's default (raw logits) would make
+every importance weight of a sample drawn at T != 1 or top-p < 1 wrong; an older vLLM is
+refused. `engine_kwargs` and `completion_arrays` are the pure parts, tested on CPU.
+
 Not exercised on this project's CPU-only CI; the `gpu` tests run it where a GPU is present.
 """
 
@@ -41,8 +47,13 @@ class VllmBackend:
         self.version = version
         self.model_dir = model_dir
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        args = AsyncEngineArgs(model=model_dir, gpu_memory_utilization=gpu_memory_utilization,
-                               max_model_len=max_model_len, seed=seed or 0, enforce_eager=True)
+        try:
+            args = AsyncEngineArgs(**engine_kwargs(model_dir, gpu_memory_utilization, max_model_len, seed))
+        except TypeError as exc:  # an AsyncEngineArgs without logprobs_mode
+            raise VllmBackendError(
+                f"this vLLM cannot return post-temperature logprobs ({exc}): upgrade to vllm>=0.10.2, "
+                "or the trainer's importance weights would compare different distributions"
+            ) from exc
         try:
             self.engine = AsyncLLMEngine.from_engine_args(args)
         except Exception as exc:  # vLLM raises many types when the GPU or model is unusable
@@ -89,13 +100,33 @@ class VllmBackend:
         if final is None:
             raise VllmBackendError("vLLM returned no output")
         comp = final.outputs[0]
-        ids = list(comp.token_ids)
-        lps = [float(step[t].logprob) if step and t in step else 0.0 for t, step in zip(ids, comp.logprobs or [], strict=False)]
+        ids, lps = completion_arrays(list(comp.token_ids), comp.logprobs)
         versions = np.full(len(ids), start_version, np.int32)
-        return Generation(np.asarray(ids, np.int32), np.asarray(lps, np.float32), versions, comp.text,
-                          "length" if comp.finish_reason == "length" else "stop")
+        return Generation(ids, lps, versions, comp.text, "length" if comp.finish_reason == "length" else "stop")
 
     def close(self) -> None:
         shutdown = getattr(self.engine, "shutdown", None)
         if shutdown:
             shutdown()
+
+
+def engine_kwargs(model_dir: str, gpu_memory_utilization: float, max_model_len: int | None, seed: int | None) -> dict[str, Any]:
+    """Arguments of vLLM's `AsyncEngineArgs`: processed (post-temperature, post-top-p) logprobs."""
+    return {"model": model_dir, "gpu_memory_utilization": gpu_memory_utilization, "max_model_len": max_model_len,
+            "seed": seed or 0, "enforce_eager": True, "logprobs_mode": "processed_logprobs"}
+
+
+def completion_arrays(token_ids: list[int], logprobs: list[dict[int, Any]] | None) -> tuple[np.ndarray, np.ndarray]:
+    """(int32 ids, float32 logprobs) of a vLLM completion: the logprob of each sampled id from its
+    step's dict (id -> object with `.logprob`). A step that lacks its sampled id (never with
+    logprobs=0, which always includes it) is an error, not a silent 0: a 0 would claim
+    probability 1 to the trainer."""
+    steps = logprobs or []
+    if len(steps) != len(token_ids):
+        raise VllmBackendError(f"vLLM returned {len(steps)} logprob steps for {len(token_ids)} tokens; request logprobs=0")
+    out = np.empty(len(token_ids), np.float32)
+    for i, (t, step) in enumerate(zip(token_ids, steps, strict=True)):
+        if not step or t not in step:
+            raise VllmBackendError(f"vLLM gave no logprob for the sampled token {t} at position {i}")
+        out[i] = float(step[t].logprob)
+    return np.asarray(token_ids, np.int32), out
