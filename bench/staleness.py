@@ -73,6 +73,7 @@ def run_row(run: _rl.Run, setting: str, staleness: int, correction: str, seed: i
             "wall_s": run.wall_s, "trained": run.trained, "trajectories": run.trajectories,
             "samples_per_s": run.trained / run.wall_s if run.wall_s else 0.0,
             "success": run.success,  # (step, t, held-out success) per snapshot
+            "train_reward": run.train_reward,  # mean reward of each trained batch
             "staleness_mean": mean("staleness_mean"), "staleness_max": max((m["staleness_max"] for m in lm), default=0.0),
             "is_weight_std": mean("is_weight_std"), "log_mu_pi_std": mean("log_mu_pi_std"),
             "clip_frac": mean("clip_frac"), "masked_frac": mean("is_masked_frac")}
