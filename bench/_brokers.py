@@ -12,10 +12,11 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from astraflow.config import LocalKafkaSettings
-from astraflow.errors import PortInUseError
+from astraflow.errors import LocalKafkaError, PortInUseError
 from astraflow.kafka.local import LocalKafka
 
 _QUIET = lambda *_: None  # noqa: E731
@@ -43,21 +44,28 @@ class Brokers:
             raise RuntimeError(f"Kafka node {node_id} is not running ({self.kafka.root})")
         return pid
 
-    def up(self, timeout_s: float = 120.0) -> None:
-        """Starts every node that is not running; returns once all answer.
+    def up(self) -> None:
+        """Starts every node that is not running; returns once all answer."""
+        self._retried(lambda: self.kafka.up(echo=_QUIET))
 
-        While a node is down its clients keep connecting to its port; when that port lies in the
-        ephemeral range (39000 does) a connect may take it as its own source port for a moment
-        (a TCP self-connect), so a port in use is retried."""
+    def _retried(self, start: Callable[[], object], timeout_s: float = 120.0) -> None:
+        """`start()`, again while a port is taken: while a node is down its clients keep connecting
+        to its ports; when those lie in the ephemeral range (39000 does) a connect may take one as
+        its own source port for a moment (a TCP self-connect), before the port check or after it,
+        when the JVM binds ("Address already in use")."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                self.kafka.up(echo=_QUIET)
+                start()
                 return
             except PortInUseError:
                 if time.monotonic() > deadline:
                     raise
-                time.sleep(0.5)
+            except LocalKafkaError as exc:
+                if "Address already in use" not in self.kafka.log_tail(200) or time.monotonic() > deadline:
+                    raise
+                print(f"  a Kafka node could not bind its port ({str(exc).splitlines()[0]}); starting again", flush=True)
+            time.sleep(1.0)
 
     def kill(self, index: int | None = None) -> None:
         """kill -9 node `index` (None: every node); returns once the processes are gone."""
@@ -77,7 +85,7 @@ class Brokers:
         if index is None:
             self.up()
         else:
-            self.kafka.start(index, echo=_QUIET)
+            self._retried(lambda: self.kafka.start(index, echo=_QUIET))
 
     def down(self) -> None:
         """Stops every node (resumed first, in case one is paused)."""
