@@ -252,9 +252,9 @@ class Harness:
 
     def run_phase(self, name: str, faults: list[tuple[str, str]]) -> PhaseRecord:
         a = self.args
-        phase = PhaseRecord(name, time.time())
-        self.phases.append(phase)
         line0 = _lines(self.trained_log)
+        phase = PhaseRecord(name, time.time(), log_lines=(line0, line0))
+        self.phases.append(phase)
         duration = a.phase_s
         if any(k == "broker-outage" for k, _ in faults):
             duration = max(duration, a.outage_s + 0.5 * a.phase_s)
@@ -286,6 +286,9 @@ class Harness:
         self.wait(max(0.0, t0 + duration - time.time()), phase)
         self.control.set("curator", "pause", "on", issued_by="faults")
         phase.drained = self.drain(phase)
+        t = self.ledger.tally([x for x in self.ledger.tasks.values() if x.ts_ms / 1000 >= phase.start])
+        print(f"  so far: {t.tasks_issued} tasks issued, {t.tasks_trained} trained, {t.lost} samples not trained yet",
+              flush=True)
         phase.end = time.time()
         phase.log_lines = (line0, _lines(self.trained_log))
         return phase
@@ -313,8 +316,14 @@ class Harness:
             print(f"experiment {self.exp}; broker {self.brokers.bootstrap}; logs in {self.work / 'logs'}", flush=True)
             self.setup()
             print(f"roles ready after {time.time() - t_start:.0f}s", flush=True)
-            for name, faults in self.plan():
-                self.run_phase(name, faults)
+            try:
+                for name, faults in self.plan():
+                    self.run_phase(name, faults)
+            except (KeyboardInterrupt, SystemExit) as exc:  # a deadline: report the phases so far
+                print(f"stopped ({exc or 'interrupt'}); counting the phases so far", flush=True)
+                last = self.phases[-1] if self.phases else None
+                if last is not None and not last.end:
+                    last.end, last.log_lines = time.time(), (last.log_lines[0], _lines(self.trained_log))
             self.ledger.refresh()
             return build_report(self.cfg.kafka, self.topics, self.ledger, self.phases, self.settings(),
                                 wall_s=time.time() - t_start)
