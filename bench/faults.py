@@ -240,13 +240,13 @@ class Harness:
         if a.quick:
             return [("kill-roles", [("kill", r) for r in ("curate", "trainer", "raas-1", "reward", "curator")]),
                     ("broker-restart", [("broker-restart", "0")])]
-        out: list[tuple[str, list[tuple[str, str]]]] = [("baseline", [])]
+        out: list[tuple[str, list[tuple[str, str]]]] = [("baseline", []), ("broker-outage", [("broker-outage", "0")])]
+        if self.brokers.count >= 3:
+            out.append(("broker-1-of-3", [("broker-1-of-3", "1")]))
+        out.append(("broker-restart", [("broker-restart", "0")] * 2))
         for role in ROLE_KILLS:
             targets = nodes if role == "nodes" else [role]
             out.append((f"kill-{role}", [("kill", t) for t in targets for _ in range(a.kills)]))
-        out += [("broker-restart", [("broker-restart", "0")] * 2), ("broker-outage", [("broker-outage", "0")])]
-        if self.brokers.count >= 3:
-            out.append(("broker-1-of-3", [("broker-1-of-3", "1")]))
         out.append(("rebalance", [("rebalance", "")]))
         return [p for p in out if not a.only or p[0] in a.only]
 
