@@ -21,6 +21,7 @@ rebuilds the app in-process. The curator (a source app with no input topic) runs
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Any
 
 from astraflow.config import load_config
@@ -51,6 +52,7 @@ def _app() -> Any:
     engine = build_from_env()
     engine._bind()
     app = engine.build()
+    app.conf.datadir = tempfile.mkdtemp(prefix=f"faust-{engine.handler.name}-")  # memory tables: nothing kept there
 
     @app.task
     async def started() -> None:  # Faust's worker started the app: timers may run the handler now

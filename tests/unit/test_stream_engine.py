@@ -165,3 +165,20 @@ def test_the_faust_codec_round_trips_typed_records() -> None:
     t = traj(0, "4")
     back = codec.loads(codec.dumps(t))
     assert isinstance(back, Trajectory) and back.trajectory_id == t.trajectory_id
+
+
+def test_the_faust_native_entry_builds_the_same_engine_from_the_environment() -> None:
+    import pytest
+
+    from astraflow.errors import ConfigError
+    from stream_apps.faust_worker import build_from_env
+
+    engine = build_from_env({"ASTRAFLOW_EXPERIMENT": EXP, "ASTRAFLOW_APP": "curate", "ASTRAFLOW_POLICIES": "a,b",
+                             "ASTRAFLOW_GUARANTEE": "at_least_once"})
+    assert engine.handler.name == "curate" and engine.handler.policies == ("a", "b")  # type: ignore[attr-defined]
+    assert engine.group_id == f"af.{EXP}.curate" and not engine.exactly_once
+    proc = build_from_env({"ASTRAFLOW_EXPERIMENT": EXP, "ASTRAFLOW_PROCESSOR": "stream_apps.examples.tool_errors:tool_errors"})
+    assert proc.group_id == f"af.{EXP}.proc.tool-errors" and proc.exactly_once
+    for bad in ({"ASTRAFLOW_APP": "reward"}, {"ASTRAFLOW_EXPERIMENT": EXP, "ASTRAFLOW_APP": "curator"}):
+        with pytest.raises(ConfigError):
+            build_from_env(bad)
