@@ -14,7 +14,9 @@ Settings chosen for AstraFlow (and why):
   ~10 s); a produce or a transaction that fails after those timeouts crashes the app and
   `StreamEngine.run` rebuilds it every `restart_delay_s` until the broker is back, so the
   process never exits on its own.
-* `producer_max_request_size` / `consumer_max_fetch_size` follow the serde's record limit;
+* `producer_max_request_size` / `consumer_max_fetch_size` follow the serde's record limit,
+  `producer_max_batch_size` is 1 MiB (aiokafka's 16 KiB default sends a 4,096-token
+  trajectory alone in its request);
   `producer_compression_type="zstd"` like every other AstraFlow producer (aiokafka needs
   `cramjam` for it, a dependency).
 """
@@ -105,6 +107,7 @@ def build_app(engine: StreamEngine) -> faust.App:
         producer_linger=0.005,
         producer_compression_type="zstd",
         producer_max_request_size=engine.serde.max_record_bytes + 64 * 1024,
+        producer_max_batch_size=1024 * 1024,  # aiokafka's 16 KiB default puts one 50 KB trajectory per request
         consumer_max_fetch_size=max(4 * 1024 * 1024, engine.serde.max_record_bytes + 64 * 1024),
         stream_buffer_maxsize=512,
         **s.faust_overrides,
