@@ -12,8 +12,8 @@ the consumer group `af.<experiment>.<app>`:
   Outputs, dead letters and table writes made for a record are collected and produced together
   when it finishes, into the transaction of its source partition.
 * **Exactly-once** (`processing_guarantee="exactly_once"`): Faust keeps one transactional
-  producer per assigned source partition. `ExactTransactionManager` (`stream_apps.transactions`)
-  fixes three gaps of Faust 0.15 around it: outputs go to the transaction of the SOURCE
+  producer per assigned source partition. `ExactTransactionManager` (`stream_apps.transactions`
+  lists every gap of Faust 0.15 it closes): outputs go to the transaction of the SOURCE
   partition (Faust picks it from the destination partition), offsets committed are those of
   records whose outputs are in the transaction (never one whose outputs are not, never one past
   a record still in flight), and any failure to commit crashes the app instead of being
@@ -25,7 +25,8 @@ the consumer group `af.<experiment>.<app>`:
 * **Control** (`astraflow.control.ControlReader`) is read to its end before the first record and
   refreshed every `control_interval_s`; **metrics** go to `metrics` every `metrics_interval_s`.
 
-Running: `StreamEngine.run()` blocks (the CLI), `start_thread()` runs it in a thread (tests);
+Running (`stream_apps.lifecycle`): `StreamEngine.run()` blocks (the CLI), `start_thread()` runs
+it in a thread (tests);
 a crash of the Faust app (e.g. a broker gone longer than the timeouts) ends `run_once`, and
 `run()` rebuilds the app after a pause, so a role outlives broker outages.
 """

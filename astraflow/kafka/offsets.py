@@ -1,8 +1,8 @@
 """Which offset each partition may commit, when records finish out of order or are held.
 
-A stream worker commits after processing (at-least-once), but records do not finish in the
-order they arrive: slow rewards run concurrently, and curate holds every record of a group
-until the whole group is emitted. `OffsetTracker` keeps, per partition, the offsets received
+A stream app commits a record's offset in the transaction that holds its outputs
+(`stream_apps.engine`), but records do not finish in the order they arrive: slow rewards and
+async user processors run concurrently. `OffsetTracker` keeps, per partition, the offsets received
 and not yet finished; the committable offset is the smallest of those (everything below it
 is finished), or one past the highest offset seen when none is pending. Offsets may have gaps
 (compaction, transaction markers): only offsets actually received count.
