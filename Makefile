@@ -1,5 +1,5 @@
 # The two quick-start commands (README) and a few conveniences.
-.PHONY: demo test lint bench kafka-up kafka-down
+.PHONY: demo test lint bench kafka-up kafka-down compose compose-down
 
 demo:        ## set everything up, start the local Kafka, run the CPU demo
 	bash scripts/demo.sh
@@ -18,3 +18,9 @@ kafka-up:
 
 kafka-down:
 	$$(bash scripts/env.sh)/bin/astraflow kafka down
+
+compose:     ## the docker-compose stack on this machine: engine, images, up (README "Deploy with docker-compose")
+	bash scripts/compose.sh
+
+compose-down:
+	bash scripts/compose.sh down

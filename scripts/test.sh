@@ -3,8 +3,11 @@
 #
 # Sets up the cached virtualenv, starts the local Apache Kafka through `astraflow kafka up`
 # (a no-op when it already runs; stopped again at the end if this script started it), checks
-# lint and schema compatibility, then runs unit, integration and e2e tests. GPU tests skip
-# themselves where no GPU is present. Extra arguments go to pytest.
+# lint and schema compatibility, then runs unit, integration, e2e and docker tests. The docker
+# test (tests/docker: the compose stack built and run) needs a Docker engine: this script starts
+# one (`scripts/compose.sh engine`, installing docker.io with apt where it is missing) and stops it
+# at the end if it started it; ASTRAFLOW_SKIP_DOCKER=1 leaves the engine alone and the test skips.
+# GPU tests skip themselves where no GPU is present. Extra arguments go to pytest.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -16,16 +19,33 @@ echo "== ruff"
 ruff check astraflow stream_apps trainers tests bench
 
 STARTED=0
+DOCKER_STARTED=0
+cleanup() {
+  if [ "$STARTED" = 1 ] && [ -z "${ASTRAFLOW_KEEP_KAFKA:-}" ]; then
+    astraflow kafka down || true
+  fi
+  if [ "$DOCKER_STARTED" = 1 ]; then
+    bash scripts/compose.sh engine-stop || true
+  fi
+}
+trap cleanup EXIT
+
 if [ -z "${ASTRAFLOW_TEST_BOOTSTRAP:-}" ]; then
   if ! astraflow kafka status >/dev/null 2>&1; then
     STARTED=1
   fi
   echo "== kafka"
   astraflow kafka up
-  if [ "$STARTED" = 1 ] && [ -z "${ASTRAFLOW_KEEP_KAFKA:-}" ]; then
-    trap 'astraflow kafka down || true' EXIT
-  fi
   export ASTRAFLOW_TEST_BOOTSTRAP=127.0.0.1:19092
+fi
+
+if [ -z "${ASTRAFLOW_SKIP_DOCKER:-}" ]; then
+  echo "== docker engine"
+  if ! { docker info || /usr/bin/docker info; } >/dev/null 2>&1; then
+    DOCKER_STARTED=1
+  fi
+  bash scripts/compose.sh engine
+  export ASTRAFLOW_REQUIRE_DOCKER=1
 fi
 
 echo "== pytest"

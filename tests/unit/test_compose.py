@@ -1,7 +1,7 @@
 """The compose stack validates without a Docker engine: structure, and every command it runs.
 
-No engine (and no `docker compose`) runs in CI, so this checks what `docker compose config`
-would, following the compose specification: known keys, dependencies that exist with valid
+This checks, in a second and without an engine, what `docker compose config` would, following
+the compose specification (tests/docker/test_compose_stack.py starts the stack for real): known keys, dependencies that exist with valid
 conditions (healthy ones on services that have a health check, completed ones on one-shot
 jobs), declared named volumes, existing bind-mount sources and Dockerfiles, profiles, and
 variables that all have defaults. Then it parses every `astraflow ...` command line of the stack
@@ -230,35 +230,84 @@ def test_volumes_are_declared_and_bind_mounts_exist() -> None:
 
 
 def test_builds_use_the_dockerfiles_of_this_repo() -> None:
+    own_contexts = {"kafka": DOCKER / "kafka", "prometheus": DOCKER / "prometheus"}
     for name, svc in services().items():
         build = svc.get("build")
         if build is None:
             continue
         ctx = (DOCKER / build["context"]).resolve()
-        assert ctx == ROOT, f"{name}: build context must be the repository root"
         dockerfile = ctx / build["dockerfile"]
         assert dockerfile.is_file(), f"{name}: {dockerfile} missing"
         text = dockerfile.read_text()
+        # Every image takes its base as a build argument (a local one where no registry answers).
+        assert re.search(r"^ARG BASE_IMAGE=\S+", text, re.M) and re.search(r"^FROM \$\{BASE_IMAGE\}", text, re.M), \
+            f"{dockerfile}: FROM ${{BASE_IMAGE}} with a default"
+        assert build.get("args", {}).get("BASE_IMAGE"), f"{name}: pass BASE_IMAGE (AF_BASE_IMAGE)"
+        if name in own_contexts:
+            assert ctx == own_contexts[name].resolve(), f"{name}: build context must be {own_contexts[name]}"
+            continue
+        assert ctx == ROOT, f"{name}: build context must be the repository root"
         assert re.search(r'^ENTRYPOINT \["astraflow"\]', text, re.M), f"{dockerfile.name}: entrypoint must be astraflow"
     cpu = (DOCKER / "Dockerfile").read_text()
-    assert re.search(r"^FROM python:3\.11-slim", cpu, re.M)
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim", cpu, re.M)
+    assert "--mount=type=cache,target=/root/.cache/pip" in cpu, "pip downloads must stay in the build cache"
     assert "vllm" in (DOCKER / "Dockerfile.gpu").read_text()
+    ignored = (ROOT / ".dockerignore").read_text().split()
     for name in ("Dockerfile", "Dockerfile.gpu"):
         text = (DOCKER / name).read_text()
         for folder in re.findall(r"^COPY (\S+) ", text, re.M):
-            assert (ROOT / folder).exists(), f"{name} copies {folder}, which the repository lacks"
+            for part in folder.split():
+                assert (ROOT / part).exists(), f"{name} copies {part}, which the repository lacks"
+                assert f"!{part}" in ignored, f".dockerignore leaves {part} out of the build context"
+    for sub in ("kafka", "prometheus"):
+        text = (DOCKER / sub / "Dockerfile").read_text()
+        for src in re.findall(r"^COPY (?!--from)(\S+) ", text, re.M):
+            assert (DOCKER / sub / src).exists(), f"docker/{sub}/Dockerfile copies {src}, which is missing"
 
 
-def test_kafka_is_pinned_to_the_local_kafka_version() -> None:
+def test_kafka_is_built_from_the_local_kafka_jars() -> None:
     pom = (DOCKER / "kafka" / "pom.xml").read_text()
     version = re.search(r"<kafka\.version>([^<]+)</kafka\.version>", pom).group(1)
-    kafka = services()["kafka"]
-    assert kafka["image"] == f"apache/kafka:{version}", "compose and `astraflow kafka up` must run the same Kafka"
     assert version.startswith("4."), "KRaft-only Kafka 4.x"
-    env = kafka["environment"]
-    assert "controller" in env["KAFKA_PROCESS_ROLES"] and "broker" in env["KAFKA_PROCESS_ROLES"]
-    assert env["KAFKA_LOG_DIRS"] in [v.split(":")[1] for v in kafka["volumes"]], "the log dir must be the volume"
-    assert "kafka:9092" in env["KAFKA_ADVERTISED_LISTENERS"]
+    kafka = services()["kafka"]
+    assert kafka["image"] == f"astraflow/kafka:{version}", "the image is tagged with the pom's Kafka version"
+    assert "pom.xml" in (DOCKER / "kafka" / "Dockerfile").read_text(), "the image resolves the pom's jars"
+    entry = (DOCKER / "kafka" / "kafka-entrypoint.sh").read_text()
+    assert "process.roles=broker,controller" in entry
+    data = re.search(r"^DATA=(\S+)", entry, re.M).group(1)
+    assert data in [v.split(":")[1] for v in kafka["volumes"]], "the log dir must be the volume"
+    assert kafka["environment"]["KAFKA_ADVERTISED"] == "kafka:9092"
+    assert kafka["healthcheck"]["test"][-1] == "ready", "health = a metadata request, not an open port"
+
+
+def test_host_ports_are_loopback_only() -> None:
+    for name, svc in services().items():
+        for port in svc.get("ports") or []:
+            assert str(port).startswith("127.0.0.1:"), f"{name}: publish {port} on 127.0.0.1 only"
+
+
+def test_prometheus_scrapes_the_bridge_and_every_node() -> None:
+    svcs = services()
+    prom = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
+    bridge_target = jobs["astraflow"]["static_configs"][0]["targets"][0]
+    host, port = bridge_target.split(":")
+    assert host in svcs and f"--port {port}" in " ".join(argv_of(svcs[host]))
+    dns = jobs["raas"]["dns_sd_configs"][0]
+    assert dns["names"] == ["raas"] and dns["type"] == "A"
+    for node in ("raas", "raas-gpu"):
+        env = svcs[node]["environment"]
+        assert env["ASTRAFLOW_METRICS_PORT"] == str(dns["port"]) and env["ASTRAFLOW_METRICS_ADDR"] == "0.0.0.0"
+    assert any("prometheus.yml" in v for v in svcs["prometheus"]["volumes"])
+
+
+def test_every_role_stops_gracefully_as_a_child_of_init() -> None:
+    for name, svc in services().items():
+        argv = argv_of(svc)
+        if argv[:1] == ["astraflow"] or argv[:2] == ["sh", "-c"]:
+            assert svc.get("init") is True, f"{name}: init: true (Python as PID 1 ignores SIGTERM)"
+        if str(svc.get("restart", "no")) != "no":
+            assert DURATION.match(str(svc.get("stop_grace_period", ""))), f"{name}: no stop_grace_period"
 
 
 def test_roles_profiles_and_scaling() -> None:

@@ -1,0 +1,307 @@
+"""The docker-compose stack for real: built images, every role in its container, scaled, faulted, counted.
+
+`scripts/compose.sh build` (BuildKit caches: seconds once the images were built on this machine),
+then one compose project of its own (unique name, its own host ports) runs the whole pipeline:
+
+1. Kafka and the one-shot topic creation come up first; the test switches curate's dropping
+   filters off on the control topic, so every task must reach the trainer (a counted workload);
+2. the rest comes up; the test waits until the trainer has published 3 versions and the node has
+   applied one (Prometheus, which scrapes the node's own endpoint);
+3. `--scale raas=3`: the two new nodes apply a version too;
+4. one node container is `docker kill`ed mid-work, and `docker-compose restart curate` restarts a
+   stream app;
+5. the curator is paused and the test counts: every task group on the tasks topic reaches the train
+   topic (or the DLQ, with its reason): nothing lost;
+6. Prometheus answers a query for a metric of every role;
+7. `down -v` leaves no container, network or volume of the project.
+
+Needs a Docker engine: `scripts/test.sh` starts one (and stops it if it did). Elsewhere the test
+skips without an engine, unless ASTRAFLOW_REQUIRE_DOCKER=1 (then it fails).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from astraflow.config import KafkaSettings
+from astraflow.errors import SerdeError
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(1800)]
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "compose.sh"
+EXPERIMENT = "ci"
+# Host ports of this test's stack (loopback only), apart from `make compose`'s defaults.
+KAFKA_PORT, METRICS_PORT, PROMETHEUS_PORT = 49192, 49193, 49194
+CURATE_FILTERS = ("filter.zero_variance", "filter.length", "filter.staleness")
+
+
+def _engine_answers() -> bool:
+    for client in ("/usr/bin/docker", "docker"):
+        try:
+            if subprocess.run([client, "info"], capture_output=True, timeout=30).returncode == 0:
+                return True
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+    return False
+
+
+class Stack:
+    """One compose project: `dc(...)` runs docker-compose on it, `query(...)` asks its Prometheus."""
+
+    def __init__(self) -> None:
+        self.project = f"afci{uuid.uuid4().hex[:8]}"
+        self.env = {
+            **os.environ,
+            "AF_PROJECT": self.project,
+            "AF_EXPERIMENT": EXPERIMENT,
+            "AF_KAFKA_HOST_PORT": str(KAFKA_PORT),
+            "AF_METRICS_PORT": str(METRICS_PORT),
+            "AF_PROMETHEUS_PORT": str(PROMETHEUS_PORT),
+            # A small counted workload: groups of 4, single-turn, short answers, a step per 16 samples.
+            "AF_WORKFLOW": "rlvr",
+            "AF_N_SAMPLES": "4",
+            "AF_MAX_AHEAD": "12",
+            "AF_MAX_TOKENS": "16",
+            "AF_MAX_TURNS": "1",
+            "AF_SFT_STEPS": "40",
+            "AF_TRAINER_BATCH": "16",
+            "AF_TRAINER_THREADS": "1",
+        }
+        self.kafka = KafkaSettings(bootstrap_servers=f"127.0.0.1:{KAFKA_PORT}")
+
+    def script(self, *args: str, timeout: float = 3600) -> str:
+        res = subprocess.run(["bash", str(SCRIPT), *args], env=self.env, cwd=ROOT, capture_output=True, text=True,
+                             timeout=timeout)
+        if res.returncode != 0:
+            raise AssertionError(f"scripts/compose.sh {' '.join(args)} failed ({res.returncode}):\n"
+                                 f"{res.stdout[-3000:]}\n{res.stderr[-5000:]}")
+        return res.stdout
+
+    def dc(self, *args: str, timeout: float = 600) -> str:
+        return self.script("compose", *args, timeout=timeout)
+
+    def astraflow(self, *args: str) -> str:
+        """The host's CLI against the stack's Kafka (published on the loopback)."""
+        cmd = [sys.executable, "-m", "astraflow.cli.main", "--set", f"kafka.bootstrap_servers=127.0.0.1:{KAFKA_PORT}", *args]
+        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, f"astraflow {' '.join(args)}: {res.stdout}\n{res.stderr}"
+        return res.stdout
+
+    def containers(self, service: str | None = None, all_: bool = False) -> list[str]:
+        args = ["ps", "-q", *(["-a"] if all_ else []), *([service] if service else [])]
+        return self.dc(*args).split()
+
+    def query(self, promql: str) -> list[dict]:
+        url = f"http://127.0.0.1:{PROMETHEUS_PORT}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            body = json.load(resp)
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+    def wait(self, what: str, check, timeout_s: float, poll_s: float = 5.0):
+        deadline = time.monotonic() + timeout_s
+        last: object = None
+        while time.monotonic() < deadline:
+            try:
+                last = check()
+            except (OSError, ValueError) as exc:  # Prometheus or Kafka not answering yet
+                last = exc
+            if last and not isinstance(last, Exception):
+                return last
+            self.check_no_role_failed()
+            time.sleep(poll_s)
+        raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what} (last: {last!r})\n{self.logs()}")
+
+    def check_no_role_failed(self) -> None:
+        for cid in self.containers(all_=True):
+            out = subprocess.run([_client(), "inspect", "--format",
+                                  "{{.Name}} {{.State.Status}} {{.State.ExitCode}} {{.RestartCount}}", cid],
+                                 capture_output=True, text=True).stdout.split()
+            if len(out) == 4 and out[1] == "exited" and out[2] != "0":
+                raise AssertionError(f"container {out[0]} exited with {out[2]}\n{self.logs()}")
+
+    def logs(self, tail: int = 40) -> str:
+        try:
+            return self.dc("logs", "--no-color", "--tail", str(tail), timeout=120)[-20000:]
+        except AssertionError as exc:
+            return str(exc)
+
+
+@dataclass
+class GroupLedger:
+    """Task groups issued on the tasks topic, and where they went."""
+
+    issued: set[str] = field(default_factory=set)
+    trained: set[str] = field(default_factory=set)  # at least one sample on the train topic
+    dead_lettered: dict[str, str] = field(default_factory=dict)  # group -> the dead letter's error
+    samples_twice: int = 0  # sample ids seen more than once on the train topic
+
+    @property
+    def lost(self) -> set[str]:
+        return self.issued - self.trained - set(self.dead_lettered)
+
+
+def group_ledger(kafka: KafkaSettings, experiment: str, policy: str) -> GroupLedger:
+    """Reads the tasks, train and DLQ topics from their start (read_committed) to their ends."""
+    from astraflow.kafka.topics import Topics
+    from astraflow.serde import AvroSerde
+
+    topics, serde, ledger = Topics(experiment), AvroSerde(), GroupLedger()
+    seen: set[str] = set()
+    for rec in _read_all(kafka, topics.tasks, serde):
+        ledger.issued.add(rec.group_id)
+    for rec in _read_all(kafka, topics.train(policy), serde):
+        ledger.trained.add(rec.group_id)
+        ledger.samples_twice += rec.sample_id in seen
+        seen.add(rec.sample_id)
+    for rec in _read_all(kafka, topics.dlq, serde):
+        try:
+            original = serde.loads(rec.original) if rec.original else None
+        except SerdeError:  # a dead letter of bytes that were never a record: no group to account
+            continue
+        group = getattr(original, "group_id", None)
+        if group:
+            ledger.dead_lettered[group] = f"{rec.component}: {rec.error_class}: {rec.error}"[:200]
+    return ledger
+
+
+def _read_all(kafka: KafkaSettings, topic: str, serde) -> list:
+    from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+    consumer = Consumer({**kafka.client_config(), "group.id": f"docker-test-{uuid.uuid4().hex[:8]}",
+                         "enable.auto.commit": False, "isolation.level": "read_committed",
+                         "enable.partition.eof": True, "auto.offset.reset": "earliest"})
+    try:
+        parts = sorted(consumer.list_topics(topic, timeout=30).topics[topic].partitions)
+        consumer.assign([TopicPartition(topic, p, 0) for p in parts])
+        out, eof = [], set()
+        deadline = time.monotonic() + 60
+        while len(eof) < len(parts) and time.monotonic() < deadline:
+            for msg in consumer.consume(500, 0.5):
+                if msg.error() is not None:
+                    if msg.error().code() == KafkaError._PARTITION_EOF:
+                        eof.add(msg.partition())
+                    continue
+                eof.discard(msg.partition())
+                out.append(serde.loads(msg.value()))
+        assert len(eof) == len(parts), f"could not read {topic} to its end within 60 s"
+        return out
+    finally:
+        consumer.close()
+
+
+def _client() -> str:
+    return "/usr/bin/docker" if Path("/usr/bin/docker").exists() else "docker"
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    if not _engine_answers():
+        if os.environ.get("ASTRAFLOW_REQUIRE_DOCKER") == "1":
+            pytest.fail("no Docker engine answers (scripts/test.sh starts one: bash scripts/compose.sh engine)")
+        pytest.skip("no Docker engine (bash scripts/compose.sh engine starts one)")
+    s = Stack()
+    t0 = time.monotonic()
+    s.script("base")
+    s.script("build")
+    print(f"images built in {time.monotonic() - t0:.0f} s")
+    try:
+        yield s
+    finally:
+        s.dc("down", "-v", "--remove-orphans", "--timeout", "60", timeout=900)
+
+
+def test_stack_scales_survives_kills_and_restarts_and_loses_nothing(stack: Stack) -> None:
+    t0 = time.monotonic()
+    # 1. Kafka and the topics first, then the counted workload's control records.
+    stack.dc("up", "-d", "--no-build", "topics", timeout=600)
+    stack.wait("the topics job", lambda: _exited_ok(stack, "topics"), 300)
+    for slot in CURATE_FILTERS:
+        stack.astraflow("control", "set", "-e", EXPERIMENT, "curate", slot, "none")
+
+    # 2. The whole stack, one node.
+    stack.dc("up", "-d", "--no-build", "--scale", "raas=1", timeout=600)
+    stack.wait("3 versions published", lambda: _max(stack.query(
+        f'astraflow_policy_version{{experiment="{EXPERIMENT}"}}')) >= 3, 900)
+    stack.wait("the node applied a version", lambda: _applied_nodes(stack) >= 1, 300)
+    print(f"stack up, 3 versions, node applied: {time.monotonic() - t0:.0f} s")
+
+    # 3. Three nodes.
+    stack.dc("up", "-d", "--no-build", "--no-recreate", "--scale", "raas=3", timeout=600)
+    assert len(stack.containers("raas")) == 3
+    stack.wait("3 nodes applied a version", lambda: _applied_nodes(stack) >= 3, 600)
+
+    # 4. Faults: kill -9 of a node container, restart of a stream app, while tasks flow.
+    victim = stack.containers("raas")[-1]
+    subprocess.run([_client(), "kill", victim], check=True, capture_output=True)
+    stack.dc("restart", "curate", timeout=300)
+    before = _max(stack.query(f'astraflow_policy_version{{experiment="{EXPERIMENT}"}}'))
+    stack.wait("a version published after the faults", lambda: _max(stack.query(
+        f'astraflow_policy_version{{experiment="{EXPERIMENT}"}}')) > before, 600)
+
+    # 5. Pause the curator, let everything issued drain, count.
+    stack.astraflow("control", "set", "-e", EXPERIMENT, "curator", "pause", "on")
+    time.sleep(5)  # the curator reads the control topic within a second; a task it was writing lands
+
+    def drained():
+        ledger = group_ledger(stack.kafka, EXPERIMENT, "policy")
+        return ledger if not ledger.lost else None
+
+    try:
+        ledger = stack.wait("every issued group trained or dead-lettered", drained, 600, poll_s=10)
+    except AssertionError:
+        ledger = group_ledger(stack.kafka, EXPERIMENT, "policy")
+        raise AssertionError(f"lost groups: {sorted(ledger.lost)[:20]} of {len(ledger.issued)} issued; "
+                             f"dead-lettered: {ledger.dead_lettered}\n{stack.logs()}") from None
+    print(f"issued {len(ledger.issued)} groups, {len(ledger.trained)} reached the train topic, "
+          f"{len(ledger.dead_lettered)} dead-lettered, samples twice on the train topic: {ledger.samples_twice}")
+    assert len(ledger.issued) >= 12 and not ledger.lost
+
+    # 6. A metric of every role in Prometheus (the node endpoints and the bridge).
+    components = {r["metric"].get("component") for r in stack.query('group by (component) ({__name__=~"astraflow_.+"})')}
+    assert {"curator", "reward", "curate", "trainer", "raas"} <= components, components
+    assert stack.query('astraflow_consumer_lag{group=~".*archive.*"}'), "no lag series of the archive's group"
+    assert stack.query('astraflow_topic_end_offset{stream="tasks"} > 0'), "no Kafka topic offsets"
+    assert stack.query('up{job="raas"} == 1'), "Prometheus scrapes no node directly"
+    print(f"docker test body: {time.monotonic() - t0:.0f} s")
+
+
+def test_down_leaves_nothing_behind(stack: Stack) -> None:
+    stack.dc("down", "-v", "--remove-orphans", "--timeout", "60", timeout=900)
+    label = f"label=com.docker.compose.project={stack.project}"
+    for kind in (["ps", "-a", "-q"], ["network", "ls", "-q"], ["volume", "ls", "-q"]):
+        out = subprocess.run([_client(), *kind, "--filter", label], capture_output=True, text=True, check=True).stdout
+        assert not out.strip(), f"docker {' '.join(kind)} after down -v: {out}"
+
+
+def _exited_ok(stack: Stack, service: str) -> bool:
+    ids = stack.containers(service, all_=True)
+    if not ids:
+        return False
+    state = subprocess.run([_client(), "inspect", "--format", "{{.State.Status}} {{.State.ExitCode}}", ids[0]],
+                           capture_output=True, text=True).stdout.split()
+    if state and state[0] == "exited" and state[1] != "0":
+        raise AssertionError(f"{service} failed:\n{stack.logs()}")
+    return state == ["exited", "0"]
+
+
+def _max(result: list[dict]) -> float:
+    return max((float(r["value"][1]) for r in result), default=0.0)
+
+
+def _applied_nodes(stack: Stack) -> int:
+    """Nodes (scraped directly, so only live ones) whose model is at version 1 or later."""
+    return len(stack.query('astraflow_raas_policy_version{job="raas"} >= 1'))
