@@ -16,7 +16,7 @@ LOG4J=/etc/kafka/log4j2.properties
 
 case "${1:-start}" in
   ready)
-    exec java -Xmx64m -XX:TieredStopAtLevel=1 -Dlog4j2.configurationFile="$LOG4J" -Dlog4j2.level=error \
+    exec java -Xmx64m -XX:TieredStopAtLevel=1 -XX:+UseSerialGC -Dlog4j2.configurationFile=/etc/kafka/log4j2-probe.properties \
       -cp "$LIBS/*:/opt/kafka/probe" KafkaReady "localhost:9092" "${2:-5000}" ;;
   start) ;;
   *) exec "$@" ;;
