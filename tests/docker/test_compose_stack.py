@@ -38,7 +38,8 @@ import pytest
 from astraflow.config import KafkaSettings
 from astraflow.errors import SerdeError
 
-pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(1800)]
+# The timeout covers a first build on a fresh machine (about 20 min here) and the test (about 11).
+pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(3600)]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "compose.sh"
