@@ -20,7 +20,7 @@ def demo(
     n_samples: int = typer.Option(8, help="Samples per prompt (group size)."),
     lr: float = typer.Option(3e-4, help="RL learning rate."),
     batch_size: int = typer.Option(64, help="Trainer batch size (samples)."),
-    sft_steps: int = typer.Option(900, help="Warm-start SFT steps."),
+    sft_steps: int | None = typer.Option(None, help="Warm-start SFT steps (default 900; scenarios db/os/code: 300)."),
     scenario: str = typer.Option("arith", help="arith (the calculator agent), or an AgentBench-style environment "
                                  "through the OpenAI endpoint: db (SQL), os (sandboxed shell), code (hidden tests)."),
 ) -> None:
@@ -47,9 +47,10 @@ def demo(
     if scenario != "arith":
         from astraflow.demo.scenarios import ScenarioSettings, run_scenario
 
-        raise typer.Exit(run_scenario(cfg, ScenarioSettings(scenario, minutes=minutes), run_dir, console))
+        steps = {"sft_steps": sft_steps} if sft_steps else {}
+        raise typer.Exit(run_scenario(cfg, ScenarioSettings(scenario, minutes=minutes, **steps), run_dir, console))
     settings = DemoSettings(minutes=minutes, target_success=target, nodes=nodes, n_samples=n_samples, lr=lr,
-                            batch_size=batch_size, sft_steps=sft_steps)
+                            batch_size=batch_size, sft_steps=sft_steps or DemoSettings.sft_steps)
     code = run_demo(cfg, settings, run_dir, console)
     raise typer.Exit(code)
 

@@ -38,7 +38,8 @@ class ScenarioSettings:
     minutes: float = 6.0  # wall-time budget of the learning phase
     n_train: int = 2000  # training prompts
     n_samples: int = 4  # samples per prompt (GRPO group size)
-    sft_steps: int = 400  # warm-start steps
+    sft_steps: int = 300  # warm-start steps (about 2 s each on one free core: sequences of ~200 tokens)
+    sft_batch: int = 16  # warm-start batch
     wrong_fraction: float = 0.4  # share of warm-start demonstrations that end with a wrong answer
     lr: float = 3e-4  # RL learning rate
     batch_size: int = 16  # trainer batch (samples)
@@ -85,7 +86,7 @@ def warm_model(s: ScenarioSettings, console: Console) -> Path:
     from astraflow.models.sft import sft
     from astraflow.models.tiny import init_tiny
 
-    key = hashlib.sha256(json.dumps([s.scenario, s.sft_steps, s.wrong_fraction, s.seed, 1]).encode()).hexdigest()[:10]
+    key = hashlib.sha256(json.dumps([s.scenario, s.sft_steps, s.sft_batch, s.wrong_fraction, s.seed, 1]).encode()).hexdigest()[:10]
     cached = default_home() / "demo-models" / f"{s.scenario}-{key}"
     if (cached / "config.json").exists():
         console.print(f"Reusing the warm-started tiny model in {cached}")
@@ -97,11 +98,11 @@ def warm_model(s: ScenarioSettings, console: Console) -> Path:
     console.print(f"Warm-starting it with {s.sft_steps} SFT steps on {s.scenario} demonstrations "
                   f"({s.wrong_fraction:.0%} of them end with a wrong answer)...")
     def progress(step: int, loss: float) -> None:
-        if (step + 1) % 50 == 0:
+        if (step + 1) % 25 == 0:
             console.print(f"  step {step + 1}/{s.sft_steps}  loss {loss:.3f}")
 
-    m = sft(tmp, demonstrations(s.scenario, 1000, s.wrong_fraction, s.seed), steps=s.sft_steps, seed=s.seed,
-            on_step=progress)
+    m = sft(tmp, demonstrations(s.scenario, 1000, s.wrong_fraction, s.seed), steps=s.sft_steps,
+            batch_size=s.sft_batch, seed=s.seed, on_step=progress)
     console.print(f"  SFT loss {m.first_loss:.2f} -> {m.final_loss:.2f} in {m.seconds:.0f}s")
     tmp.rename(cached)
     return cached

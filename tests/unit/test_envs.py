@@ -149,3 +149,25 @@ def test_env_workflows_refuse_a_bad_reference_with_an_error_trajectory() -> None
     assert os_.status is TrajectoryStatus.ERROR and "inside home" in (os_.error or "")
     nocheck = asyncio.run(run("os_agent", "{}"))
     assert nocheck.status is TrajectoryStatus.ERROR and "needs 'check'" in (nocheck.error or "")
+
+
+def test_scenario_demonstrations_are_in_the_endpoints_chat_format() -> None:
+    from astraflow.demo.scenarios import demonstrations
+    from astraflow.raas.agent_api.protocol import Message
+    from astraflow.raas.agent_api.render import message_text, split_tool_call
+    from astraflow.raas.workflows.envs import SYSTEM
+
+    for scenario, tool in (("db", "sql"), ("os", "bash")):
+        for (prompt, completion), row in zip(demonstrations(scenario, 6, 0.0, 0), env_dataset(scenario, 6, seed=1000),
+                                             strict=True):
+            assert prompt.startswith(message_text(Message("system", SYSTEM)))
+            assert prompt.endswith(message_text(Message("user", prompt.split("\nQ: ", 1)[1][: -len("\nA:")])))
+            call = completion[: completion.index("<result>")]
+            assert split_tool_call(call, {tool: "x"})[1][0][0] == tool
+            ref = json.loads(row["reference"])
+            if scenario == "db":
+                db = GuardedDb(parse_spec(ref["db"]))
+                assert completion.endswith(f"Answer: {db.run_text(ref['query']).splitlines()[0]}")
+                db.close()
+            else:
+                assert completion.endswith(f"Answer: {ref['solution']['answer']}")
