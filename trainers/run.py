@@ -26,8 +26,9 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from astraflow.config import write_resolved
 from astraflow.errors import ConfigError, ModelError
+from astraflow.kafka.acl import role_topics
 from astraflow.kafka.clients import RecordProducer
-from astraflow.kafka.topics import TopicAdmin, Topics, topic_specs
+from astraflow.kafka.topics import TopicAdmin, Topics, create_command
 from astraflow.rl.samples import SampleLimits
 from astraflow.weights.publish import PublishSettings, WeightPublisher
 from astraflow.weights.store import WeightStore
@@ -116,7 +117,9 @@ def run_training(config: TrainRunConfig) -> TrainSummary:
     if not (Path(tc.model_dir) / "config.json").is_file():
         raise ModelError(f"no transformers model in {tc.model_dir}: --model must name a local model directory")
     topics = Topics(config.experiment)
-    TopicAdmin(config.kafka).create(topic_specs(config.experiment, [tc.policy], config.topics), config.topics.replication_factor)
+    # The operator creates the topics (`astraflow topics create`), as for every role.
+    TopicAdmin(config.kafka).require(role_topics("trainer", config.experiment, [tc.policy]),
+                                     create_command(config.experiment, [tc.policy]))
     log_dir = config.log_dir()
     write_resolved(config, log_dir, "trainer-config.json")
     ckpt_dir = config.checkpoint_dir()

@@ -137,6 +137,14 @@ def role_grants(experiment: str, policies: list[str]) -> list[Grant]:
     return out
 
 
+def role_topics(role: str, experiment: str, policies: list[str]) -> list[str]:
+    """The experiment's topics a role reads or writes (its literal topic rows): what it checks
+    exists at start (`TopicAdmin.require`). A trainer's are those of its one policy."""
+    who = principal_of(role, policies[0] if role == "trainer" else None)
+    rows = role_grants(experiment, policies)
+    return list(dict.fromkeys(g.name for g in rows if g.principal == who and g.resource == "TOPIC" and g.pattern == "LITERAL"))
+
+
 def principals(grants: list[Grant]) -> list[str]:
     return sorted({gr.principal for gr in grants})
 

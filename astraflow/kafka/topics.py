@@ -133,6 +133,11 @@ def topic_specs(experiment: str, policies: list[str], settings: TopicSettings) -
     return specs
 
 
+def create_command(experiment: str, policies: list[str]) -> str:
+    """The command line that creates an experiment's topics (for error messages)."""
+    return " ".join(["astraflow topics create -e", experiment, *(f"-p {p}" for p in policies)])
+
+
 class TopicAdmin:
     """Creates, lists and describes topics on any cluster."""
 
@@ -169,6 +174,25 @@ class TopicAdmin:
                 else:
                     raise TopicError(f"cannot create topic {name}: {err}") from exc
         return result
+
+    def require(self, names: list[str], create_cmd: str, wait_s: float = 10.0) -> None:
+        """Raises TopicError naming each of `names` that does not exist (or that this principal
+        may not see), with the command that creates them. Roles never create the experiment's
+        topics: the operator does, once (docs/deploy.md). A topic just created may take a moment
+        to reach every broker's metadata, so missing ones are looked for again for `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            existing = self.list()
+            missing = [n for n in names if n not in existing]
+            if not missing:
+                return
+            if time.monotonic() >= deadline:
+                raise TopicError(
+                    f"topic{'s' if len(missing) > 1 else ''} {', '.join(missing)} not found: the operator creates the "
+                    f"experiment's topics before the roles start: `{create_cmd}` (on a cluster with ACLs, with the "
+                    "operator's credentials; see docs/deploy.md)"
+                )
+            time.sleep(0.5)
 
     def list(self, prefix: str = "", timeout_s: float = 10.0) -> dict[str, int]:
         """Topic name -> partition count, for names starting with `prefix`."""

@@ -8,6 +8,8 @@ import signal
 from typing import Any
 
 from astraflow.config import AstraflowConfig
+from astraflow.kafka.acl import role_topics
+from astraflow.kafka.topics import TopicAdmin, create_command
 from astraflow.raas.backends import create_backend
 from astraflow.raas.node import NodeSettings, RaasNode
 from astraflow.raas.tools import default_tools
@@ -22,6 +24,8 @@ def serve_node(cfg: AstraflowConfig, experiment: str, policies: dict[str, str], 
                seed: int | None = None, tokenizer: str | None = None,
                tool_latency: dict[str, tuple[float, float]] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # The operator creates the topics (`astraflow topics create`); checked before loading any model.
+    TopicAdmin(cfg.kafka).require(role_topics("raas", experiment, list(policies)), create_command(experiment, list(policies)))
     opts: dict[str, Any] = {}
     if backend == "torch":
         opts = {"max_batch": max_batch, "threads": threads, "seed": seed}

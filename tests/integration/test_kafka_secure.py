@@ -1,5 +1,6 @@
 """A secure local Kafka (SASL/SCRAM + ACLs): every role may do what its table row allows, and
 every other attempt is refused by the broker with its authorization error (never a missing topic).
+The real trainer (`run_training`) and its weight publisher run under the trainer's principal.
 
 The test starts its own secure broker (ports `ASTRAFLOW_TEST_PORT_BASE`+20/+21, default 29120).
 """
@@ -21,17 +22,25 @@ from astraflow.config import KafkaSettings, LocalKafkaSettings, TopicSettings
 from astraflow.control import ControlReader
 from astraflow.errors import KafkaLayerError
 from astraflow.kafka.acl import principal_of, principals, role_grants
-from astraflow.kafka.clients import consumer_config, producer_config
+from astraflow.kafka.clients import RecordProducer, consumer_config, producer_config
 from astraflow.kafka.local import LocalKafka
 from astraflow.kafka.secure import CredentialStore, upsert_users
 from astraflow.kafka.topics import TopicAdmin, Topics, topic_specs
+from astraflow.models.tiny import init_tiny, load_tiny
 from astraflow.ops.status import collect_status
+from astraflow.records import DeadLetter
+from astraflow.serde import AvroSerde
 from astraflow.weights.publish import (
     PublishSettings,
     WeightPublisher,
     last_published_version,
     latest_policy_version,
 )
+from trainers.config import TrainRunConfig
+from trainers.run import run_training
+from trainers.synthetic import make_samples
+
+torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # settles TORCHINDUCTOR_CACHE_DIR before the leak guard
 
 pytestmark = pytest.mark.slow
 
@@ -269,3 +278,39 @@ def test_a_trainer_publishes_versions_in_transactions_and_no_other_principal_may
     owner.close()
     latest = latest_policy_version(cluster.as_("raas"), topics, "solver", strict=True)
     assert latest is not None and latest.version == v + 1
+
+
+def test_the_real_trainer_trains_and_publishes_under_its_principal(
+    cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """`run_training` as `trainer-solver`: it checks its topics exist (creating none), dead-letters
+    the probe record of its train topic, trains on curate's samples and publishes under ACLs."""
+    tmp = tmp_path_factory.mktemp("sectrain")
+    model_dir = init_tiny(tmp / "tiny", vocab_size=512, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64)
+    initial, _ = load_tiny(model_dir)
+    curate = RecordProducer(cluster.as_("curate"))
+    for sample in make_samples(initial, prompts=1, group_size=8, policy="solver"):
+        curate.send(Topics(EXP).train("solver"), sample, key=sample.group_id)
+    curate.flush()
+    cfg = TrainRunConfig.model_validate({
+        "experiment": EXP, "run_dir": str(tmp / "runs"), "kafka": cluster.as_(principal_of("trainer", "solver")),
+        "trainer": {"policy": "solver", "model_dir": str(model_dir), "batch_size": 8, "max_wait_s": 0.3,
+                    "stop_when_idle_s": 1.5, "logger": "none", "progress_bar": False},
+    })
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        summary = run_training(cfg)
+    finally:
+        torch.set_num_threads(before)
+    assert summary.steps == 1 and summary.trained_samples == 8
+    latest = latest_policy_version(cluster.as_("raas"), Topics(EXP), "solver", strict=True)
+    assert latest is not None and latest.version == summary.version and latest.trainer_step == 1
+    reader = Consumer(consumer_config(cluster.as_("monitor"), f"af-status-{uuid.uuid4().hex[:8]}", 1 << 20))
+    reader.assign([TopicPartition(Topics(EXP).dlq, 0, 0)])
+    letters = []
+    for m in reader.consume(500, 10.0):
+        if m.error() is None and m.value() != b"probe":
+            letters.append(AvroSerde().loads(m.value(), DeadLetter))
+    reader.close()
+    assert any(d.component == "trainer" and d.topic == Topics(EXP).train("solver") for d in letters), letters

@@ -399,3 +399,26 @@ def test_weights_that_are_not_finite_are_neither_checkpointed_nor_published(
     latest = latest_policy_version(kafka, topics, "policy", strict=True)
     assert latest is not None and latest.version == 0  # the starting weights only
     assert not cfg.trained_log().exists()
+
+
+def test_the_trainer_does_not_create_topics_it_tells_the_operator_to(
+    kafka: KafkaSettings, unique, tmp_path: Path
+) -> None:
+    """Like every role, the trainer expects the operator's `astraflow topics create`; without the
+    topics it stops before loading the model, with that command (and creates nothing)."""
+    from astraflow.errors import TopicError
+    from astraflow.kafka.topics import TopicAdmin
+
+    experiment = unique("notopics")
+    model_dir = tmp_path / "model"  # never loaded: the check comes first
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    cfg = TrainRunConfig.model_validate({
+        "experiment": experiment, "run_dir": str(tmp_path / "runs"), "kafka": kafka.model_dump(),
+        "trainer": {"model_dir": str(model_dir), "max_wait_s": 0.3, "stop_when_idle_s": 1.0, "logger": "none",
+                    "progress_bar": False},
+    })
+    with pytest.raises(TopicError, match=f"`astraflow topics create -e {experiment} -p policy`") as exc:
+        run_training(cfg)
+    assert Topics(experiment).train("policy") in str(exc.value) and Topics(experiment).weights("policy") in str(exc.value)
+    assert TopicAdmin(kafka).list(f"af.{experiment}.") == {}

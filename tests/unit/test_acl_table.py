@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from astraflow.kafka.acl import kafka_acls_commands, principal_of, role_grants
+from astraflow.kafka.acl import kafka_acls_commands, principal_of, role_grants, role_topics
 from astraflow.kafka.topics import Topics
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
@@ -49,3 +49,13 @@ def test_principals_and_commands() -> None:
     cmd = kafka_acls_commands(role_grants("e", ["p"]))
     assert any("--allow-principal User:trainer-p --operation Read --operation Write --topic 'af.e.p.weights'" in c for c in cmd)
     assert any("--transactional-id 'af.e.curate-' --resource-pattern-type prefixed" in c for c in cmd)
+
+
+def test_the_topics_a_role_checks_at_start_are_its_table_rows() -> None:
+    t = Topics("e")
+    assert set(role_topics("trainer", "e", ["a"])) == {
+        t.control, t.dlq, t.metrics, t.train("a"), t.weights("a"), t.policies
+    }  # not another policy's, not the topics it never touches
+    assert set(role_topics("raas", "e", ["a", "b"])) == {
+        t.control, t.dlq, t.metrics, t.tasks, t.rollouts, t.policies, t.weights("a"), t.weights("b")
+    }
