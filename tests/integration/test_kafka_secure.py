@@ -295,7 +295,7 @@ def test_the_real_trainer_trains_and_publishes_under_its_principal(
     cfg = TrainRunConfig.model_validate({
         "experiment": EXP, "run_dir": str(tmp / "runs"), "kafka": cluster.as_(principal_of("trainer", "solver")),
         "trainer": {"policy": "solver", "model_dir": str(model_dir), "batch_size": 8, "max_wait_s": 0.3,
-                    "stop_when_idle_s": 1.5, "logger": "none", "progress_bar": False},
+                    "max_steps": 1, "stop_when_idle_s": 120, "logger": "none", "progress_bar": False},
     })
     before = torch.get_num_threads()
     torch.set_num_threads(1)
