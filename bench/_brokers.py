@@ -26,7 +26,8 @@ class Brokers:
     """`count` local KRaft nodes; node i listens on port + 2(i-1), its controller one above."""
 
     def __init__(self, data_dir: Path, port: int, count: int = 1) -> None:
-        self.kafka = LocalKafka(LocalKafkaSettings(data_dir=data_dir, port=port, controller_port=port + 1, brokers=count))
+        self.kafka = LocalKafka(LocalKafkaSettings(data_dir=data_dir, port=port, controller_port=port + 1, brokers=count,
+                                                   start_timeout_s=300.0))  # a loaded machine restarts slowly
         self.count = count
         self.replication_factor = 3 if count >= 3 else 1
         self.min_insync_replicas = 2 if count >= 3 else None
