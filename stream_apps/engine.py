@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from astraflow.config import TopicSettings
 from astraflow.errors import AstraflowError, KafkaLayerError, RecordTooLargeError, SerdeError
 from astraflow.kafka.offsets import OffsetTracker
 from astraflow.records import DeadLetter
@@ -81,6 +82,7 @@ class EngineSettings:
     data_dir: Path | None = None  # Faust's datadir; default a fresh temporary folder
     faust_overrides: dict[str, Any] = field(default_factory=dict)  # extra faust.App settings
     source_partitions: int | None = None  # partitions of the source topic; None: asked from Kafka
+    topics: TopicSettings = field(default_factory=TopicSettings)  # replication / min ISR of its changelogs
 
 
 @dataclass(slots=True)

@@ -14,6 +14,10 @@ Settings chosen for AstraFlow (and why):
   ~10 s); a produce or a transaction that fails after those timeouts crashes the app and
   `StreamEngine.run` rebuilds it every `restart_delay_s` until the broker is back, so the
   process never exits on its own.
+* Changelog topics are as durable as the experiment's topics: `declare_changelogs` creates them
+  before Faust would, with `topics.replication_factor` (unset: the cluster's
+  `default.replication.factor`, which Faust cannot ask for: it would use 1) and
+  `topics.min_insync_replicas`; Faust then finds them and creates nothing.
 * `producer_max_request_size` / `consumer_max_fetch_size` follow the serde's record limit,
   `producer_max_batch_size` is 1 MiB (aiokafka's 16 KiB default sends a 4,096-token
   trajectory alone in its request);
@@ -75,6 +79,28 @@ def source_partitions(kafka: KafkaSettings, topic: str, wait_s: float = 10.0) ->
     return found
 
 
+def declare_changelogs(engine: StreamEngine, partitions: int) -> dict[str, str]:
+    """Creates the changelog topics of the engine's tables (if missing) with the experiment's
+    replication and min ISR; returns topic -> 'created' | 'exists'."""
+    from mode.utils.times import want_seconds
+
+    from astraflow.kafka.topics import TopicAdmin, TopicSpec
+
+    topics = engine.settings.topics
+    specs = []
+    for table in engine.tables.values():
+        changelog = table.changelog_topic
+        on = (("compact", changelog.compacting), ("delete", changelog.deleting))
+        config = {"cleanup.policy": ",".join(p for p, yes in on if yes) or "delete",
+                  **{k: str(v) for k, v in (changelog.config or {}).items()}}
+        if changelog.retention is not None:
+            config["retention.ms"] = str(int(want_seconds(changelog.retention) * 1000))
+        if topics.min_insync_replicas is not None:
+            config["min.insync.replicas"] = str(topics.min_insync_replicas)
+        specs.extend(TopicSpec(name, partitions, config) for name in changelog.topics)
+    return TopicAdmin(engine.kafka).create(specs, topics.replication_factor) if specs else {}
+
+
 def build_app(engine: StreamEngine) -> faust.App:
     """A Faust app running `engine.handler` (call inside the event loop that will run it)."""
     import faust
@@ -96,6 +122,8 @@ def build_app(engine: StreamEngine) -> faust.App:
         topic_disable_leader=True,
         topic_partitions=partitions,
         table_standby_replicas=0,
+        # Anything Faust still creates itself gets the configured factor (1 when unset).
+        topic_replication_factor=s.topics.replication_factor or 1,
         consumer_auto_offset_reset="earliest",
         broker_commit_interval=s.commit_interval_s,
         broker_session_timeout=10.0,
@@ -123,6 +151,7 @@ def build_app(engine: StreamEngine) -> faust.App:
         engine.tables[name] = app.tables.add(TxTable(  # bytes keys and values: Faust's "raw" codec
             app, name=name, partitions=partitions, key_type=bytes, value_type=bytes, help=f"{engine.handler.name} state: {name}",
         ))
+    declare_changelogs(engine, partitions)
     if engine.source:
         topic = app.topic(engine.source, key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
 

@@ -38,7 +38,8 @@ def build_from_env(env: dict[str, str] | None = None) -> StreamEngine:
     if not experiment:
         raise ConfigError("set ASTRAFLOW_EXPERIMENT (and ASTRAFLOW_APP or ASTRAFLOW_PROCESSOR) for faust -A stream_apps.faust_worker")
     cfg = load_config(env.get("ASTRAFLOW_CONFIG"), [])
-    settings = EngineSettings(experiment, cfg.kafka, guarantee=env.get("ASTRAFLOW_GUARANTEE", "exactly_once"))  # type: ignore[arg-type]
+    settings = EngineSettings(experiment, cfg.kafka, guarantee=env.get("ASTRAFLOW_GUARANTEE", "exactly_once"),  # type: ignore[arg-type]
+                              topics=cfg.topics)
     if env.get("ASTRAFLOW_PROCESSOR"):
         return build_processor_worker(env["ASTRAFLOW_PROCESSOR"], settings)
     name = env.get("ASTRAFLOW_APP", "")

@@ -40,7 +40,8 @@ def _settings(ctx: typer.Context, experiment: str, group: str | None, instance_i
         raise ConfigError(f"--guarantee must be exactly_once or at_least_once, got {guarantee!r}")
     cfg = load(ctx)
     return EngineSettings(experiment, cfg.kafka, group_id=group, instance_id=instance_id, max_inflight=max_inflight,
-                          metrics_interval_s=metrics_interval, guarantee=guarantee)  # type: ignore[arg-type]
+                          metrics_interval_s=metrics_interval, guarantee=guarantee,  # type: ignore[arg-type]
+                          topics=cfg.topics)
 
 
 def _logging(level: str) -> None:

@@ -73,6 +73,35 @@ def test_three_nodes_report_and_experiment_topics_get_rf3_isr2(cluster: LocalKaf
     assert all(len(p.replicas) == 3 for p in md.topics["__consumer_offsets"].partitions.values())
 
 
+def test_stream_app_changelogs_are_as_durable_as_the_experiments_topics(cluster: LocalKafka, unique) -> None:
+    """Curate's changelog topics follow `topics.*` like the experiment's own: unset replication
+    factor = the cluster's default (3 here, where Faust alone would create them with 1)."""
+    import asyncio
+
+    from stream_apps.engine import EngineSettings
+    from stream_apps.faust_app import build_app
+    from stream_apps.launch import AppOptions, build_worker
+
+    kafka = cluster.admin_settings()
+    admin = TopicAdmin(kafka)
+    exp, settings = unique("exp"), TopicSettings(partitions=2, min_insync_replicas=2)
+    admin.create(topic_specs(exp, ["solver"], settings), settings.replication_factor)
+    metadata_with(admin, [f"af.{exp}.scored"])
+    engine = build_worker("curate", EngineSettings(exp, kafka, topics=settings), AppOptions(policies=["solver"]))
+
+    async def build() -> None:
+        build_app(engine)  # declares the changelogs, as a starting worker does
+
+    asyncio.run(build())
+    names = [f"af.{exp}.curate-{table}-changelog" for table in ("groups", "members", "emitted")]
+    md = metadata_with(admin, names)
+    for name in names:
+        assert len(md.topics[name].partitions) == 2, name
+        assert all(len(p.replicas) == 3 for p in md.topics[name].partitions.values()), name
+    described = admin.describe(names)
+    assert {(c["min.insync.replicas"], c["cleanup.policy"]) for c in described.values()} == {("2", "compact")}
+
+
 def metadata_with(admin: TopicAdmin, names: list[str]):
     """Cluster metadata once every broker we ask knows the new topics (creation propagates)."""
     deadline = time.monotonic() + 30
