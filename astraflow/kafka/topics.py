@@ -6,6 +6,7 @@ partitions each topic gets and its configs (compaction, retention, message size)
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from astraflow.config import KafkaSettings, TopicSettings
 from astraflow.errors import ConfigError, TopicError
+
+log = logging.getLogger("astraflow.kafka")
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 
@@ -179,10 +182,17 @@ class TopicAdmin:
         """Raises TopicError naming each of `names` that does not exist (or that this principal
         may not see), with the command that creates them. Roles never create the experiment's
         topics: the operator does, once (docs/deploy.md). A topic just created may take a moment
-        to reach every broker's metadata, so missing ones are looked for again for `wait_s`."""
-        deadline = time.monotonic() + wait_s
+        to reach every broker's metadata, so missing ones are looked for again for `wait_s`. An
+        unreachable cluster is waited for (a role started during an outage starts after it)."""
+        deadline, away = time.monotonic() + wait_s, 0.0
         while True:
-            existing = self.list()
+            try:
+                existing = self.list()
+            except TopicError as exc:
+                away += 10.0
+                log.warning("waiting for Kafka to check topics %s (%.0f s): %s", ", ".join(names), away, exc)
+                deadline = time.monotonic() + wait_s
+                continue
             missing = [n for n in names if n not in existing]
             if not missing:
                 return

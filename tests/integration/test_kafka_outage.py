@@ -116,3 +116,29 @@ def test_a_broker_outage_loses_nothing_with_our_settings(broker: LocalKafka, uni
     again = Consumer(consumer_config(kafka, group, 1 << 20))
     assert again.committed([TopicPartition(topic, 0)], timeout=10)[0].offset == first[-1].offset() + 1
     again.close()
+
+
+def test_a_role_started_during_an_outage_checks_its_topics_once_the_broker_is_back(broker: LocalKafka, unique) -> None:
+    """The start-up topic check (`TopicAdmin.require`, trainer and RaaS nodes) waits for an
+    unreachable cluster instead of exiting, then finds the topics."""
+    kafka = KafkaSettings(bootstrap_servers=broker.bootstrap)
+    topic = unique("needed")
+    admin = TopicAdmin(kafka)
+    admin.create([TopicSpec(topic, 1)])
+    broker.kill(1)
+    outcome: list[BaseException | None] = []
+
+    def check() -> None:
+        try:
+            TopicAdmin(kafka).require([topic], "astraflow topics create -e x", wait_s=2.0)
+            outcome.append(None)
+        except BaseException as exc:  # reported by the assertions below
+            outcome.append(exc)
+
+    checker = threading.Thread(target=check)
+    checker.start()
+    checker.join(25)  # several failed metadata requests: it must still be waiting, not failed
+    assert outcome == []
+    broker.start(1, echo=lambda *_: None)
+    checker.join(120)
+    assert outcome == [None]
