@@ -171,3 +171,21 @@ def test_scenario_demonstrations_are_in_the_endpoints_chat_format() -> None:
                 db.close()
             else:
                 assert completion.endswith(f"Answer: {ref['solution']['answer']}")
+
+
+def test_policy_sequences_split_at_prompts_and_keep_policies_apart() -> None:
+    from astraflow.dataflow.sequences import policy_sequences, sequence_sample_id
+    from astraflow.records import Segment
+
+    def seg(policy: str, role: str) -> Segment:
+        return Segment.context(policy, role, [1, 2], role) if role != "assistant" else Segment(
+            policy, role, [3], [-0.1], [1], [0], role)
+
+    t = _traj({}, "x")
+    t.segments = [seg("a", "prompt"), seg("a", "assistant"), seg("b", "prompt"), seg("b", "assistant"),
+                  seg("a", "tool"), seg("a", "assistant"), seg("a", "prompt"), seg("a", "assistant")]
+    a, b = policy_sequences(t, "a"), policy_sequences(t, "b")
+    assert [[s.role for s in q] for q in a] == [["prompt", "assistant", "tool", "assistant"], ["prompt", "assistant"]]
+    assert [[s.role for s in q] for q in b] == [["prompt", "assistant"]]
+    ids = {sequence_sample_id(t.trajectory_id, p, i) for p, qs in (("a", a), ("b", b)) for i in range(len(qs))}
+    assert ids == {"t/0#a", "t/0#a#1", "t/0#b"}
