@@ -8,6 +8,7 @@ outlives broker outages. `start_thread()` runs the same in a thread (tests, benc
 from __future__ import annotations
 
 import asyncio
+import shutil
 import signal
 import tempfile
 import threading
@@ -83,6 +84,7 @@ class EngineLifecycle:
         self._gates, self._tasks, self._dirty = {}, set(), set()
         self._seen_record = False
         app = self.build()
+        own_dir = self.settings.data_dir is None
         data_dir = self.settings.data_dir or Path(tempfile.mkdtemp(prefix=f"faust-{self.handler.name}-"))
         app.conf.datadir = str(data_dir)
         app.in_worker = True  # what faust.Worker sets; Faust enables transactions only in a worker
@@ -101,6 +103,8 @@ class EngineLifecycle:
             self.log.exception("%s worker failed", self.handler.name)
         finally:
             await self._shutdown()
+            if own_dir:  # tables live in memory: nothing there outlives the app
+                shutil.rmtree(data_dir, ignore_errors=True)
 
     def _bind(self) -> None:
         """Reads the control topic and binds the handler, once per engine (the app may be rebuilt)."""
