@@ -13,7 +13,11 @@ For every group (records keyed by `group_id`, so a group lives on one partition)
    updated (`update_prompt_stats`: pass rate, EWMA, zero-variance streak, ...) and published
    to `feedback` keyed `<policy>/<prompt_id>` — for every group, whatever the filters keep,
    since curators choose prompts by how they went.
-3. **Dedupe** (slot `filter.dedupe`): redelivered trajectories are dropped.
+3. **Dedupe** (slot `filter.dedupe`, off by default): the groups table already drops a
+   redelivered trajectory (`duplicate_in_group`, `late_trajectory`), exactly-once; the `dedupe`
+   strategy's memory of ids is not transactional, so after an aborted transaction it would drop
+   the members of a group emitted again (a split group). Set it to `dedupe` only for inputs
+   that repeat ids across groups.
 4. **Per policy**: one TrainSample per trajectory (`stream_apps.groups.train_sample`), then
    **advantages** (slot `advantage`, default `grpo`) over ALL of that policy's samples of the
    group, and only then the filters mask samples out (DAPO-style: a filtered member does not
@@ -72,7 +76,7 @@ from stream_apps.slots import Slot, SlotDefault
 log = logging.getLogger("astraflow.stream.curate")
 
 DEFAULTS: dict[str, SlotDefault] = {
-    "filter.dedupe": SlotDefault("dedupe"),
+    "filter.dedupe": SlotDefault("none"),  # the tables dedupe, transactionally (module doc, 3.)
     "filter.length": SlotDefault("length"),
     "filter.staleness": SlotDefault("staleness", {"max_staleness": 8}),
     "filter.zero_variance": SlotDefault("zero_variance"),
