@@ -86,6 +86,9 @@ class OffsetReader:
                 out[(tp.topic, tp.partition)] = fut.result(timeout=self.timeout_s).offset
         except KafkaException as exc:
             raise KafkaLayerError(f"cannot list offsets: {exc}") from exc
+        except TimeoutError as exc:  # the future's own wait: a broker restarting, a leader moving
+            raise KafkaLayerError(f"cannot list offsets: no answer within {self.timeout_s:.0f} s "
+                                  f"(is Kafka at {self.kafka.bootstrap_servers} up?)") from exc
         return out
 
     def partition_offsets(self, topics: dict[str, int], window_s: float) -> dict[TP, PartitionOffsets]:
