@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     log = work / "runs" / exp / "policy" / "trained-samples.jsonl"
     sets = [f"kafka.bootstrap_servers={broker.bootstrap}", f"run_dir={work / 'runs'}", "topics.partitions=2",
             "trainer.batch_size=4", "trainer.max_wait_s=0.5", "trainer.stop_when_idle_s=60",
+            "trainer.max_staleness=null",  # the synthetic samples all claim version 0
             "trainer.logger=none", "trainer.progress_bar=false"]
     cmd = [sys.executable, "-m", "astraflow.cli.main", "train", "-e", exp, "-p", "policy", "-m", str(model)]
     for s in sets:

@@ -64,7 +64,9 @@ def _train(kafka: KafkaSettings, experiment: str, model: Path, run_dir: Path, cr
         f"kafka.bootstrap_servers={kafka.bootstrap_servers}", f"run_dir={run_dir}", "topics.partitions=2",
         "trainer.batch_size=4", "trainer.max_wait_s=0.2", "trainer.publish_every_steps=2",
         "trainer.checkpoint_every_steps=3", "trainer.snapshot_every_versions=3", "trainer.logger=none",
-        "trainer.progress_bar=false", "trainer.lr=1e-4", *extra,
+        "trainer.progress_bar=false", "trainer.lr=1e-4",
+        "trainer.max_staleness=null",  # every synthetic sample claims version 0, trained up to version 12
+        *extra,
     ]
     cmd = [sys.executable, "-m", "astraflow.cli.main", "train", "-e", experiment, "-p", "policy", "-m", str(model)]
     for s in sets:

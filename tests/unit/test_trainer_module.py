@@ -147,3 +147,15 @@ def test_docs_example_config_parses(tmp_path: Path) -> None:
     cfg = load_config(path, [], env={}, model=TrainRunConfig)
     assert cfg.trainer == TrainRunConfig.model_validate(yaml.safe_load(block.group(1))).trainer
     assert cfg.trainer.publish_every_steps >= 1
+
+
+def test_dr_grpo_loss_of_a_sample_does_not_depend_on_its_batch_padding(tiny: Path) -> None:
+    """seq_mean_token_sum_norm divides by a constant (max_seq_len by default), so the loss of a
+    batch is the mean of its samples' losses, whatever the longest sample padded them to."""
+    module = PolicyTrainer(tiny, LossSettings(aggregation="seq_mean_token_sum_norm"), max_seq_len=64)
+    assert module.loss_config.max_tokens == 64
+    short, long = _sample(5, 3, 1.0), _sample(12, 4, -1.0)
+    with torch.no_grad():
+        alone = [module.compute_loss(collate([s]))[0].item() for s in (short, long)]
+        together = module.compute_loss(collate([short, long]))[0].item()
+    assert together == pytest.approx(sum(alone) / 2, rel=1e-5)
