@@ -135,6 +135,7 @@ class PolicyTrainer(L.LightningModule):
             with torch.no_grad():
                 ref_logits = self._ref[0](input_ids=ids, attention_mask=attn, use_cache=False).logits
                 ref_logprobs = sequence_logprobs(ref_logits, ids, temps)
+        lags = self.token_lags(batch)
         out = policy_loss(
             logprobs,
             batch["behaviour_logprobs"],
@@ -143,13 +144,17 @@ class PolicyTrainer(L.LightningModule):
             self.loss_config,
             ref_logprobs=ref_logprobs,
             entropy=ent,
-            token_lags=self.token_lags(batch),
+            token_lags=lags,
         )
         metrics = dict(out.metrics)
         metrics["reward"] = batch["rewards"].float().mean().item()
         metrics["advantage_abs"] = batch["advantages"].abs().mean().item()
         metrics["samples"] = float(ids.shape[0])
         metrics["seq_len"] = float(attn.sum(dim=1).float().mean().item())
+        if lags is not None and bool(mask.any()):  # per token: a sample's tokens may span versions
+            token_lags = lags[mask.bool()].float()
+            metrics["token_staleness_mean"] = token_lags.mean().item()
+            metrics["token_staleness_max"] = token_lags.max().item()
         return out.loss, metrics
 
     def token_lags(self, batch: dict[str, Any]) -> torch.Tensor | None:

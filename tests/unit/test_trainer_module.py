@@ -104,6 +104,7 @@ def test_loss_options_report_their_metrics(tiny: Path, loss: LossSettings) -> No
         assert np.isfinite(metrics[key]), key
     assert metrics["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before any step
     assert ("is_truncated_frac" in metrics) == (loss.mode == "decoupled")
+    assert metrics["token_staleness_mean"] == 0.0 and metrics["token_staleness_max"] == 0.0  # version-0 samples, trainer at 0
     for key in ("is_weight_mean", "is_weight_std", "log_mu_pi_mean", "log_mu_pi_std", "log_mu_pi_max"):
         assert np.isfinite(metrics[key]), key  # the spread of the IS weights and of log mu - log pi, every batch
 
