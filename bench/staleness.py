@@ -99,7 +99,7 @@ def table(rows: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, Any]]]:
     sync_sps = mean_sem([r["samples_per_s"] for r in rows if r["setting"] == "sync"])[0]
     lines = [f"equal wall time = {t_equal:.1f}s (the fastest run)",
              f"{'setting':<22} {'seeds':>5} {'samples/s':>9} {'x sync':>6} {'staleness mean/max':>18} "
-             f"{'success @ equal samples':>24} {'success @ equal time':>21} {'IS-w std':>8} {'clip':>5}"]
+             f"{'success @ equal samples':>24} {'success @ equal time':>21} {'IS-w std':>8} {'clip/mask':>9}"]
     out = []
     for name in settings:
         rs = [r for r in rows if r["setting"] == name]
@@ -116,7 +116,7 @@ def table(rows: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, Any]]]:
         out.append(fig)
         lines.append(f"{name:<22} {len(rs):>5} {sps:>9.1f} {fig['x_sync'] or 0:>5.2f}x {stale:>11.2f} / {smax:<4.0f} "
                      f"{final[0]:>15.3f} ± {final[1]:.3f} {timed[0]:>12.3f} ± {timed[1]:.3f} "
-                     f"{np.mean(isw) if isw else 0:>8.3f} {np.mean(clip) if clip else 0:>5.3f}")
+                     f"{np.mean(isw) if isw else 0:>8.3f} {np.mean(clip) if clip else 0:>9.3f}")
     return lines, out
 
 
