@@ -49,7 +49,7 @@ class Brokers:
         """Starts every node that is not running; returns once all answer."""
         self._retried(lambda: self.kafka.up(echo=_QUIET))
 
-    def _retried(self, start: Callable[[], object], timeout_s: float = 120.0) -> None:
+    def _retried(self, start: Callable[[], object], timeout_s: float = 600.0) -> None:
         """`start()`, again while a port is taken: while a node is down its clients keep connecting
         to its ports; when those lie in the ephemeral range (39000 does) a connect may take one as
         its own source port for a moment (a TCP self-connect), before the port check or after it,
