@@ -21,7 +21,7 @@ So each phase's tasks are counted against that phase's faults:
 
 * `kill-<role>`: kill -9 of the role's process group, `--kills` times (nodes: each node);
 * `broker-restart`: kill -9 of the broker, started again at once on the same data;
-* `broker-outage`: the broker killed (or SIGSTOPped, `--outage-mode stop`) for `--outage-s`;
+* `broker-outage`: every broker SIGSTOPped (or killed, `--outage-mode kill`) for `--outage-s`;
   every role must survive it without exiting;
 * `rebalance`: a second curate and reward worker and a third node join mid-phase and leave
   (SIGTERM) later: two rebalances of each group.
@@ -361,8 +361,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--phase-s", type=float, default=None, help="length of a phase before its drain (90; quick 60)")
     ap.add_argument("--kills", type=int, default=3, help="kills of each role per kill phase")
     ap.add_argument("--outage-s", type=float, default=300.0, help="broker outage length")
-    ap.add_argument("--outage-mode", choices=("kill", "stop"), default="kill",
-                    help="kill: kill -9, restarted after the outage; stop: SIGSTOP, SIGCONT after it")
+    ap.add_argument("--outage-mode", choices=("kill", "stop"), default="stop",
+                    help="stop: SIGSTOP, SIGCONT after it (the broker hangs, its ports stay bound); kill: kill -9, "
+                         "restarted after it (on ports in the ephemeral range, clients' self-connects may hold them)")
     ap.add_argument("--one-down-s", type=float, default=60.0, help="how long one broker of three stays down")
     ap.add_argument("--rebalance-hold-s", type=float, default=40.0, help="how long the extra workers stay")
     ap.add_argument("--busy-timeout-s", type=float, default=120.0,
