@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import sys
 import time
@@ -65,7 +66,9 @@ def warm_model(settings: DemoSettings, console: Console) -> Path:
     if (cached / "config.json").exists():
         console.print(f"Reusing the warm-started tiny model in {cached}")
         return cached
-    tmp = cached.with_suffix(".tmp")
+    # A build directory of this process alone: two demos started at once must not build into the
+    # same directory (the second one's rmtree would cut the first one's model in half).
+    tmp = cached.with_name(f"{cached.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     console.print("Building a tiny Qwen2 model with a locally trained tokenizer...")
     init_tiny(tmp, seed=settings.seed)
@@ -74,7 +77,10 @@ def warm_model(settings: DemoSettings, console: Console) -> Path:
     m = warm_start(tmp, steps=settings.sft_steps, difficulty=settings.difficulty, seed=settings.seed,
                    tool_fraction=settings.tool_fraction)
     console.print(f"  SFT loss {m.first_loss:.2f} -> {m.final_loss:.2f} in {m.seconds:.0f}s")
-    tmp.rename(cached)
+    try:
+        tmp.rename(cached)
+    except OSError:  # another process cached the same model first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
     return cached
 
 

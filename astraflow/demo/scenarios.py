@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import shutil
 import time
@@ -91,7 +92,9 @@ def warm_model(s: ScenarioSettings, console: Console) -> Path:
     if (cached / "config.json").exists():
         console.print(f"Reusing the warm-started tiny model in {cached}")
         return cached
-    tmp = cached.with_suffix(".tmp")
+    # A build directory of this process alone: two demos started at once must not build into the
+    # same directory (the second one's rmtree would cut the first one's model in half).
+    tmp = cached.with_name(f"{cached.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     console.print("Building a tiny Qwen2 model with a locally trained tokenizer...")
     init_tiny(tmp, seed=s.seed)
@@ -104,7 +107,10 @@ def warm_model(s: ScenarioSettings, console: Console) -> Path:
     m = sft(tmp, demonstrations(s.scenario, 1000, s.wrong_fraction, s.seed), steps=s.sft_steps,
             batch_size=s.sft_batch, seed=s.seed, on_step=progress)
     console.print(f"  SFT loss {m.first_loss:.2f} -> {m.final_loss:.2f} in {m.seconds:.0f}s")
-    tmp.rename(cached)
+    try:
+        tmp.rename(cached)
+    except OSError:  # another process cached the same model first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
     return cached
 
 
