@@ -204,7 +204,9 @@ def test_code_rewards_run_concurrently_in_the_sandbox_without_blocking(kafka: Ka
     assert all(t.lineage[-1].name == "code_tests" for t in scored)
     hung = [t for t in scored if t.final_answer and "while True" in t.final_answer]
     # Ended by a limit: the wall-clock timeout or the CPU limit, whichever a loaded machine hits first.
-    assert hung and all(t.reward_components["killed"] == 1.0 and t.reward_components["reported"] == 0.0 for t in hung)
+    # On an idle machine the solution's own sandbox hits its CPU limit first and the tests report
+    # its end (reported=1); on a loaded one the wall-clock timeout kills the run (killed=1).
+    assert hung and all(t.reward == 0.0 for t in hung)  # which component records the end depends on which limit came first
     assert worker.stats.inflight_peak > 1  # sandbox runs overlapped instead of queueing one by one
 
 
