@@ -18,13 +18,15 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from astraflow.errors import ConfigError
-from astraflow.sandbox.settings import SandboxSettings
 from astraflow.secrets import install_log_redaction, redact_tree, register_secret
 
 ENV_PREFIX = "ASTRAFLOW__"
 
 
-class _Frozen(BaseModel):
+class FrozenSettings(BaseModel):
+    """Base of every settings section: immutable, and an unknown field is an error (a typo in a
+    config file fails loudly instead of being ignored)."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
@@ -33,7 +35,7 @@ def default_home() -> Path:
     return Path(os.environ.get("ASTRAFLOW_HOME", Path.home() / ".cache" / "astraflow"))
 
 
-class KafkaSettings(_Frozen):
+class KafkaSettings(FrozenSettings):
     """How to reach a Kafka cluster: the local one by default, or any external cluster."""
 
     bootstrap_servers: str = "127.0.0.1:19092"
@@ -56,6 +58,19 @@ class KafkaSettings(_Frozen):
     """Confluent Schema Registry; when unset, records use Avro single-object encoding."""
     client_extra: dict[str, str] = Field(default_factory=dict)
     """Extra librdkafka properties passed verbatim to every client."""
+    group_session_timeout_s: float = Field(default=6.0, ge=1.0, le=1800.0)
+    """How long a consumer group waits for a member that stopped heartbeating (kill -9, a frozen
+    host, a cut link) before it gives that member's partitions to the others: about the longest
+    a task waits after its node dies. Members heartbeat every `min(1 s, this / 3)` from a
+    background thread, so a busy event loop does not count against it. Shorter moves work sooner
+    but expels a member that is silent that long; the broker's `group.min.session.timeout.ms`
+    (6 s by default) bounds it from below (RaaS nodes and stream apps; the trainer assigns its
+    partitions and has no group session)."""
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """Group heartbeat period: a third of the session, at most 1 s."""
+        return min(1.0, self.group_session_timeout_s / 3)
 
     @model_validator(mode="after")
     def _check_sasl(self) -> KafkaSettings:
@@ -87,7 +102,7 @@ class KafkaSettings(_Frozen):
         return conf
 
 
-class LocalKafkaSettings(_Frozen):
+class LocalKafkaSettings(FrozenSettings):
     """The Apache Kafka (KRaft) that `astraflow kafka up` runs on this machine: one node or several."""
 
     data_dir: Path = Field(default_factory=lambda: default_home() / "kafka")
@@ -104,13 +119,41 @@ class LocalKafkaSettings(_Frozen):
     min.insync.replicas 2 (topics and the offsets / transaction-state topics): one node may die."""
     secure: bool = False
     """SASL/SCRAM-SHA-512 on the client listener and ACLs (StandardAuthorizer): see docs/deploy.md."""
+    wan_proxy_port: int | None = None
+    """Region B (docs/deploy.md, "Across regions"): node i also advertises a second listener at
+    `wan_proxy_port + 2*(i-1)` on 127.0.0.1, where `astraflow wan up` runs a proxy with the WAN's
+    latency and bandwidth; the broker itself listens for it on `wan_port` (+2*(i-1)). Clients
+    bootstrapped at the proxy get only proxy addresses back, so they never bypass it. Unset: no
+    second listener."""
+    wan_port: int | None = None
+    """The broker's own port behind the WAN proxy (default: `wan_proxy_port + 1`)."""
     heap_mb: int = 512
     """JVM heap per node; small machines are fine with 512 (three nodes: 1.5 GiB in all)."""
     start_timeout_s: float = 90.0
     """How long `up` waits for the broker to answer metadata requests."""
 
 
-class TopicSettings(_Frozen):
+class WanSettings(FrozenSettings):
+    """The simulated WAN link of `astraflow wan up` (Toxiproxy) between region B and the local Kafka."""
+
+    data_dir: Path = Field(default_factory=lambda: default_home() / "wan")
+    """The proxy's pid file and log."""
+    bin_dir: Path = Field(default_factory=lambda: default_home() / "toxiproxy")
+    """Where the Toxiproxy server binary is built (`go install`, once) and kept."""
+    version: str = "2.5.0"
+    """Toxiproxy release built from the Go module proxy."""
+    api_port: int = 18474
+    """Toxiproxy's HTTP API on 127.0.0.1."""
+    latency_ms: int = Field(150, ge=0)
+    """Added each way: the round trip gets twice this (150: the 300 ms RTT between continents)."""
+    jitter_ms: int = Field(0, ge=0)
+    """Random +- on each way's latency."""
+    rate_kb_s: int = Field(256, ge=1)
+    """Bandwidth cap per connection and direction, KB/s. Scale it to the model: 256 KB/s moves the
+    tiny model's 0.8 MB bf16 snapshot in about 3 s, as 4 Gbit/s moves a 7B model's in about 30 s."""
+
+
+class TopicSettings(FrozenSettings):
     """Partitions and retention of an experiment's topics."""
 
     partitions: int = 4
@@ -143,7 +186,7 @@ class TopicSettings(_Frozen):
         return self
 
 
-class RaasSettings(_Frozen):
+class RaasSettings(FrozenSettings):
     """What a RaaS node accepts from the tasks topic, and how long one rollout may run.
 
     Every Task is checked against these limits before any work; a task outside them goes to
@@ -156,6 +199,16 @@ class RaasSettings(_Frozen):
     db_agent, os_agent, code_agent)."""
     rollout_timeout_s: float = Field(600.0, gt=0)
     """Deadline of one rollout (one sample of a task); past it the sample becomes an ERROR trajectory."""
+    engine_restarts: int = Field(3, ge=0)
+    """torch backend: times the engine process is started again after it died (crash, OOM kill)
+    within one node's life. Its newest weights are restored before it takes requests; the
+    requests it was running fail (ERROR trajectories: one of them may be what killed it), the
+    ones that arrive meanwhile wait. 0: a dead engine fails every later request."""
+    catch_up_timeout_s: float = Field(300.0, ge=0)
+    """A node that follows weights joins the tasks group only once it serves the newest version
+    published on the `policies` topic when it started (a restarted node must not answer tasks
+    with the weights it booted with); past this many seconds it serves anyway, every token
+    still tagged with the version that produced it. 0: no wait."""
     max_n_samples: int = Field(256, ge=1)
     """Largest `Task.n_samples` served."""
     max_tokens: int = Field(8192, ge=1)
@@ -170,7 +223,7 @@ class RaasSettings(_Frozen):
     """Longest stop string."""
 
 
-class WeightFollowSettings(_Frozen):
+class WeightFollowSettings(FrozenSettings):
     """What a weight follower (a RaaS node, the evaluator) accepts from a weights topic."""
 
     allowed_uri_prefixes: list[str] = Field(default_factory=list)
@@ -184,7 +237,26 @@ class WeightFollowSettings(_Frozen):
     also refuses any tensor the model does not have)."""
 
 
-class AstraflowConfig(_Frozen):
+class SandboxSettings(FrozenSettings):
+    """How sandbox runs are isolated on this machine (`astraflow.sandbox.settings` says why these
+    are operator settings and how a process gets them)."""
+
+    allow_weak_isolation: bool = False
+    """Run untrusted code with resource limits only (no namespaces, seccomp or cgroups) where
+    bubblewrap, user namespaces, seccomp or the cgroup controllers are missing. Off by default:
+    without it such a machine refuses to run the code at all."""
+    bwrap: str = "bwrap"
+    """The bubblewrap binary (a name looked up on PATH, or a path)."""
+    python: str | None = None
+    """Interpreter for the untrusted code (its installation is shown read-only inside the
+    sandbox); None: the base interpreter of the running one (not a virtualenv)."""
+    total_memory_mb: int = Field(default=8192, ge=64)
+    """Memory of all sandbox runs on this machine together (a cgroup above every run's own)."""
+    cgroup_parent: str = Field(default="astraflow-sandbox", pattern=r"^[A-Za-z0-9_.-]+$")
+    """Name of that cgroup (in the memory and pids hierarchies); runs sharing it share the total."""
+
+
+class AstraflowConfig(FrozenSettings):
     """Root configuration shared by every role."""
 
     experiment: str = "default"
@@ -193,6 +265,7 @@ class AstraflowConfig(_Frozen):
     """Where each process writes its resolved config, logs and checkpoints."""
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     local_kafka: LocalKafkaSettings = Field(default_factory=LocalKafkaSettings)
+    wan: WanSettings = Field(default_factory=WanSettings)
     topics: TopicSettings = Field(default_factory=TopicSettings)
     raas: RaasSettings = Field(default_factory=RaasSettings)
     weights: WeightFollowSettings = Field(default_factory=WeightFollowSettings)

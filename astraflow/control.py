@@ -83,21 +83,13 @@ class ControlState:
         return out
 
 
-def _consumer(kafka: KafkaSettings, max_bytes: int) -> Any:
+def _consumer(kafka: KafkaSettings, max_record_bytes: int) -> Any:
     from confluent_kafka import Consumer
 
+    from astraflow.kafka.clients import reader_config
+
     # A throwaway group id: librdkafka wants one, but the reader only assigns and never commits.
-    return Consumer(
-        {
-            **kafka.client_config(),
-            "group.id": f"af-reader-{uuid.uuid4().hex[:12]}",
-            "enable.auto.commit": False,
-            "enable.partition.eof": False,
-            "auto.offset.reset": "earliest",
-            "isolation.level": "read_committed",
-            "fetch.message.max.bytes": max_bytes,
-        }
-    )
+    return Consumer(reader_config(kafka, f"af-reader-{uuid.uuid4().hex[:12]}", max_record_bytes))
 
 
 class CompactedReader:
@@ -125,7 +117,7 @@ class CompactedReader:
         self.on_record = on_record
         self.latest: dict[str, Any] = {}  # key -> decoded record
         self.errors: list[str] = []  # why records were skipped (bounded)
-        self._consumer = _consumer(kafka, self.serde.max_record_bytes + 64 * 1024)
+        self._consumer = _consumer(kafka, self.serde.max_record_bytes)
         self._partitions = self._assign()
 
     def _assign(self) -> list[int]:

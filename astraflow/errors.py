@@ -24,7 +24,11 @@ class LocalKafkaError(AstraflowError):
 
 
 class ToolMissingError(LocalKafkaError):
-    """Raised when Java or Maven, needed to run the local Kafka, is not on PATH."""
+    """Raised when a tool the local services need (Java, Maven; Go for the WAN proxy) is not on PATH."""
+
+
+class WanError(LocalKafkaError):
+    """Raised when the simulated WAN (Toxiproxy) cannot be built, started or configured."""
 
 
 class PortInUseError(LocalKafkaError):

@@ -1,9 +1,16 @@
-"""Builders of realistic records for tests, benchmarks and examples (not used by the pipeline)."""
+"""Builders of realistic records, and a reader of topics, for tests, benchmarks and examples (not
+used by the pipeline)."""
 
 from __future__ import annotations
 
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
+from astraflow.config import KafkaSettings
 from astraflow.records import NodeInfo, Segment, Task, Timings, ToolCall, Trajectory, now_ms
 
 
@@ -74,3 +81,25 @@ def make_task(i: int = 0, n_samples: int = 4, policy: str = "policy") -> Task:
         policies=[policy],
         n_samples=n_samples,
     )
+
+
+def read_records(kafka: KafkaSettings, topics: list[str], until: Callable[[list[Any]], bool],
+                 timeout_s: float = 40.0) -> list[Any]:
+    """Decoded records of `topics` from their start (as a new consumer group, read_committed) until
+    `until(records)` holds or `timeout_s` has passed."""
+    from confluent_kafka import Consumer
+
+    from astraflow.kafka.clients import reader_config
+    from astraflow.serde import AvroSerde
+
+    serde = AvroSerde()
+    c = Consumer(reader_config(kafka, f"read-{uuid.uuid4().hex}"))
+    c.subscribe(topics)
+    out: list[Any] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not until(out) and time.monotonic() < deadline:
+            out += [serde.loads(m.value()) for m in c.consume(500, 0.3) if m.error() is None]
+    finally:
+        c.close()
+    return out

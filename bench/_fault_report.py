@@ -15,10 +15,14 @@ Besides `_ledger`'s counts (issued, trained, lost, trained twice, accounted for)
   that node; reward: a scored trajectory; curate: a train sample; trainer: an optimizer step);
   for broker faults and rebalances, to the first trainer step. The worst of the phase. Each
   fault's `next_step_s` (to the first trainer step after it, whatever was killed) is in the JSON;
+* **task wait** (node kills): the longest wait of a task after the kill, from the later of its
+  issue and the kill to its first trajectory, over the tasks issued up to 30 s after the kill
+  (a dead node's partitions wait for its group session to expire, `kafka.group_session_timeout_s`);
 * **exits**: roles that exited on their own (the aim is none, a 5-minute outage included).
 
 A lost sample is also located: the last topic it reached (rollouts, scored, train), so a loss
-points at the hop that lost it.
+points at the hop that lost it; on `scored`, whether curate's consumer group had committed an
+offset past it (read and lost inside curate) or not (never read: a partition that stopped).
 """
 
 from __future__ import annotations
@@ -74,6 +78,16 @@ def _first_after(times: list[float], t: float) -> float | None:
     return times[i] - t if i < len(times) else None
 
 
+def longest_task_wait(first_rollout: dict[str, float], issued_at: dict[str, float], kill_at: float,
+                      window_s: float = 30.0) -> float | None:
+    """Longest wait of a task after a node's kill: tasks issued before kill_at + window_s whose first
+    trajectory (`first_rollout`: task id -> epoch s) came after the kill, from the later of their
+    issue (`issued_at`) and the kill to that trajectory. Also used by bench/regions.py."""
+    waits = [first - max(issued_at[tid], kill_at) for tid, first in first_rollout.items()
+             if first > kill_at and issued_at.get(tid, float("inf")) < kill_at + window_s]
+    return max(waits) if waits else None
+
+
 def build_report(kafka: KafkaSettings, topics: Topics, ledger: Ledger, phases: list[Any], settings: dict[str, Any],
                  wall_s: float) -> Report:
     from astraflow.records import Metric, PolicyVersion, TrainSample, Trajectory
@@ -104,8 +118,15 @@ def build_report(kafka: KafkaSettings, topics: Topics, ledger: Ledger, phases: l
     step_times = sorted(set(step_times))
     rollouts = [(rec, ts) for rec, ts in read(topics.rollouts) if isinstance(rec, Trajectory)]
     rolled_ids = {f"{rec.trajectory_id}#{POLICY}" for rec, _ in rollouts}
-    scored = [(rec, ts) for rec, ts in read(topics.scored) if isinstance(rec, Trajectory)]
-    scored_ids = {f"{rec.trajectory_id}#{POLICY}" for rec, _ in scored}
+    reader = TopicReader(kafka, topics.scored)
+    try:
+        scored_at = [(rec, ts, p, o) for rec, ts, p, o in reader.read_located(120) if isinstance(rec, Trajectory)]
+    finally:
+        reader.close()
+    scored = [(rec, ts) for rec, ts, _, _ in scored_at]
+    scored_where = {f"{rec.trajectory_id}#{POLICY}": (p, o) for rec, _, p, o in scored_at}
+    scored_ids = set(scored_where)
+    curate_read = committed_offsets(kafka, f"af.{settings.get('experiment', '')}.curate", topics.scored)
     train = sorted(((rec, ts) for rec, ts in read(topics.train(POLICY)) if isinstance(rec, TrainSample)), key=lambda x: x[1])
     train_seen: Counter[str] = Counter()
     train_dup_times: list[float] = []
@@ -124,6 +145,13 @@ def build_report(kafka: KafkaSettings, topics: Topics, ledger: Ledger, phases: l
         outputs.setdefault(rec.node.node_id, []).append(ts / 1000)
     for v in outputs.values():
         v.sort()
+    first_rollout: dict[str, float] = {}  # task id -> its first trajectory (any node)
+    for rec, ts in rollouts:
+        first_rollout[rec.task_id] = min(ts / 1000, first_rollout.get(rec.task_id, float("inf")))
+    issued_at = {t.task_id: t.ts_ms / 1000 for t in ledger.tasks.values()}
+
+    def task_wait(kill_at: float) -> float | None:
+        return longest_task_wait(first_rollout, issued_at, kill_at)
 
     def gap_in(t0: float, t1: float) -> int | None:
         gaps = []
@@ -146,15 +174,19 @@ def build_report(kafka: KafkaSettings, topics: Topics, ledger: Ledger, phases: l
             for sid in expected_samples(t.task_id, t.n_samples):
                 if sid in trained_ids or sid in ledger.accounted:
                     continue
-                lost_at["train topic" if train_seen[sid] else "scored" if sid in scored_ids
-                        else "rollouts" if sid in rolled_ids else "tasks"] += 1
+                if sid in scored_ids and not train_seen[sid]:  # did curate read it (its group's offset is past it)?
+                    p, o = scored_where[sid]
+                    lost_at["scored, read by curate" if curate_read.get(p, -1) > o else "scored, not read by curate"] += 1
+                    continue
+                lost_at["train topic" if train_seen[sid] else "rollouts" if sid in rolled_ids else "tasks"] += 1
         faults = []
         for ev in ph.faults:
             role_out = outputs.get(ev.target.removesuffix("-2"), step_times) if ev.kind == "kill" else step_times
             faults.append({"kind": ev.kind, "target": ev.target, "start_s": round(ev.start - run_start, 1),
                            "lasted_s": round(ev.end - ev.start, 1),
                            "recovery_s": _round(_first_after(role_out, ev.end)),
-                           "next_step_s": _round(_first_after(step_times, ev.end))})
+                           "next_step_s": _round(_first_after(step_times, ev.end)),
+                           **({"task_wait_s": _round(task_wait(ev.start))} if ev.target.startswith("raas-") else {})})
         recoveries = [f["recovery_s"] for f in faults if f["recovery_s"] is not None]
         rows.append(PhaseFigures(
             phase=ph.name, faults=faults, tasks_issued=tally.tasks_issued, tasks_trained=tally.tasks_trained,
@@ -182,6 +214,19 @@ def build_report(kafka: KafkaSettings, topics: Topics, ledger: Ledger, phases: l
     clean = (whole.lost == 0 and whole.trained_twice == 0 and not train_dup_times and not conflicts
              and totals["trained_never_issued"] == 0 and not any(r.exits for r in rows))
     return Report(rows, totals, settings, dict(reasons.most_common(20)), clean)
+
+
+def committed_offsets(kafka: KafkaSettings, group: str, topic: str) -> dict[int, int]:
+    """Partition -> the consumer group's committed offset on `topic` (partitions it never committed are absent)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({**kafka.client_config(), "group.id": group, "enable.auto.commit": False, "log_level": 2})
+    try:
+        parts = sorted(c.list_topics(topic, timeout=30).topics[topic].partitions)
+        return {tp.partition: tp.offset for tp in c.committed([TopicPartition(topic, p) for p in parts], timeout=30)
+                if tp.offset >= 0}
+    finally:
+        c.close()
 
 
 def _round(x: float | None) -> float | None:
@@ -214,6 +259,10 @@ def print_report(report: Report) -> None:
             for e in r.exits:
                 print(f"  {e['role']} exited with code {e['code']} at {e['at']}s; log tail:\n    "
                       + "\n    ".join(e["log"].splitlines()[-5:]))
+    waits = [f"{f['target']} {f['task_wait_s']:.1f}s" for r in report.phases for f in r.faults
+             if f.get("task_wait_s") is not None]
+    if waits:
+        print("longest task wait after a node's kill -9:", "; ".join(waits))
     if report.dead_letter_reasons:
         print("dead letters:", report.dead_letter_reasons)
     print(f"trained but never issued: {t['trained_never_issued']}; tasks written twice: {t['tasks_written_twice']}; "

@@ -181,9 +181,13 @@ class TopicReader:
 
     def read(self, timeout_s: float = 30.0) -> list[tuple[Any, int]]:
         """New records as (record, Kafka timestamp ms); stops at the end of every partition."""
+        return [(rec, ts) for rec, ts, _, _ in self.read_located(timeout_s)]
+
+    def read_located(self, timeout_s: float = 30.0) -> list[tuple[Any, int, int, int]]:
+        """New records as (record, Kafka timestamp ms, partition, offset)."""
         import time
 
-        out: list[tuple[Any, int]] = []
+        out: list[tuple[Any, int, int, int]] = []
         eof: set[int] = set()
         deadline = time.monotonic() + timeout_s
         while len(eof) < len(self.partitions) and time.monotonic() < deadline:
@@ -195,7 +199,7 @@ class TopicReader:
                     continue
                 eof.discard(msg.partition())
                 try:
-                    out.append((self.serde.loads(msg.value()), msg.timestamp()[1]))
+                    out.append((self.serde.loads(msg.value()), msg.timestamp()[1], msg.partition(), msg.offset()))
                 except SerdeError:
                     self.undecodable += 1
         return out

@@ -47,7 +47,7 @@ from confluent_kafka.admin import AdminClient
 
 from astraflow.config import AstraflowConfig, load_config
 from astraflow.control import ControlWriter
-from astraflow.demo.run import PY, role_env
+from astraflow.demo.common import PY, role_env
 from astraflow.demo.supervisor import Role, Supervisor
 from astraflow.kafka.clients import watermarks
 from astraflow.kafka.topics import TopicAdmin, Topics, topic_specs
@@ -101,7 +101,7 @@ def app_role(exp: str, spec: PipelineSpec, env: dict[str, str], app: str, name: 
 
 def pipeline_roles(exp: str, spec: PipelineSpec, env: dict[str, str], nodes: int = 1) -> list[Role]:
     """curator, reward, curate, trainer and `nodes` RaaS nodes, as `Supervisor` roles with `env`
-    (`astraflow.demo.run.role_env`, plus any setting all roles share)."""
+    (`astraflow.demo.common.role_env`, plus any setting all roles share)."""
     sets = [f"run_dir={spec.run_dir}", f"trainer.lr={_rl.LR}", f"trainer.batch_size={spec.batch_size}",
             f"trainer.max_wait_s={spec.max_wait_s}", "trainer.progress_bar=false", "trainer.publish_dtype=float32",
             *spec.trainer_sets]

@@ -51,8 +51,8 @@ from astraflow.raas.workflows import RolloutContext
 from astraflow.raas.workflows.builtin import extract_answer, rlvr, tool_use
 from astraflow.records import NodeInfo, SamplingParams, Task, Trajectory
 from astraflow.rl import PolicyLossConfig, policy_loss, sequence_logprobs
-from stream_apps.groups import train_sample
-from trainers.data import collate
+from stream_apps.groups import train_samples
+from trainers.batching import collate
 
 GROUP = 8  # samples per prompt
 PROMPTS_PER_STEP = 8  # 64 samples per optimizer step, as the demo's trainer batch
@@ -161,9 +161,11 @@ class Learner:
     minibatches) and the staleness of its samples (versions behind, by oldest token).
     """
 
-    def __init__(self, model_dir: str, loss: PolicyLossConfig | None = None, minibatches: int = 1) -> None:
+    def __init__(self, model_dir: str, loss: PolicyLossConfig | None = None, minibatches: int = 1,
+                 policy: str = "policy") -> None:
         from astraflow.models.tiny import load_tiny
 
+        self.policy = policy  # the policy whose sequences of each trajectory it trains on
         self.model, self.tokenizer = load_tiny(model_dir)
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
@@ -181,7 +183,7 @@ class Learner:
         rewards = np.array([r for g in groups for _, r in g])
         gids = np.array([i for i, g in enumerate(groups) for _ in g])
         adv = grpo(rewards, gids)  # on the full groups; corrections mask tokens afterwards
-        samples = [s for t, a in zip(trajs, adv, strict=True) if (s := train_sample(t, "policy", advantage=float(a)))]
+        samples = [s for t, a in zip(trajs, adv, strict=True) for s in train_samples(t, self.policy, advantage=float(a))]
         batch = collate(samples, self.pad)
         ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
         lags = torch.where(mask, self.version - batch["versions"], torch.zeros_like(batch["versions"]))

@@ -38,8 +38,8 @@ def measure(name: str, kwargs: dict[str, Any], steps: int, window: int, work: Pa
     from astraflow.models.tiny import init_tiny
     from astraflow.records import TrainSample
     from astraflow.rl.samples import SampleWindow
+    from trainers.batching import collate
     from trainers.callbacks import AtomicCheckpointIO, save_checkpoint
-    from trainers.data import collate
     from trainers.module import PolicyTrainer
 
     model_dir = init_tiny(work / name.split()[0], **kwargs)

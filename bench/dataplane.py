@@ -39,7 +39,8 @@ from astraflow.records import Trajectory
 from astraflow.serde import AvroSerde
 from stream_apps.engine import EngineSettings
 from stream_apps.launch import AppOptions, build_worker
-from trainers.data import BatchLimits, TrainStream
+from trainers.batching import BatchLimits
+from trainers.data import TrainStream
 
 machine, write_json, trajectories = _common.machine, _common.write_json, _common.trajectories
 

@@ -2,6 +2,7 @@
 
     python -m bench.exactly_once --app curate [--kills 3] [--guarantee at_least_once] [--json out.json]
     python -m bench.exactly_once --app reward
+    python -m bench.exactly_once --app curate --state memory    # the control: a plain at-least-once curate
 
 A fixed input trickles into the app's source topic (~25 s) while workers run as separate
 processes (`astraflow app run APP`, exactly as operators start them): one worker is `kill -9`ed
@@ -17,19 +18,26 @@ it is read `read_committed` (what the trainer reads) and counted:
 * reward: trajectories, some sent twice; every record of the input is scored exactly once
   (a trajectory sent twice is scored twice, no more).
 
-Controls that prove the count can fail: the same topic read `read_uncommitted` shows the
-aborted records of the transactions the kills interrupted, and a run with `--guarantee
-at_least_once` shows duplicates (reward) where exactly-once shows none.
+Controls that prove the count can fail:
+
+* the same output topic read `read_uncommitted` shows the aborted records of the transactions
+  the kills interrupted (`sink_aborted`; each kill waits, after its random delay, until the
+  worker has outputs in an open transaction, so the kills do hit uncommitted outputs);
+* `--guarantee at_least_once` runs the same workers without transactions. The reward app
+  then scores redelivered records twice (duplicates). Curate at-least-once still keeps its
+  groups in changelog-backed tables, which drop a re-read trajectory whose group was already
+  emitted: what it shows is the table's own protection, not transactions;
+* `--state memory` (curate only, implies at-least-once) is the curate of a plain consumer:
+  the same app with its groups in the worker's memory, no changelog (`MemoryStateCurate`).
+  A killed worker forgets its groups in assembly and its emitted ids, re-reads from the last
+  committed offset and emits again: duplicates and split groups, which the count must see.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -39,7 +47,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench._crash_parts import OpenTransactions, Workers, curate_input, feed, read_topic, reward_input
+from stream_apps.curate import CurateApp
+from stream_apps.groups import GroupStore
 
 
 @dataclass
@@ -59,7 +69,9 @@ class CrashReport:
     unexpected: int  # ids read that were not expected
     split_groups: int  # curate: groups with some but not all of their samples
     uncommitted_extra: int  # records of the output (and curate's changelogs) seen read_uncommitted only: aborted
+    sink_aborted: int  # of which on the output topic itself
     seconds: float  # wall time of the run
+    state: str = "tables"  # curate's state: tables (changelog-backed) | memory (the control)
     missing_groups: list[str] = field(default_factory=list)  # groups with a missing sample (first 10)
     worker_logs: list[str] = field(default_factory=list)  # where the workers' logs are
 
@@ -68,142 +80,9 @@ class CrashReport:
         return self.duplicates == 0 and self.missing == 0 and self.unexpected == 0 and self.split_groups == 0
 
 
-def _traj(group: str, i: int, size: int, reward: float | None, seed: int) -> Any:
-    from astraflow.testing import make_trajectory
-
-    t = make_trajectory(128, task_id=group, sample_index=i, group_size=size, seed=seed, reward=reward)
-    t.group_id, t.prompt_id = group, f"p-{group}"
-    t.final_answer = "4" if i % 2 == 0 else "5"
-    return t
-
-
-def curate_input(run: str, rng: random.Random) -> tuple[list[Any], dict[str, int]]:
-    """(records in send order, expected samples per group) for curate.
-
-    Partial groups come first (they time out while the run goes on); a complete group's members
-    are sent close together (shuffled among a few neighbours), so only a stall longer than the
-    group timeout could split one. Redelivered copies go anywhere after their original.
-    """
-    partial, expected = [], {}
-    for g in range(8):
-        name = f"{run}-half-{g}"
-        partial += [_traj(name, i, 4, 1.0 if i % 2 == 0 else 0.0, 1000 + g * 10 + i) for i in range(2)]
-        expected[name] = 2
-    for g in range(4):
-        name = f"{run}-lone-{g}"
-        partial.append(_traj(name, 0, 4, 1.0, 2000 + g))
-        expected[name] = 0
-    full = []
-    for g in range(48):
-        name = f"{run}-full-{g}"
-        full += [_traj(name, i, 4, 1.0 if i % 2 == 0 else 0.0, g * 10 + i) for i in range(4)]
-        expected[name] = 4
-    for start in range(0, len(full), 12):  # three groups at a time, interleaved
-        block = full[start:start + 12]
-        rng.shuffle(block)
-        full[start:start + 12] = block
-    records = partial + full
-    for t in rng.sample(records, 16):  # redelivered: the same trajectory_id again, later
-        records.insert(rng.randrange(records.index(t) + 1, len(records) + 1), t)
-    return records, expected
-
-
-def reward_input(run: str, rng: random.Random) -> list[Any]:
-    records = [_traj(f"{run}-r-{g}", i, 4, None, g * 10 + i) for g in range(60) for i in range(4)]
-    rng.shuffle(records)
-    for t in rng.sample(records, 16):
-        records.insert(rng.randrange(len(records) + 1), t)
-    return records
-
-
-def _read(kafka: Any, topic: str | list[str], isolation: str, quiet_s: float, deadline: float, want: int,
-          decode: bool = True) -> list[Any]:
-    """Every record of `topic` (decoded) until nothing new came for `quiet_s` after `want` were read."""
-    from confluent_kafka import Consumer
-
-    from astraflow.serde import AvroSerde
-
-    serde = AvroSerde()
-    c = Consumer({**kafka.client_config(), "group.id": f"count-{uuid.uuid4().hex}", "auto.offset.reset": "earliest",
-                  "enable.auto.commit": False, "isolation.level": isolation})
-    c.subscribe([topic] if isinstance(topic, str) else topic)
-    out: list[Any] = []
-    last = time.monotonic()
-    try:
-        while time.monotonic() < deadline:
-            msgs = c.consume(500, 0.5)
-            got = [m for m in msgs if m.error() is None]
-            out += [serde.loads(m.value()) if decode else m.offset() for m in got]
-            if got:
-                last = time.monotonic()
-            elif len(out) >= want and time.monotonic() - last >= quiet_s:
-                break
-    finally:
-        c.close()
-    return out
-
-
-def _feed(producer: Any, topic: str, records: list[Any], seconds: float) -> None:
-    """Produces `records` evenly over `seconds`."""
-    pause = seconds / max(1, len(records))
-    for t in records:
-        producer.send(topic, t, key=t.group_id)
-        producer.poll(0)
-        time.sleep(pause)
-    producer.flush()
-
-
-class Workers:
-    """Worker processes of one app (separate processes, so kill -9 is real)."""
-
-    def __init__(self, app: str, experiment: str, args: list[str], logs: Path) -> None:
-        self.app, self.experiment, self.args, self.logs = app, experiment, args, logs
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.started = 0
-        self.started_as: dict[str, int] = {}
-
-    def start(self, name: str) -> None:
-        from stream_apps.launch import app_command
-
-        self.started += 1
-        self.started_as[name] = self.started
-        log = open(self.logs / f"{name}-{self.started}.log", "wb")  # noqa: SIM115 - closed with the process
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        self.procs[name] = subprocess.Popen(app_command(self.app, self.experiment, *self.args), stdout=log,
-                                            stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-
-    def wait_started(self, name: str, timeout_s: float = 60.0, mark: bytes = b": first record, ") -> bool:
-        """Until the worker logged `mark` (default: it handles records; a kill before tests nothing)."""
-        log = self.logs / f"{name}-{self.started_as[name]}.log"
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if mark in log.read_bytes():
-                return True
-            time.sleep(0.2)
-        return False
-
-    def kill(self, name: str) -> bool:
-        proc = self.procs[name]
-        if proc.poll() is not None:
-            return False
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        return True
-
-    def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
 def run_crash(kafka: Any, app: str, *, guarantee: str = "exactly_once", kills: int = 3, seed: int = 0,
-              work: Path | None = None, partitions: int = 2, group_timeout_s: float = 90.0) -> CrashReport:
+              work: Path | None = None, partitions: int = 2, group_timeout_s: float = 90.0,
+              state: str = "tables") -> CrashReport:
     """One crash run on a fresh experiment (deleted afterwards); see the module doc.
 
     `group_timeout_s` must exceed the longest stall a kill causes (session timeout, restart,
@@ -236,7 +115,13 @@ def run_crash(kafka: Any, app: str, *, guarantee: str = "exactly_once", kills: i
         args = []
     else:
         raise SystemExit(f"--app must be curate or reward, not {app}")
-    workers = Workers(app, experiment, [*args, "--guarantee", guarantee, "--metrics-interval", "60"], work)
+    if state == "memory":
+        if app != "curate":
+            raise SystemExit("--state memory is a curate control")
+        guarantee = "at_least_once"
+    workers = Workers("curate-memory" if state == "memory" else app, experiment,
+                      [*args, "--guarantee", guarantee, "--metrics-interval", "60"], work)
+    watch = OpenTransactions(kafka, sink)
     producer = RecordProducer(kafka)
     t0 = time.monotonic()
     delivered = 0
@@ -245,11 +130,12 @@ def run_crash(kafka: Any, app: str, *, guarantee: str = "exactly_once", kills: i
         workers.wait_started("a", mark=b" started (Faust app ")
         # Records trickle in (~25 s) while worker a is killed: each kill lands while it is
         # handling records, so most often inside an open transaction.
-        feeder = threading.Thread(target=_feed, args=(producer, source, records, 25.0), daemon=True)
+        feeder = threading.Thread(target=feed, args=(producer, source, records, 25.0), daemon=True)
         feeder.start()
         for k in range(kills):
             workers.wait_started("a", timeout_s=30)  # it handles records (its recovery is over)
             time.sleep(rng.uniform(0.5, 2.5))
+            watch.wait_new(3.0)  # outputs just sent: under exactly-once, inside an open transaction
             delivered += workers.kill("a")
             workers.start("a")
             if k == 0:
@@ -259,14 +145,16 @@ def run_crash(kafka: Any, app: str, *, guarantee: str = "exactly_once", kills: i
         if app == "curate":  # partial groups time out (they came first)
             time.sleep(max(0.0, group_timeout_s - (time.monotonic() - t0)))
         deadline = time.monotonic() + 90
-        committed = _read(kafka, sink, "read_committed", 12.0, deadline, len(expected_ids))
+        committed = read_topic(kafka, sink, "read_committed", 12.0, deadline, len(expected_ids))
         # The control: the same topics read_uncommitted (curate's state changelogs too: a kill often
         # interrupts a transaction that holds group members and no train sample yet).
         seen = [sink, *([f"af.{experiment}.curate-{t}-changelog" for t in ("groups", "members", "emitted")]
                         if app == "curate" else [])]
-        both = [len(_read(kafka, seen, iso, 3.0, time.monotonic() + 60, 1, decode=False))
+        both = [len(read_topic(kafka, seen, iso, 3.0, time.monotonic() + 60, 1, decode=False))
                 for iso in ("read_committed", "read_uncommitted")]
+        on_sink = len(read_topic(kafka, sink, "read_uncommitted", 3.0, time.monotonic() + 60, 1, decode=False))
     finally:
+        watch.close()
         workers.stop_all()
         admin.delete([s.name for s in specs])
     ids = [s.sample_id if app == "curate" else s.trajectory_id for s in committed]
@@ -287,24 +175,67 @@ def run_crash(kafka: Any, app: str, *, guarantee: str = "exactly_once", kills: i
         app=app, guarantee=guarantee, kills=delivered, rebalances=workers.started - 1, input_records=len(records),
         expected=len(expected_ids) if app == "curate" else len(records), committed=len(committed), distinct=len(counts),
         duplicates=duplicates, missing=missing, unexpected=len(set(counts) - expected_ids), split_groups=split,
-        uncommitted_extra=both[1] - both[0], seconds=round(time.monotonic() - t0, 1),
+        uncommitted_extra=both[1] - both[0], sink_aborted=on_sink - len(committed), state=state,
+        seconds=round(time.monotonic() - t0, 1),
         missing_groups=missing_groups,
         worker_logs=sorted(str(p) for p in work.glob("*.log")),
     )
 
 
+class MemoryStateCurate(CurateApp):
+    """Curate with its groups in worker memory (no tables, no changelog): the control of `--state memory`."""
+
+    tables = ()
+
+    @property
+    def store(self) -> GroupStore:
+        if self._store is None:
+            self._store = GroupStore({}, {}, {}, self._decode, self.group_timeout_s, self.emitted_ttl_s)
+        return self._store
+
+
+def serve_memory_curate(argv: list[str]) -> int:
+    """Runs one `MemoryStateCurate` worker (the `--state memory` control) until SIGTERM."""
+    import logging
+
+    from astraflow.config import KafkaSettings
+    from stream_apps.engine import EngineSettings, StreamEngine
+
+    p = argparse.ArgumentParser()
+    p.add_argument("experiment")
+    p.add_argument("--policy", action="append", default=[])
+    p.add_argument("--group-timeout", type=float, default=90.0)
+    p.add_argument("--min-group-size", type=int, default=2)
+    p.add_argument("--guarantee", default="at_least_once")
+    p.add_argument("--metrics-interval", type=float, default=60.0)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s %(message)s")
+    handler = MemoryStateCurate(a.policy, group_timeout_s=a.group_timeout, min_group_size=a.min_group_size)
+    engine = StreamEngine(handler, EngineSettings(a.experiment, KafkaSettings(), guarantee="at_least_once",
+                                                  metrics_interval_s=a.metrics_interval))
+    engine.install_signal_handlers()
+    engine.run()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from astraflow.config import KafkaSettings
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--serve-memory-curate"]:
+        return serve_memory_curate(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--app", choices=["curate", "reward"], default="curate")
     p.add_argument("--guarantee", choices=["exactly_once", "at_least_once"], default="exactly_once")
+    p.add_argument("--state", choices=["tables", "memory"], default="tables",
+                   help="curate's state: changelog-backed tables, or worker memory (the control; at-least-once)")
     p.add_argument("--kills", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bootstrap", default="127.0.0.1:19092")
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
-    report = run_crash(KafkaSettings(bootstrap_servers=a.bootstrap), a.app, guarantee=a.guarantee, kills=a.kills, seed=a.seed)
+    report = run_crash(KafkaSettings(bootstrap_servers=a.bootstrap), a.app, guarantee=a.guarantee, kills=a.kills, seed=a.seed,
+                       state=a.state)
     out = {**asdict(report), "exact": report.exact}
     print(json.dumps(out, indent=2))
     if a.json:

@@ -1,21 +1,33 @@
-"""RaaS node throughput on CPU: rollouts/s and tokens/s against max-inflight, beside plain transformers.
+"""RaaS node throughput on CPU: rollouts/s, tokens/s and time to first token, beside plain transformers.
 
-Runs, in one process and one run: (1) a RaasNode serving `--tasks` single-turn tasks from a real
-Kafka (the local broker unless --bootstrap) with the tiny model, for max-inflight 1, 4 and 16;
-(2) the same number of generations of the same length with a plain transformers loop
-(`model.generate`, KV cache) one request at a time, and batched 16 at a time. The ratio of the
-node at max-inflight 16 to the batched plain loop shows what the node (Kafka, serde, workflow,
-per-token logprobs and versions) costs. Usage: python bench/raas.py [--quick] [--json OUT]
+Runs, in one process and one run, on the tiny model with `--tokens` new tokens a rollout:
+
+* single-sample tasks (`rlvr`, n = 1): a RaasNode serving `--tasks` tasks from a real Kafka (the
+  local broker unless --bootstrap), its torch engine in its own process (as `astraflow raas
+  serve` runs it), at max-inflight 1, 4 and 16; beside the same prompts through a plain
+  transformers loop (`model.generate`, KV cache) one at a time and batched 16 at a time;
+* grouped tasks (n = `--group`, GRPO-style: every sample of a task shares its prompt): the node
+  at max-inflight 16, beside `model.generate(num_return_sequences=n)` on 16 / n prompts a batch.
+
+Same model, prompts, sampling (temperature 1, no top-k/top-p), token budget and torch threads
+(`--threads`, default 1) on both sides.
+The plain loop is forced to `--tokens` tokens (`min_new_tokens`); the node stops a rollout at
+eos like any rollout, so the comparison is made on tokens/s (the random tiny model rarely
+samples eos: the mean lengths are printed). Time to first token (TTFT): from the moment a
+request reaches the engine (node) or its batch's `generate` call starts (plain) to its first
+sampled token. Usage: python bench/raas.py [--quick] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -31,7 +43,24 @@ from astraflow.records import SamplingParams
 from astraflow.testing import make_task
 
 
-def node_run(kafka: KafkaSettings, model: Path, tasks: int, tokens: int, inflight: int) -> tuple[float, int]:
+@dataclass
+class Row:
+    setup: str
+    rollouts: int
+    tokens: int
+    seconds: float
+    ttft_ms: float  # mean submit -> first token
+
+    @property
+    def rollouts_per_s(self) -> float:
+        return self.rollouts / self.seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def node_run(kafka: KafkaSettings, model: Path, tasks: int, tokens: int, inflight: int, group: int, threads: int) -> Row:
     exp = f"bench-raas-{uuid.uuid4().hex[:8]}"
     admin = TopicAdmin(kafka)
     specs = topic_specs(exp, ["policy"], AstraflowConfig().topics)
@@ -39,11 +68,11 @@ def node_run(kafka: KafkaSettings, model: Path, tasks: int, tokens: int, infligh
     try:
         producer = RecordProducer(kafka)
         for i in range(tasks):
-            t = make_task(i, n_samples=1)
+            t = make_task(i, n_samples=group)
             t.sampling = SamplingParams(temperature=1.0, max_tokens=tokens)
             producer.send(Topics(exp).tasks, t, key=t.group_id)
         producer.flush()
-        backend = TorchBackend("policy", str(model), seed=0, max_batch=16, threads=torch.get_num_threads())
+        backend = TorchBackend("policy", str(model), seed=0, max_batch=16, threads=threads, process=True)
         node = RaasNode(AstraflowConfig(kafka=kafka), NodeSettings(exp, max_inflight=inflight, metrics_interval_s=3600),
                         {"policy": backend}, tools={})
 
@@ -60,28 +89,50 @@ def node_run(kafka: KafkaSettings, model: Path, tasks: int, tokens: int, infligh
             return elapsed
 
         elapsed = asyncio.run(main())
+        ttft = statistics.fmean(backend.ttft_s) * 1000
+        generated = backend.tokens_generated
         backend.close()
-        return elapsed, backend.tokens_generated
+        label = f"node max-inflight {inflight}" + (f", groups of {group}" if group > 1 else "")
+        return Row(label, tasks * group, generated, elapsed, ttft)
     finally:
         admin.delete([s.name for s in specs])
 
 
-def plain_run(model_dir: Path, n: int, tokens: int, batch: int) -> tuple[float, int]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def plain_run(model_dir: Path, tasks: int, tokens: int, batch: int, group: int, threads: int) -> Row:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
+    class FirstToken(LogitsProcessor):
+        """Records when a batch's first token is sampled."""
+
+        def __init__(self) -> None:
+            self.at: float | None = None
+
+        def __call__(self, input_ids, scores):
+            if self.at is None:
+                self.at = time.perf_counter()
+            return scores
+
+    torch.set_num_threads(threads)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    prompts = [make_task(i).prompt for i in range(n)]
+    prompts = [make_task(i).prompt for i in range(tasks)]
     tok.padding_side = "left"
-    generated = 0
+    per_call = max(1, batch // group)  # prompts a generate call
+    generated, ttfts = 0, []
     t0 = time.perf_counter()
     with torch.no_grad():
-        for lo in range(0, n, batch):
-            enc = tok(prompts[lo : lo + batch], return_tensors="pt", padding=True)
+        for lo in range(0, tasks, per_call):
+            enc = tok(prompts[lo : lo + per_call], return_tensors="pt", padding=True)
+            first = FirstToken()
+            start = time.perf_counter()
             out = model.generate(**enc, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=True, top_k=0,
-                                 pad_token_id=tok.pad_token_id)
+                                 num_return_sequences=group, pad_token_id=tok.pad_token_id,
+                                 logits_processor=LogitsProcessorList([first]))
             generated += (out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0]
-    return time.perf_counter() - t0, generated
+            ttfts += [(first.at or start) - start] * out.shape[0]
+    elapsed = time.perf_counter() - t0
+    label = f"plain transformers, batch {batch}" + (f" ({per_call} prompts x {group})" if group > 1 else "")
+    return Row(label, tasks * group, generated, elapsed, statistics.fmean(ttfts) * 1000)
 
 
 def main() -> None:
@@ -90,8 +141,12 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--bootstrap", default=None, help="Kafka to use (default: the local one, started if needed)")
     ap.add_argument("--tokens", type=int, default=32, help="new tokens per rollout")
+    ap.add_argument("--group", type=int, default=8, help="samples per task of the grouped case")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads of the engine and of the plain loop (1: a shared 2-core machine)")
     args = ap.parse_args()
     tasks = 48 if args.quick else 160
+    grouped = max(2, tasks // args.group)
     if args.bootstrap:
         kafka = KafkaSettings(bootstrap_servers=args.bootstrap)
     else:
@@ -103,21 +158,22 @@ def main() -> None:
     from astraflow.models.tiny import init_tiny
 
     model = init_tiny(Path(tempfile.mkdtemp()) / "tiny", seed=0)
-    rows = []
-    for inflight in (1, 4, 16):
-        secs, toks = node_run(kafka, model, tasks, args.tokens, inflight)
-        rows.append((f"node max-inflight {inflight}", tasks / secs, toks / secs))
-    for batch in (1, 16):
-        secs, toks = plain_run(model, tasks, args.tokens, batch)
-        rows.append((f"plain transformers, batch {batch}", tasks / secs, toks / secs))
-    print(f"{'setup':<32} {'rollouts/s':>11} {'tokens/s':>10}")
-    for name, r, t in rows:
-        print(f"{name:<32} {r:>11.1f} {t:>10.0f}")
-    ratio = rows[2][1] / rows[4][1]
-    print(f"node (max-inflight 16) vs plain batched loop: {ratio:.2f}x rollouts/s")
-    write_json(args.json, "raas", {"tasks": tasks, "new_tokens": args.tokens,
-                                   "rows": [{"setup": n, "rollouts_per_s": r, "tokens_per_s": t} for n, r, t in rows],
-                                   "ratio_node16_vs_plain_batched": ratio})
+    rows = [node_run(kafka, model, tasks, args.tokens, inflight, 1, args.threads) for inflight in (1, 4, 16)]
+    rows += [plain_run(model, tasks, args.tokens, batch, 1, args.threads) for batch in (1, 16)]
+    rows.append(node_run(kafka, model, grouped, args.tokens, 16, args.group, args.threads))
+    rows.append(plain_run(model, grouped, args.tokens, 16, args.group, args.threads))
+    print(f"{'setup':<44} {'rollouts/s':>10} {'tokens/s':>9} {'mean len':>8} {'TTFT ms':>8}")
+    for r in rows:
+        print(f"{r.setup:<44} {r.rollouts_per_s:>10.1f} {r.tokens_per_s:>9.0f} {r.tokens / r.rollouts:>8.1f} {r.ttft_ms:>8.1f}")
+    single = rows[2].tokens_per_s / rows[4].tokens_per_s
+    group = rows[5].tokens_per_s / rows[6].tokens_per_s
+    print(f"node (max-inflight 16) vs plain batched generate, tokens/s: single-sample {single:.2f}x, "
+          f"groups of {args.group} {group:.2f}x")
+    write_json(args.json, "raas", {
+        "tasks": tasks, "threads": args.threads, "grouped_tasks": grouped, "group": args.group, "new_tokens": args.tokens,
+        "rows": [{"setup": r.setup, "rollouts_per_s": r.rollouts_per_s, "tokens_per_s": r.tokens_per_s,
+                  "mean_new_tokens": r.tokens / r.rollouts, "ttft_ms": r.ttft_ms} for r in rows],
+        "ratio_node16_vs_plain_batched_tokens": single, "ratio_grouped_node16_vs_plain_tokens": group})
 
 
 if __name__ == "__main__":

@@ -26,8 +26,9 @@ and standard error, and samples/s relative to sync. Results are written after ev
 and the plot from such a file.
 
 Usage: python bench/staleness.py [--staleness 1,2,4,8] [--corrections decoupled,tis,mis,m2po,stale]
-       [--seeds 0,1,2] [--steps 10] [--sigma 1.0] [--minibatches 2] [--json OUT] [--plot PNG]
-       python bench/staleness.py --report A.json[,B.json...] [--plot PNG]   (e.g. one file per seed)
+       [--seeds 0,1,2] [--steps 10] [--sigma 1.0] [--minibatches 2] [--no-sync] [--json OUT] [--plot PNG]
+       python bench/staleness.py --report A.json[,B.json...] [--plot PNG]   (e.g. one file per seed or K;
+       a (setting, seed) present in several files counts once)
 """
 
 from __future__ import annotations
@@ -77,6 +78,17 @@ def run_row(run: _rl.Run, setting: str, staleness: int, correction: str, seed: i
             "staleness_mean": mean("staleness_mean"), "staleness_max": max((m["staleness_max"] for m in lm), default=0.0),
             "is_weight_std": mean("is_weight_std"), "log_mu_pi_std": mean("log_mu_pi_std"),
             "clip_frac": mean("clip_frac"), "masked_frac": mean("is_masked_frac")}
+
+
+def unique_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The first row of each (setting, seed): files of several invocations may repeat a run."""
+    seen: set[tuple[str, int]] = set()
+    out = []
+    for r in rows:
+        if (r["setting"], r["seed"]) not in seen:
+            seen.add((r["setting"], r["seed"]))
+            out.append(r)
+    return out
 
 
 def success_at(row: dict[str, Any], t: float) -> float:
@@ -176,9 +188,10 @@ def main() -> None:
     ap.add_argument("--plot", default="docs/img/staleness.png")
     ap.add_argument("--heldout", type=int, default=_rl.N_HELDOUT, help="held-out problems (2 episodes each) per snapshot")
     ap.add_argument("--report", default=None, help="only re-make table and plot from these JSON files (comma-separated)")
+    ap.add_argument("--no-sync", action="store_true", help="skip the sync runs (when another invocation of the grid made them)")
     args = ap.parse_args()
     if args.report:
-        rows = [r for path in args.report.split(",") for r in json.loads(Path(path).read_text())["rows"]]
+        rows = unique_rows([r for path in args.report.split(",") for r in json.loads(Path(path).read_text())["rows"]])
         report(rows, Path(args.plot))
         return
     corrections = args.corrections.split(",")
@@ -189,9 +202,9 @@ def main() -> None:
     torch.set_num_threads(1)
     model_dir = _rl.warm_model_dir()
     rows: list[dict[str, Any]] = []
-    plan = [(seed, "sync", 0, SYNC_LOSS) for seed in seeds[:1]]
+    plan = [] if args.no_sync else [(seed, "sync", 0, SYNC_LOSS) for seed in seeds[:1]]
     for seed in seeds:
-        if seed != seeds[0]:
+        if seed != seeds[0] and not args.no_sync:
             plan.append((seed, "sync", 0, SYNC_LOSS))
         plan += [(seed, f"K={k} {c}", k, c) for k in sorted(levels, reverse=True) for c in corrections]
     t_start = time.monotonic()

@@ -64,7 +64,7 @@ def _log(msg: str) -> None:
 def _run_lr(lr: float, shapes: list[tuple[int, ...]], warmup: int, steps: int) -> Row:
     import torch
 
-    from astraflow.weights import Manifest, WeightChain, apply, encode
+    from astraflow.weights import StateManifest, WeightChain, apply, encode
 
     gen = torch.Generator().manual_seed(0)
     master = [
@@ -88,7 +88,7 @@ def _run_lr(lr: float, shapes: list[tuple[int, ...]], warmup: int, steps: int) -
         step()
     prev = publish()
     chain = WeightChain.from_state(prev, 0)
-    manifest = Manifest.of(prev)
+    manifest = StateManifest.of(prev)
     params = sum(p.numel() for p in master)
     mb = 2 * params / 1e6
     t_enc = t_app = t_copy = t_cold = c_enc = c_app = 0.0

@@ -187,8 +187,8 @@ AstraFlow stack "$PROJECT" is up (cd $ROOT).
   containers:   $(compose_cmd) -p $PROJECT -f docker/docker-compose.yml --profile cpu ps
   logs:         $(compose_cmd) -p $PROJECT -f docker/docker-compose.yml --profile cpu logs -f trainer raas
   status:       $(compose_cmd) -p $PROJECT -f docker/docker-compose.yml run --rm status
-  Prometheus:   http://localhost:$pport  (e.g. astraflow_policy_version, astraflow_raas_tokens_per_s)
-  metrics:      http://localhost:$mport/metrics
+  Prometheus:   http://localhost:$pport  (e.g. astraflow_published_version, astraflow_tokens_per_s; docs/metrics.md)
+  Kafka-level metrics: http://localhost:$mport/metrics
   Kafka:        localhost:$kport (astraflow --set kafka.bootstrap_servers=localhost:$kport status -e ${AF_EXPERIMENT:-demo})
   more nodes:   $(compose_cmd) -p $PROJECT -f docker/docker-compose.yml --profile cpu up -d --no-recreate --scale raas=4
   stop:         bash scripts/compose.sh down      (add -v to delete the volumes)

@@ -8,8 +8,4 @@ bash scripts/system-deps.sh
 VENV=$(bash scripts/env.sh)
 export PATH="$VENV/bin:$PATH"
 astraflow kafka up
-if astraflow demo --help >/dev/null 2>&1; then
-  exec astraflow demo "$@"
-fi
-# Until the learning demo lands: prove the installation with a round trip through Kafka.
-exec astraflow smoke
+exec astraflow demo "$@"

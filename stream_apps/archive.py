@@ -1,6 +1,5 @@
 """The archive app: copies topics into Avro container files (see docs/archive.md).
 
-    python -m stream_apps.archive --experiment EXP --topics rollouts,scored --to DIR_OR_URI
     astraflow archive run --experiment EXP --topics rollouts,scored --to DIR_OR_URI
 
 A plain confluent-kafka consumer loop rather than a Faust agent: the app's whole job is file I/O
@@ -21,7 +20,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import logging
 import signal
@@ -183,9 +181,8 @@ class ArchiveApp:
     def run(self, stop: threading.Event | None = None, exit_when_idle_s: float | None = None,
             poll_timeout_s: float = 0.5) -> ArchiveStats:
         """Archives until `stop` is set (or, with `exit_when_idle_s`, until no record came for that long)."""
-        from confluent_kafka import KafkaError
-
         from astraflow.archive.format import ArchivedRecord
+        from astraflow.kafka.clients import data_messages
 
         stop = stop or threading.Event()
         self._check_topics()
@@ -194,17 +191,7 @@ class ArchiveApp:
         try:
             while not stop.is_set():
                 msgs = self.consumer.consume(1000, poll_timeout_s)
-                for msg in msgs:
-                    err = msg.error()
-                    if err is not None:
-                        if err.code() == KafkaError._PARTITION_EOF:
-                            continue
-                        if err.fatal():
-                            from astraflow.archive.errors import ArchiveError
-
-                            raise ArchiveError(f"fatal Kafka consumer error: {err.str()}; restart the app")
-                        log.warning("consumer error: %s", err.str())
-                        continue
+                for msg in data_messages(msgs, ", ".join(self.topics), _restart_the_app):
                     if (msg.topic(), msg.partition()) not in self.writer.partitions:
                         continue  # fetched before a revoke
                     self.writer.append(ArchivedRecord.from_message(msg))
@@ -221,6 +208,13 @@ class ArchiveApp:
             self.stats.skipped = sum(pa.skipped for pa in self.writer.partitions.values())
             self.consumer.close()
         return self.stats
+
+
+
+def _restart_the_app(message: str) -> Exception:
+    from astraflow.archive.errors import ArchiveError
+
+    return ArchiveError(f"{message}; restart the app")
 
 
 def run(
@@ -265,27 +259,6 @@ def serve(
             signal.signal(s, handler)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="archive", description="Archive Kafka topics into Avro container files.")
-    p.add_argument("--experiment", "-e", help="Experiment: --topics are its stream names (rollouts, solver.train).")
-    p.add_argument("--topics", "-t", action="append", required=True,
-                   help="Topics to archive, comma-separated or repeated: stream names or full topic names.")
-    p.add_argument("--to", required=True, help="Archive root: a directory or an fsspec URI (s3://bucket/path).")
-    p.add_argument("--group", help="Consumer group (default: one per experiment and destination).")
-    p.add_argument("--instance-id", help="Stable id of this instance (static membership: a restart resumes at once).")
-    p.add_argument("--start", choices=["earliest", "latest", "committed"], default="earliest",
-                   help="Where to start in partitions the archive does not hold yet (default: earliest).")
-    p.add_argument("--max-file-mb", type=float, default=64.0, help="Roll files at this size (default 64).")
-    p.add_argument("--max-file-age", type=float, default=300.0, help="Roll files this many seconds after their first record.")
-    p.add_argument("--max-file-records", type=int, default=None, help="Roll files after this many records.")
-    p.add_argument("--block-kb", type=float, default=1024.0, help="Uncompressed KiB per Avro block (default 1024).")
-    p.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS",
-                   help="Seal everything and exit once no record arrived for this long (batch archiving).")
-    p.add_argument("--config", "-c", help="YAML or TOML config file (Kafka settings).")
-    p.add_argument("--set", dest="overrides", action="append", default=[], help="Config override section.field=value.")
-    return p
-
-
 def policy_from(max_file_mb: float, max_file_age: float, max_file_records: int | None, block_kb: float) -> RollPolicy:
     from astraflow.archive.writer import RollPolicy
 
@@ -295,28 +268,3 @@ def policy_from(max_file_mb: float, max_file_age: float, max_file_records: int |
         max_file_records=max_file_records,
         block_bytes=int(block_kb * 1024),
     )
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry: parses arguments first, then imports Kafka and runs until SIGTERM/SIGINT."""
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from astraflow.config import load_config
-    from astraflow.errors import AstraflowError
-
-    try:
-        cfg = load_config(args.config, args.overrides)
-        topics = resolve_topics(args.experiment, args.topics)
-        stats = serve(cfg.kafka, topics, args.to, group=args.group, experiment=args.experiment,
-                      policy=policy_from(args.max_file_mb, args.max_file_age, args.max_file_records, args.block_kb),
-                      start=args.start, exit_when_idle_s=args.exit_when_idle, instance_id=args.instance_id)
-    except AstraflowError as exc:
-        log.error("%s: %s", type(exc).__name__, exc)
-        return 1
-    log.info("archived %d records into %d files (%.1f MiB); %d already archived were skipped",
-             stats.records, stats.files, stats.bytes / 2**20, stats.skipped)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -7,8 +7,10 @@ For every group (records keyed by `group_id`, so a group lives on one partition)
 
 1. **Assemble** by `group_id` until `group_size` distinct trajectories arrived, or
    `--group-timeout` seconds after its first one (then it is emitted if it has at least
-   `--min-group-size` members, dropped as `incomplete_group` otherwise). Trajectories of a group
-   already emitted are dropped as `late_trajectory`.
+   `--min-group-size` members, dead-lettered as `IncompleteGroupError` otherwise). A trajectory
+   of a group already emitted is dropped when it was among the members emitted (a redelivery:
+   `redelivered_trajectory`), and dead-lettered as `LateTrajectoryError` when its group left
+   without it (a timeout): no trajectory leaves curate unseen, neither trained nor in the DLQ.
 2. **Feedback.** For every policy that trained tokens in the group, the prompt's statistics are
    updated (`update_prompt_stats`: pass rate, EWMA, zero-variance streak, ...) and published
    to `feedback` keyed `<policy>/<prompt_id>` — for every group, whatever the filters keep,
@@ -18,14 +20,19 @@ For every group (records keyed by `group_id`, so a group lives on one partition)
    strategy's memory of ids is not transactional, so after an aborted transaction it would drop
    the members of a group emitted again (a split group). Set it to `dedupe` only for inputs
    that repeat ids across groups.
-4. **Per policy**: one TrainSample per trajectory (`stream_apps.groups.train_sample`), then
-   **advantages** (slot `advantage`, default `grpo`) over ALL of that policy's samples of the
-   group, and only then the filters mask samples out (DAPO-style: a filtered member does not
+4. **Per policy**: one TrainSample per training sequence of each trajectory
+   (`stream_apps.groups.train_samples`: usually one; an agent that rewrote its history has
+   several), then **advantages** (slot `advantage`, default `grpo`) over ALL of that policy's
+   trajectories of the group (one reward each; every sequence of a trajectory gets its value), and only then the filters mask samples out (DAPO-style: a filtered member does not
    change its siblings' advantages) — `filter.zero_variance` (on the whole group),
    `filter.length`, `filter.staleness` (default 8 versions), then any other `filter.<name>` slot
    set on the control topic, in slot-name order; the samples go to `<policy>.train` keyed by
    `group_id`. Every sample's lineage is
    its trajectory's (the reward) plus each curate strategy applied.
+
+**Per policy.** Each policy of a group is curated on its own (samples, advantages, filters,
+train topic). A sample slot may be chosen for one policy as `<slot>@<policy>` (control topic or
+--default), e.g. `filter.staleness@verifier`: that policy's own staleness limit.
 
 **Staleness.** The trainer's current version of each policy comes from the compacted
 `policies` topic (the latest PolicyVersion per policy, written by the trainer on every
@@ -51,24 +58,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
-from astraflow.dataflow.advantages import advantages_for
-from astraflow.dataflow.filters import FilterContext, FilterResult
-from astraflow.dataflow.prompt_stats import update_prompt_stats
-from astraflow.dataflow.registry import Strategy
 from astraflow.errors import AstraflowError, ConfigError, SerdeError
-from astraflow.records import PolicyVersion, PromptStats, StrategyRef, TrainSample, Trajectory
+from astraflow.records import GroupDropped, PolicyVersion, PromptStats, Trajectory
+from stream_apps.curate_samples import GroupSamples
 from stream_apps.groups import (
     Group,
     GroupStore,
     Member,
     Pending,
     forget_partitions,
-    policy_reward,
-    train_sample,
-    trained_policies,
-    trained_versions,
 )
 from stream_apps.handler import AppHandler, Incoming, StrategyFailed
 from stream_apps.slots import Slot, SlotDefault
@@ -82,16 +80,23 @@ DEFAULTS: dict[str, SlotDefault] = {
     "filter.zero_variance": SlotDefault("zero_variance"),
     "advantage": SlotDefault("grpo"),
 }
-TRAJECTORY_FILTERS = ("filter.dedupe", "filter.length")
-SAMPLE_FILTERS = ("filter.zero_variance", "filter.staleness")
 
 
 class UnscoredTrajectoryError(AstraflowError):
     """Raised when curate reads a trajectory without a reward (it was not written by the reward app)."""
 
 
-class CurateApp(AppHandler):
-    """Assembles groups and routes training samples (see the module doc)."""
+class LateTrajectoryError(AstraflowError):
+    """A trajectory arrived after its group was emitted without it (the group timed out first).
+
+    Its samples cannot join their group's advantages any more; it goes to the DLQ. Frequent ones
+    mean `--group-timeout` is shorter than the slowest rollout plus the longest stall (a killed
+    node's session timeout, a restart)."""
+
+
+class CurateApp(GroupSamples, AppHandler):
+    """Assembles groups and routes training samples (see the module doc; the samples of a
+    complete group: `stream_apps.curate_samples.GroupSamples`)."""
 
     name = "curate"
     expect = Trajectory
@@ -125,7 +130,8 @@ class CurateApp(AppHandler):
         self.groups_emitted = 0
         self._extra_generation = -1
         self._train_topics: dict[str, bool] = {}  # policy -> its train topic exists
-        self._versions: dict[str, dict[str, tuple[int, int]]] = {}  # trained_versions of the group being emitted
+        self._versions: dict[str, dict[str, tuple[int, int]]] = {}  # Trajectory.trained_versions of the group being emitted
+        self._drops: list[GroupDropped] = []  # what the group being emitted lost, and why (to `lineage`)
 
     # ---- setup -----------------------------------------------------------------------------------
 
@@ -162,6 +168,8 @@ class CurateApp(AppHandler):
     def init_slots(self, control: Any) -> None:
         """Builds the strategy slots (bind calls it; unit tests call it with a plain control state)."""
         for slot, default in self.defaults.items():
+            if "@" in slot:
+                continue  # a policy's own strategy: built when that policy's samples come (_policy_slot)
             kind = "advantage" if slot == "advantage" else "filter"
             self.slots[slot] = Slot(control, self.name, slot, kind, default, optional=slot != "advantage")
 
@@ -195,6 +203,13 @@ class CurateApp(AppHandler):
         added = self.store.add(traj, inc.value or b"", inc.partition, inc.offset, self._now())
         if added.status == "late":
             self.worker.drop("late_trajectory")
+            info = added.emitted or {}
+            self.worker.dead_letter(inc, LateTrajectoryError(
+                f"trajectory {traj.trajectory_id} arrived after its group {traj.group_id} was emitted without it "
+                f"({len(info.get('members', ()))} of {traj.group_size} members, after the {self.group_timeout_s:g} s "
+                "group timeout); raise curate's --group-timeout if this is frequent"))
+        elif added.status == "redelivered":
+            self.worker.drop("redelivered_trajectory")
         elif added.status == "duplicate":
             self.worker.drop("duplicate_in_group")
         elif added.group is not None:
@@ -228,19 +243,30 @@ class CurateApp(AppHandler):
     # ---- one group -------------------------------------------------------------------------------
 
     def _trained_versions(self, traj: Trajectory) -> dict[str, tuple[int, int]]:
-        """`trained_versions` of a trajectory of the group being emitted, computed once."""
+        """`Trajectory.trained_versions` of a trajectory of the group being emitted, computed once."""
         found = self._versions.get(traj.trajectory_id)
         if found is None:
-            found = self._versions[traj.trajectory_id] = trained_versions(traj)
+            found = self._versions[traj.trajectory_id] = traj.trained_versions()
         return found
 
     def _member_incoming(self, member: Member, traj: Trajectory) -> Incoming:
         return Incoming(traj, self.worker.source or "", member.partition, member.offset, traj.group_id.encode(), 0,
                         member.value, {})
 
+    def _dropped(self, items: Sequence[Any], policy: str, rule: str, strategy: str, reason: str) -> GroupDropped:
+        first = items[0]
+        return GroupDropped(group_id=first.group_id, task_id=getattr(first, "task_id", ""), prompt_id=first.prompt_id,
+                            policy=policy, trajectory_ids=[i.trajectory_id for i in items], component=self.name,
+                            filter=rule, strategy=strategy, reason=reason[:1000])
+
+    def _send_drops(self) -> None:
+        for d in self._drops:
+            self.worker.send_side(self.worker.topics.lineage, d, d.group_id)
+        self._drops = []
+
     def _emit(self, group: Group) -> None:
         """The group's feedback and train samples (or dead letters), in the current transaction."""
-        self._versions = {}
+        self._versions, self._drops = {}, []
         incs = [self._member_incoming(m, t) for t, m in group.members.values()]
         # Statistics first, whatever happens to the samples: the curator counts every group
         # curate finished (max-ahead), and a prompt whose group broke a filter is still news.
@@ -268,106 +294,8 @@ class CurateApp(AppHandler):
             for inc in incs:
                 self.worker.dead_letter(inc, exc)
             return
+        self._send_drops()  # with the samples, in the same transaction
         self.groups_emitted += 1
-
-    def process(self, group: Group) -> tuple[list[tuple[str, TrainSample, str]], list[tuple[str, PromptStats]]]:
-        """(train samples with their topic and key, feedback records with their key) of one group."""
-        self._versions = {}
-        return self.train_outputs(group), self.prompt_feedback(group)
-
-    def prompt_feedback(self, group: Group) -> list[tuple[str, PromptStats]]:
-        """Updated statistics of the group's prompt for each policy that trained in it, with their keys."""
-        return self._prompt_stats(group.trajectories)
-
-    def train_outputs(self, group: Group) -> list[tuple[str, TrainSample, str]]:
-        """The group's train samples with their topic and key (filters and advantages applied)."""
-        trajs = group.trajectories
-        if not group.complete and len(trajs) < self.min_group_size:
-            self.worker.drop("incomplete_group", len(trajs))
-            return []
-        # Advantages are computed on the whole (deduplicated) group, then filters mask samples
-        # out of it (as DAPO does): dropping a stale or over-long member must not change its
-        # siblings' advantages.
-        kept, refs = self._filter("filter.dedupe", trajs, FilterContext())
-        short, length_refs = self._filter("filter.length", kept, FilterContext())
-        short_ids = {t.trajectory_id for t in short}
-        by_id = {t.trajectory_id: t for t in kept}
-        outputs: list[tuple[str, TrainSample, str]] = []
-        for policy in trained_policies(kept, self._trained_versions):
-            if (self.policies and policy not in self.policies) or not self._has_train_topic(policy):
-                self.worker.drop("unrouted_policy", len(kept))
-                continue
-            samples = [s for t in kept if (s := train_sample(t, policy)) is not None]
-            if not samples:
-                continue
-            adv = self.slots["advantage"].get()
-            assert adv is not None
-            try:
-                values = advantages_for(samples, adv.impl)
-            except Exception as exc:
-                raise StrategyFailed(adv.name, exc) from exc
-            for sample, value in zip(samples, np.asarray(values, dtype=np.float64).tolist(), strict=True):
-                sample.advantage = float(value)
-            policy_refs = [*refs, *length_refs]
-            ctx = FilterContext(current_version=self.current_version(policy))
-            zero_variance, *others = self._sample_filter_slots()  # zero variance: judged on the whole group
-            samples, ref = self._filter(zero_variance, samples, ctx)
-            policy_refs += ref
-            samples = [s for s in samples if s.trajectory_id in short_ids]
-            for slot in others:
-                if slot == "filter.staleness" and ctx.current_version is None:
-                    continue  # no trainer version known yet: nothing can be stale
-                samples, ref = self._filter(slot, samples, ctx)
-                policy_refs += ref
-            policy_refs.append(adv.ref(self.name, "advantage"))
-            topic = self.worker.topics.train(policy)
-            for sample in samples:
-                sample.lineage = [*by_id[sample.trajectory_id].lineage, *policy_refs]
-                outputs.append((topic, sample, sample.group_id))
-        return outputs
-
-    def _filter(self, slot: str, items: list[Any], ctx: FilterContext) -> tuple[list[Any], list[StrategyRef]]:
-        strategy: Strategy[Any] | None = self.slots[slot].get()
-        if strategy is None or not items:
-            return items, []
-        try:
-            result: FilterResult[Any] = strategy(items, ctx)
-        except Exception as exc:
-            raise StrategyFailed(strategy.name, exc) from exc
-        if result.dropped:
-            self.worker.drop(strategy.name, len(result.dropped))
-        return list(result.kept), [strategy.ref(self.name, slot)]
-
-    def _sample_filter_slots(self) -> list[str]:
-        """Built-in sample filters, then any other `filter.*` slot the control topic names."""
-        control = self.worker.control
-        if control.generation != self._extra_generation:
-            self._extra_generation = control.generation
-            for slot in sorted(control.state.slots(self.name)):
-                if slot.startswith("filter.") and slot not in self.slots:
-                    self.slots[slot] = Slot(control, self.name, slot, "filter", SlotDefault("none"), optional=True)
-        extra = sorted(s for s in self.slots if s.startswith("filter.") and s not in (*TRAJECTORY_FILTERS, *SAMPLE_FILTERS))
-        return [*SAMPLE_FILTERS, *extra]
-
-    def _prompt_stats(self, trajs: list[Trajectory]) -> list[tuple[str, PromptStats]]:
-        out = []
-        versions = [self._trained_versions(t) for t in trajs]
-        for policy in trained_policies(trajs, self._trained_versions):
-            mine = [(t, v[policy]) for t, v in zip(trajs, versions, strict=True) if policy in v]
-            key = f"{policy}/{trajs[0].prompt_id}"
-            stats = update_prompt_stats(
-                self.stats.get(key),
-                [policy_reward(t, policy) for t, _ in mine],
-                [t.num_tokens for t, _ in mine],
-                max(newest for _, (_, newest) in mine),
-                alpha=self.stats_alpha,
-                prompt_id=trajs[0].prompt_id,
-                dataset=trajs[0].dataset,
-                policy=policy,
-            )
-            self.stats[key] = stats
-            out.append((key, stats))
-        return out
 
     def gauges(self) -> dict[str, float]:
         return {

@@ -6,28 +6,39 @@
     astraflow control set --experiment EXP curator pause on      # stop issuing; `off` resumes
 
 The curator is a Faust app like the others: its agent reads `feedback` (the per-prompt
-statistics curate publishes for every finished group) and a timer issues tasks. Every tick
+statistics curate publishes for every finished group) into the Faust table `prompt_stats`
+(`<policy>/<prompt id>` -> latest PromptStats, for the first `--policy` and the throttled
+ones, backed by the changelog topic
+`af.<experiment>.curator-prompt_stats-changelog` and written in the transaction of the feedback
+record, so a restarted worker, or one that takes the partitions over, starts from exactly the
+statistics the committed feedback offsets imply), and a timer issues tasks.
+Run one curator worker per experiment: the task accounting below is global. Every tick
 (0.2 s) it measures how many tasks are ahead of the trainer, and if fewer than
 `--max-ahead`, asks the curator strategy (slot `curator`, default `accept_all`) for that many
-prompts, given the prompts' latest statistics from `feedback` (those of the first `--policy`),
+prompts, given the prompts' latest statistics from `feedback` (those of the first `--policy`: the task's main policy),
 and writes one Task per prompt (`--n-samples` samples: one group) to `tasks`, keyed by group
 id, with lineage `StrategyRef("curator", "curator", name, version)`.
 
-**Tasks ahead** (in tasks; everything restart-safe because it comes from Kafka):
+**Tasks ahead** (in tasks; everything restart-safe because it comes from Kafka), for each
+policy P of `--throttle` (default: every `--policy`), and the curator keeps the largest
+below `--max-ahead` (the slowest trainer sets the pace, so none of them falls behind further
+than max-ahead; the others never wait for it anywhere else):
 
-    ahead = issued - curated + ceil(train_backlog / n_samples)
+    ahead(P) = issued - curated(P) + ceil(train_backlog(P) / n_samples)
 
 * `issued`: tasks ever written to `tasks` (sum of its end offsets at start, plus what this
   process wrote since);
-* `curated`: groups curate has finished, emitted or filtered out: the sum of `groups` over the
-  first policy's PromptStats on the compacted `feedback` topic (each record is cumulative, so
-  compaction loses nothing, and a record read twice changes nothing): read to its end at start,
-  then followed by the agent;
-* `train_backlog`: samples in `<policy>.train` the trainer has not consumed: end offsets minus
-  the committed offsets of the trainer's consumer group (`--trainer-group`, default
-  `af.<experiment>.<policy>.trainer`, what `astraflow train` commits); a partition without a
-  commit counts from its start. `--trainer-group none` leaves the trainer out (then only
-  tasks not yet curated are counted).
+* `curated(P)`: groups curate has finished, emitted or filtered out: the sum of `groups` over
+  P's PromptStats (each record is cumulative, so compaction loses nothing, and a record read
+  twice changes nothing), from the `prompt_stats` table;
+* `train_backlog(P)`: samples in `<P>.train` P's trainer has not consumed: end offsets minus
+  the committed offsets of the trainer's consumer group (`af.<experiment>.<P>.trainer`, what
+  `astraflow train` commits); a partition without a commit counts from its start.
+  `--trainer-group none` leaves the trainers out (then only tasks not yet curated are counted);
+  with one policy, `--trainer-group GROUP` names its trainer's group.
+
+A policy that trains in only some of a task's groups (curate publishes statistics only for the
+policies that trained in a group) must be left out of `--throttle`, or it would hold slots.
 
 So a task counts from the moment it is issued until the trainer consumed its samples (or
 curate dropped its group), which bounds staleness by about max-ahead / (tasks per version).
@@ -71,14 +82,15 @@ class CuratorOptions:
     """What the curator app issues and how far ahead."""
 
     datasets: Sequence[str | Path]  # JSONL / Parquet files
-    policies: Sequence[str]  # Task.policies; the first one's feedback drives choices and accounting
+    policies: Sequence[str]  # Task.policies; the first one's feedback chooses prompts
     n_samples: int = 8  # samples per prompt (one group)
     max_ahead: int = 64  # most tasks ahead of the trainer
     workflow: str = "rlvr"  # workflow of rows that do not name one
     sampling: SamplingParams = field(default_factory=SamplingParams)  # decoding parameters of every task
     max_tasks: int = 0  # stop after issuing this many (0: never)
     batch: int = 64  # most tasks issued per tick
-    trainer_group: str | None = None  # consumer group of the first policy's trainer; "none" to ignore it
+    trainer_group: str | None = None  # one policy: its trainer's consumer group; "none" ignores the trainers
+    throttle: Sequence[str] = ()  # policies whose progress bounds tasks ahead (empty: every policy)
     lag_interval_s: float = 0.2  # how often the trainer's backlog is measured (every tick)
 
 
@@ -89,6 +101,7 @@ class CuratorApp(AppHandler):
     sources = ("feedback",)
     expect = PromptStats
     tick_interval_s = 0.2
+    tables = ("prompt_stats",)
 
     def __init__(self, options: CuratorOptions, defaults: dict[str, SlotDefault] | None = None) -> None:
         if not options.policies:
@@ -97,48 +110,64 @@ class CuratorApp(AppHandler):
             raise ConfigError("--n-samples and --max-ahead must be >= 1")
         self.options = options
         self.defaults = {**DEFAULTS, **(defaults or {})}
-        self.primary = options.policies[0]
+        self.primary = options.policies[0]  # its statistics choose prompts
+        self.throttled = tuple(dict.fromkeys(options.throttle or options.policies))
+        unknown = [p for p in self.throttled if p not in options.policies]
+        if unknown:
+            raise ConfigError(f"--throttle {', '.join(unknown)}: not among the tasks' policies ({', '.join(options.policies)})")
+        if options.trainer_group and options.trainer_group.lower() != "none" and len(self.throttled) > 1:
+            raise ConfigError("--trainer-group names one trainer's group; with several policies each trainer's group is "
+                              "af.<experiment>.<policy>.trainer (or pass --trainer-group none)")
         self.rows: list[DatasetRow] = load_datasets(options.datasets)
         self.by_id = {r.prompt.prompt_id: r for r in self.rows}
         self.pool = [r.prompt for r in self.rows]
         self.stats: dict[str, PromptStats] = {}  # prompt_id -> latest PromptStats of the primary policy
-        self.curated = 0  # sum of stats[*].groups
+        self.curated_by: dict[str, int] = dict.fromkeys(self.throttled, 0)  # policy -> sum of its stats' groups
+        self.groups_seen: dict[str, dict[str, int]] = {p: {} for p in self.throttled}  # policy -> prompt -> groups
         self.issued = 0  # tasks ever written to the tasks topic
         self.issued_here = 0  # by this process
         self.skipped = 0  # prompts the strategy passed over
-        self.backlog = 0  # train samples the trainer has not consumed
+        self.backlog_by: dict[str, int] = dict.fromkeys(self.throttled, 0)  # policy -> samples its trainer has not consumed
         self.ahead = 0
         self.paused = False
         self._zv = [0, 0, 0]  # zero-variance groups seen since the last observe(): easy, hard, total
         self._run = uuid.uuid4().hex[:6]
         self._lag_due = 0.0
-        self._curated_at_lag = 0  # `curated` when the backlog was last measured
+        self._curated_at_lag: dict[str, int] = dict.fromkeys(self.throttled, 0)  # `curated_by` when the backlogs were measured
         self._lag_consumer: Any = None
+        self._readers: dict[str, Any] = {}  # trainer group -> consumer that reads its committed offsets
+        self._recovered = False  # the prompt_stats table was recovered: statistics are known
 
     def bind(self, worker: Any) -> None:
         from confluent_kafka import Consumer
 
-        from astraflow.control import CompactedReader
+        from astraflow.kafka.clients import reader_config
 
         super().bind(worker)
         self.slot = Slot(worker.control, self.name, "curator", "curator", self.defaults["curator"])
         self.tasks_topic = worker.topics.tasks
-        self.train_topic = worker.topics.train(self.primary)
-        group = self.options.trainer_group or f"af.{worker.settings.experiment}.{self.primary}.trainer"
-        self.trainer_group = None if group.lower() == "none" else group
-        # Never subscribes: only reads watermarks and the trainer group's committed offsets.
-        self._lag_consumer = Consumer({**worker.kafka.client_config(), "group.id": self.trainer_group or f"af-curator-{self._run}",
-                                       "enable.auto.commit": False})
+        given = self.options.trainer_group
+        if given is not None and given.lower() == "none":
+            self.trainer_groups: dict[str, str] = {}
+        else:
+            self.trainer_groups = {p: given or f"af.{worker.settings.experiment}.{p}.trainer" for p in self.throttled}
+        self.train_topics = {p: worker.topics.train(p) for p in self.throttled}
+        # Never subscribes: only reads watermarks and each trainer group's committed offsets.
+        self._lag_consumer = Consumer(reader_config(worker.kafka, f"af-curator-{self._run}"))
         self.issued = sum(high for _, high in self._watermarks(self.tasks_topic).values())
-        history = CompactedReader(
-            worker.kafka, worker.topics.feedback, serde=worker.serde, expect=PromptStats, on_record=self._on_feedback
-        )
-        try:
-            history.catch_up()
-        finally:
-            history.close()
+        log.info("curator: %d prompts, %d tasks issued so far", len(self.pool), self.issued)
+
+    def on_recovered(self, table: str) -> None:
+        """The `prompt_stats` table was recovered (start, takeover): statistics and `curated` from it."""
+        self.stats = {}
+        self.curated_by = dict.fromkeys(self.throttled, 0)
+        self.groups_seen = {p: {} for p in self.throttled}
+        for key, value in list(self.worker.table("prompt_stats").items()):
+            self._on_feedback(key.decode(), self.worker.serde.loads(value, PromptStats))
         self._zv = [0, 0, 0]  # history is not news: observe only what arrives from now on
-        log.info("curator: %d prompts, %d tasks issued so far, %d groups curated", len(self.pool), self.issued, self.curated)
+        if not self._recovered:
+            log.info("curator: statistics of %d prompts, %d groups curated", len(self.stats), self.curated)
+        self._recovered = True
 
     def _watermarks(self, topic: str) -> dict[int, tuple[int, int]]:
         from astraflow.kafka.clients import watermarks
@@ -150,50 +179,88 @@ class CuratorApp(AppHandler):
         return {p: watermarks(self._lag_consumer, topic, p) for p in meta.partitions}
 
     def handle(self, inc: Incoming) -> None:
-        """A feedback record (curate finished a group of this prompt)."""
-        self._on_feedback(inc.key_str or "", inc.record)
+        """A feedback record (curate finished a group of this prompt): into the table, in its transaction."""
+        key = inc.key_str or ""
+        if self._on_feedback(key, inc.record) and inc.value is not None:
+            self.worker.table("prompt_stats")[key.encode()] = inc.value
 
-    def _on_feedback(self, key: str, stats: PromptStats | None) -> None:
+    def _on_feedback(self, key: str, stats: PromptStats | None) -> bool:
+        """Takes newer statistics of a prompt (primary or throttled policy); returns whether it did."""
         policy, _, prompt_id = key.partition("/")
-        if policy != self.primary or stats is None:
-            return
+        if stats is None:
+            return False
+        seen = self.groups_seen.get(policy)
+        kept = False
+        if seen is not None:  # a throttled policy: count its newly curated groups
+            new = stats.groups - seen.get(prompt_id, 0)
+            if new > 0:
+                seen[prompt_id] = stats.groups
+                self.curated_by[policy] += new
+                kept = True
+        if policy != self.primary:
+            return kept
         old = self.stats.get(prompt_id)
-        new_groups = stats.groups - (old.groups if old else 0)
-        if new_groups <= 0:
-            return
+        if old is not None and stats.groups <= old.groups:
+            return kept
         self.stats[prompt_id] = stats
-        self.curated += new_groups
         if stats.zero_variance_streak > 0:
             self._zv[0 if stats.last_pass_rate >= 0.5 else 1] += 1
         self._zv[2] += 1
+        return True
 
-    def measure_backlog(self) -> int:
-        """Train samples of the primary policy the trainer has not consumed yet."""
-        if self.trainer_group is None:
+    @property
+    def curated(self) -> int:
+        """Groups curated by the slowest throttled policy."""
+        return min(self.curated_by.values(), default=0)
+
+    @property
+    def backlog(self) -> int:
+        """Train samples not consumed yet, of the policy with the most."""
+        return max(self.backlog_by.values(), default=0)
+
+    def measure_backlog(self, policy: str) -> int:
+        """Train samples of `policy` its trainer has not consumed yet (0 when trainers are ignored)."""
+        group = self.trainer_groups.get(policy)
+        if group is None:
             return 0
-        from confluent_kafka import TopicPartition
+        from confluent_kafka import Consumer, TopicPartition
 
-        marks = self._watermarks(self.train_topic)
-        committed = self._lag_consumer.committed([TopicPartition(self.train_topic, p) for p in marks], timeout=10.0)
+        from astraflow.kafka.clients import reader_config
+
+        topic = self.train_topics[policy]
+        marks = self._watermarks(topic)
+        # committed() reads the offsets of the consumer's own group: one short-lived reader per trainer group.
+        reader = self._readers.get(group)
+        if reader is None:
+            reader = self._readers[group] = Consumer(reader_config(self.worker.kafka, group))
+        committed = reader.committed([TopicPartition(topic, p) for p in marks], timeout=10.0)
         done = {tp.partition: tp.offset for tp in committed}
         return sum(high - max(low, done.get(p, -1)) for p, (low, high) in marks.items())
 
+    def ahead_by(self) -> dict[str, int]:
+        """Tasks ahead per throttled policy, with the counts taken at the last backlog measurement."""
+        return {p: tasks_ahead(self.issued, self._curated_at_lag[p], self.backlog_by[p], self.options.n_samples)
+                for p in self.throttled}
+
     def tick(self, now: float) -> None:
+        if not self._recovered:
+            return  # statistics not known yet: nothing to count or choose from
         self._observe()
         if now >= self._lag_due:
             self._lag_due = now + self.options.lag_interval_s
-            curated = self.curated  # read BEFORE the backlog: see below the measurement
-            try:
-                self.backlog = self.measure_backlog()
-                self._curated_at_lag = curated
-            except (KafkaException, AstraflowError) as exc:  # a slow broker: keep the last figures, retry next tick
-                log.warning("could not measure the trainer's backlog (%s); using the last value", exc)
+            for policy in self.throttled:
+                curated = self.curated_by[policy]  # read BEFORE the backlog: see below the measurement
+                try:
+                    self.backlog_by[policy] = self.measure_backlog(policy)
+                    self._curated_at_lag[policy] = curated
+                except (KafkaException, AstraflowError) as exc:  # a slow broker: keep the last figures, retry next tick
+                    log.warning("could not measure the %s trainer's backlog (%s); using the last value", policy, exc)
         control = self.worker.control.get("pause")
         self.paused = control is not None and control.strategy.lower() in PAUSE_ON
         # Groups curated since the backlog was measured are in `curated` but their samples are not
         # in `backlog` yet: counting them as done would issue more than max-ahead. So `curated` is
         # the count taken just before that measurement (a group counts as ahead a little longer).
-        self.ahead = tasks_ahead(self.issued, self._curated_at_lag, self.backlog, self.options.n_samples)
+        self.ahead = max(self.ahead_by().values(), default=0)
         room = self.options.max_ahead - self.ahead
         if self.options.max_tasks:
             room = min(room, self.options.max_tasks - self.issued_here)
@@ -212,7 +279,7 @@ class CuratorApp(AppHandler):
             self.worker.send(self.tasks_topic, task, task.group_id)
             self.issued += 1
             self.issued_here += 1
-        self.ahead = tasks_ahead(self.issued, self._curated_at_lag, self.backlog, self.options.n_samples)
+        self.ahead = max(self.ahead_by().values(), default=0)
 
     def _task(self, row: DatasetRow, ref: Any) -> Task:
         task_id = f"{self._run}-{self.issued_here}"
@@ -247,8 +314,12 @@ class CuratorApp(AppHandler):
             "groups_curated_total": float(self.curated), "train_backlog": float(self.backlog),
             "prompts_skipped_total": float(self.skipped), "paused": float(self.paused),
             "control_version.curator": float(self.slot.version),
+            **{f"tasks_ahead.{p}": float(a) for p, a in self.ahead_by().items()},
+            **{f"train_backlog.{p}": float(b) for p, b in self.backlog_by.items()},
         }
 
     def close(self) -> None:
-        if self._lag_consumer is not None:
-            self._lag_consumer.close()
+        for consumer in [self._lag_consumer, *self._readers.values()]:
+            if consumer is not None:
+                consumer.close()
+        self._readers.clear()

@@ -49,10 +49,11 @@ from typing import TYPE_CHECKING, Any, Literal
 from astraflow.config import TopicSettings
 from astraflow.errors import AstraflowError, KafkaLayerError, RecordTooLargeError, SerdeError
 from astraflow.kafka.offsets import OffsetTracker
-from astraflow.records import DeadLetter
+from astraflow.records import DeadLetter, Metric
 from stream_apps.handler import AppHandler, Incoming, StrategyFailed
 from stream_apps.lifecycle import EngineLifecycle
 from stream_apps.metrics import MetricsReporter, WorkerStats
+from stream_apps.takeover import Takeover
 
 if TYPE_CHECKING:
     import faust
@@ -133,11 +134,13 @@ class StreamEngine(EngineLifecycle):
         self.app: faust.App
         self.tables: dict[str, Any] = {}
         self.tracker = OffsetTracker()
+        self.takeover = Takeover(self.tracker, bool(handler.tables))
         self._gates: dict[int, asyncio.Lock] = {}
         self._tasks: set[asyncio.Future[Any]] = set()
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reporter = MetricsReporter(handler.name, self.instance_id, {"experiment": settings.experiment})
+        self.metric_observers: list[Callable[[Metric], None]] = []  # e.g. the role's /metrics endpoint
         self._dirty: set[int] = set()  # partitions with records produced since their last commit
         self._crashing: asyncio.Future[Any] | None = None
         self._seen_record = False  # per Faust app built: logged once, so supervisors see it is working
@@ -213,8 +216,12 @@ class StreamEngine(EngineLifecycle):
     async def _on_event(self, event: Any) -> None:
         msg = event.message
         tp = (msg.topic, msg.partition)
+        if self.exactly_once and self.takeover.skip(msg.topic, msg.partition, msg.offset, self.app.rebalancing_count):
+            return  # held back while the tables recover, or read twice (stream_apps.takeover)
         inc = Incoming(None, msg.topic, msg.partition, msg.offset, msg.key, int((msg.timestamp or 0) * 1000), msg.value,
                        {k: (v.decode(errors="replace") if isinstance(v, bytes) else str(v)) for k, v in (msg.headers or [])})
+        if not self.tracker.owns(tp):  # the first record of this assignment of the partition
+            self.log.info("%s[%d] read from offset %d", msg.topic, msg.partition, msg.offset)
         inc.epoch = self.tracker.received(tp, msg.offset)
         self.stats.records_in += 1
         if self.stats.first_in_at is None:
@@ -228,6 +235,8 @@ class StreamEngine(EngineLifecycle):
         box_token, part_token = _OUTBOX.set(outbox), _PARTITION.set(msg.partition)
         try:
             async with self._gate(msg.partition):
+                if not self._current(inc):
+                    return  # revoked while it waited (its table writes would outlive the recovery): read again
                 pending = self._handle(inc)
                 if pending is None:
                     await self._finish(inc, outbox, msg)
@@ -283,12 +292,16 @@ class StreamEngine(EngineLifecycle):
 
     async def _finish(self, inc: Incoming, outbox: list[_Out], msg: Any) -> None:
         """Produces a record's outputs into its partition's transaction and acks it (gate held)."""
-        if self.tracker._parts.get(inc.tp) is None or self.tracker._parts[inc.tp].epoch != inc.epoch:
+        if not self._current(inc):
             return  # revoked meanwhile: its new owner handles it again
         await self._produce(outbox, inc.partition)
         self.tracker.finished(inc.tp, inc.offset, inc.epoch)
         self._dirty.add(inc.partition)
         msg.ack(self.app.consumer)
+
+    def _current(self, inc: Incoming) -> bool:
+        state = self.tracker._parts.get(inc.tp)
+        return state is not None and state.epoch == inc.epoch
 
     async def _produce(self, outbox: list[_Out], partition: int | None) -> None:
         tid = self.tid(partition) if self.exactly_once and partition is not None else None
@@ -309,17 +322,19 @@ class StreamEngine(EngineLifecycle):
         self._crashing = asyncio.ensure_future(self.app.crash(exc))
 
     async def in_partition(self, partition: int, fn: Callable[[], Any]) -> Any:
-        """Runs `fn` (sync) in a transaction of source `partition`: its sends and table writes commit together."""
+        """Runs `fn` (sync) in a transaction of source `partition`: its sends and table writes commit together.
+        Not during a rebalance (None): the tables recover, `fn` would read a partial state."""
         outbox: list[_Out] = []
         box_token, part_token = _OUTBOX.set(outbox), _PARTITION.set(partition)
         try:
             async with self._gate(partition):
-                if partition not in self.assigned():
+                if partition not in self.assigned() or self.app.rebalancing:
                     return None
                 result = fn()
                 await self._produce(outbox, partition)
-                if self.exactly_once:
-                    await self.transactions.commit_partition(partition, offsets=False)
+                if self.exactly_once:  # with the offsets of the records finished so far: their table
+                    # writes are in this transaction too, and must not commit without them
+                    await self.transactions.commit_partition(partition)
                 return result
         finally:
             _OUTBOX.reset(box_token)
@@ -380,9 +395,12 @@ class StreamEngine(EngineLifecycle):
     async def _publish_metrics(self) -> None:
         for m in self._reporter.report(self.stats, self.gauges()):
             await self.send_now(self.topics.metrics, m, key=self.instance_id)
+            for observe in self.metric_observers:
+                observe(m)
 
     def on_revoked(self, partitions: set[int]) -> None:
         if self.source is None:
             return
         self.tracker.forget({(self.source, p) for p in partitions})
+        self.takeover.forget({(self.source, p) for p in partitions})
         self.handler.on_revoke(partitions)

@@ -6,11 +6,15 @@
 left (a redelivery, or a straggler past the timeout) is recognised as late. Its state lives in
 plain mappings of bytes, which curate backs with Faust tables.
 
-`train_sample(trajectory, policy, ...)` makes one sequence per policy out of a trajectory:
-every segment's tokens in order; the loss mask is the segment's mask on that policy's
-segments and 0 elsewhere; behaviour logprobs and versions are kept where the mask is 1 (0 and
--1 elsewhere); `min_version` is the oldest version among those tokens. A trajectory without
-trained tokens for a policy gives no sample for it.
+`train_samples(trajectory, policy, ...)` makes one TrainSample per training sequence of the
+policy (`astraflow.dataflow.sequences.policy_sequences`): the policy's own segments, in order,
+cut before each of its `prompt` segments after the first (an agent that rewrote its history
+starts a new sequence). Other policies' segments are never part of it: a policy sees another's
+output only as text in its own context (their tokenizers may differ). The loss mask is the
+segments' mask; behaviour logprobs and versions are kept where it is 1 (0 and -1 elsewhere);
+`min_version` is the oldest version among those tokens. A sequence without trained tokens
+gives no sample, and the ids (`<trajectory>#<policy>`, then `#<k>`) are stable whatever is
+skipped.
 
 Per-policy rewards: a trajectory has one `reward`; a reward strategy may give a policy its own
 one as the component `policy.<name>` (a verifier judged on its verdict, a solver on its
@@ -27,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from astraflow.dataflow.sequences import policy_sequences, sequence_sample_id
 from astraflow.records import StrategyRef, TrainSample, Trajectory
 
 
@@ -63,8 +68,9 @@ class Group:
 class Added:
     """What `GroupStore.add` did with a trajectory."""
 
-    status: str  # held | complete | duplicate | late
+    status: str  # held | complete | duplicate | redelivered | late
     group: Group | None = None  # the ready group when status == complete
+    emitted: dict[str, Any] | None = None  # late / redelivered: what `emitted` holds of its group
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +93,10 @@ class GroupStore:
 
     * `groups`: group id -> JSON {expected, partition, first_seen, members};
     * `members`: `<group id>\\0<trajectory id>` -> 8-byte offset + the trajectory's bytes;
-    * `emitted`: group id -> JSON {at, partition}, kept `emitted_ttl_s` (a trajectory of an
-      emitted group arriving later, e.g. redelivered, is `late`).
+    * `emitted`: group id -> JSON {at, partition, members, complete}, kept `emitted_ttl_s`. A
+      trajectory of an emitted group arriving later is `redelivered` when it was among the members
+      emitted (its samples already left: a redelivery, dropped), `late` when it was not (its group
+      left without it, after a timeout: curate dead-letters it, so it is never lost unseen).
 
     Times are wall-clock seconds, so timeouts survive restarts. `decode` turns a member's bytes
     back into a Trajectory.
@@ -115,8 +123,10 @@ class GroupStore:
 
     def add(self, traj: Trajectory, value: bytes, partition: int, offset: int, now: float) -> Added:
         gid = traj.group_id
-        if gid.encode() in self.emitted:
-            return Added("late")
+        emitted = self.emitted.get(gid.encode())
+        if emitted is not None:
+            info = json.loads(emitted)
+            return Added("redelivered" if traj.trajectory_id in info.get("members", ()) else "late", emitted=info)
         p = self.pending(gid) or Pending(gid, max(traj.group_size, 1), partition, now, ())
         if traj.trajectory_id in p.members:
             return Added("duplicate")
@@ -145,7 +155,8 @@ class GroupStore:
                 member = Member(p.partition, struct.unpack(">q", raw[:8])[0], raw[8:])
                 group.members[tid] = (self.decode(member.value), member)
         self.groups.pop(p.group_id.encode(), None)
-        self.emitted[p.group_id.encode()] = json.dumps({"at": now, "partition": p.partition}).encode()
+        self.emitted[p.group_id.encode()] = json.dumps({"at": now, "partition": p.partition, "members": list(p.members),
+                                                        "complete": complete}).encode()
         return group
 
     def prune_emitted(self, now: float, partition: int) -> int:
@@ -185,26 +196,12 @@ def _member_key(group_id: str, trajectory_id: str) -> bytes:
     return f"{group_id}\0{trajectory_id}".encode()
 
 
-def trained_versions(traj: Trajectory) -> dict[str, tuple[int, int]]:
-    """Per policy that trained tokens (loss_mask 1) in `traj`: (oldest, newest) version among them."""
-    out: dict[str, tuple[int, int]] = {}
-    for seg in traj.segments:
-        mask = np.asarray(seg.loss_mask).astype(bool, copy=False)
-        if not mask.any():
-            continue
-        v = np.asarray(seg.versions)[mask]
-        lo, hi = int(v.min()), int(v.max())
-        old = out.get(seg.policy)
-        out[seg.policy] = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
-    return out
-
-
 def trained_policies(
-    trajectories: Iterable[Trajectory], versions: Callable[[Trajectory], dict[str, tuple[int, int]]] = trained_versions
+    trajectories: Iterable[Trajectory], versions: Callable[[Trajectory], dict[str, tuple[int, int]]] = Trajectory.trained_versions
 ) -> list[str]:
     """Policies that generated trained tokens (loss_mask 1) in any trajectory, in order of appearance.
 
-    `versions` computes `trained_versions` (pass a cached one to scan each trajectory once).
+    `versions` computes `Trajectory.trained_versions` (pass a cached one to scan each trajectory once).
     """
     seen: dict[str, None] = {}
     for t in trajectories:
@@ -223,58 +220,45 @@ def policy_reward(traj: Trajectory, policy: str) -> float:
     return float(traj.reward)
 
 
-def sample_id(trajectory_id: str, policy: str) -> str:
-    """Deterministic, so a re-emitted group yields the same ids (the trainer can drop duplicates)."""
-    return f"{trajectory_id}#{policy}"
-
-
-def train_sample(
+def train_samples(
     traj: Trajectory, policy: str, *, advantage: float = 0.0, lineage: list[StrategyRef] | None = None
-) -> TrainSample | None:
-    """One training sequence of `traj` for `policy` (see the module doc); None if it trains nothing."""
-    segs = traj.segments
-    if not segs:
-        return None
-    mine = [seg.policy == policy for seg in segs]
-    if not any(mine):
-        return None
-    loss_mask = np.concatenate([
-        np.asarray(seg.loss_mask, dtype=np.uint8) if m else np.zeros(len(seg), np.uint8) for seg, m in zip(segs, mine, strict=True)
-    ])
-    on = loss_mask.astype(bool)
-    if not on.any():
-        return None
-    token_ids = np.concatenate([np.asarray(seg.token_ids, dtype=np.int32) for seg in segs])
-    if all(mine):  # one policy: its arrays as they are, zeroed where not trained
-        logp = np.concatenate([np.asarray(seg.logprobs, dtype=np.float32) for seg in segs])
-        vers = np.concatenate([np.asarray(seg.versions, dtype=np.int32) for seg in segs])
-    else:
-        logp = np.concatenate([
-            np.asarray(seg.logprobs, dtype=np.float32) if m else np.zeros(len(seg), np.float32) for seg, m in zip(segs, mine, strict=True)
-        ])
-        vers = np.concatenate([
-            np.asarray(seg.versions, dtype=np.int32) if m else np.full(len(seg), -1, np.int32) for seg, m in zip(segs, mine, strict=True)
-        ])
-    logp = np.where(on, logp, np.float32(0))
-    vers = np.where(on, vers, np.int32(-1))
-    return TrainSample(
-        sample_id=sample_id(traj.trajectory_id, policy),
-        trajectory_id=traj.trajectory_id,
-        group_id=traj.group_id,
-        prompt_id=traj.prompt_id,
-        policy=policy,
-        token_ids=token_ids,
-        loss_mask=loss_mask,
-        behaviour_logprobs=logp,
-        versions=vers,
-        advantage=float(advantage),
-        reward=policy_reward(traj, policy),
-        min_version=int(vers[on].min()),
-        lineage=list(lineage or []),
-        temperature=traj.temperature,
-    )
+) -> list[TrainSample]:
+    """The training sequences of `traj` for `policy`, one TrainSample each (see the module doc).
 
-
-def newest_version(traj: Trajectory, policy: str) -> int:
-    """Newest policy version among `policy`'s trained tokens of `traj` (-1 if none)."""
-    return trained_versions(traj).get(policy, (-1, -1))[1]
+    A sequence is `policy_sequences(traj, policy)[k]`: exactly the tokens that policy saw and
+    sampled, in order; its id is `sequence_sample_id(trajectory_id, policy, k)`. Sequences that
+    train nothing (loss mask all 0) give no sample, and ids of the others do not shift.
+    """
+    out: list[TrainSample] = []
+    for k, seq in enumerate(policy_sequences(traj, policy)):
+        loss_mask = np.concatenate([np.asarray(seg.loss_mask, dtype=np.uint8) for seg in seq])
+        on = loss_mask.astype(bool)
+        if not on.any():
+            continue
+        for seg in seq:
+            sizes = {len(seg.token_ids), len(seg.logprobs), len(seg.loss_mask), len(seg.versions)}
+            if len(sizes) != 1:
+                raise ValueError(f"trajectory {traj.trajectory_id}: a {seg.role} segment of policy {policy!r} has "
+                                 f"arrays of unequal lengths {sorted(sizes)}; the node that wrote it is broken")
+        token_ids = np.concatenate([np.asarray(seg.token_ids, dtype=np.int32) for seg in seq])
+        logp = np.concatenate([np.asarray(seg.logprobs, dtype=np.float32) for seg in seq])
+        vers = np.concatenate([np.asarray(seg.versions, dtype=np.int32) for seg in seq])
+        logp = np.where(on, logp, np.float32(0))
+        vers = np.where(on, vers, np.int32(-1))
+        out.append(TrainSample(
+            sample_id=sequence_sample_id(traj.trajectory_id, policy, k),
+            trajectory_id=traj.trajectory_id,
+            group_id=traj.group_id,
+            prompt_id=traj.prompt_id,
+            policy=policy,
+            token_ids=token_ids,
+            loss_mask=loss_mask,
+            behaviour_logprobs=logp,
+            versions=vers,
+            advantage=float(advantage),
+            reward=policy_reward(traj, policy),
+            min_version=int(vers[on].min()),
+            lineage=list(lineage or []),
+            temperature=traj.temperature,
+        ))
+    return out

@@ -73,6 +73,9 @@ class AppHandler:
     def tick(self, now: float) -> Awaitable[None] | None:
         """Periodic work (timeouts, source apps' production); may return an awaitable."""
 
+    def on_recovered(self, table: str) -> None:
+        """Faust recovered table `table` after a start or a rebalance (its content is complete now)."""
+
     def on_revoke(self, partitions: set[int]) -> None:
         """Partitions of the source are leaving this worker: drop what is kept for them."""
 

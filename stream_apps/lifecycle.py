@@ -3,6 +3,12 @@
 `run()` blocks (the CLI): it builds the Faust app, runs it until it is stopped or crashes, and
 builds it again after `restart_delay_s` while the error is not a `ConfigError`, so a worker
 outlives broker outages. `start_thread()` runs the same in a thread (tests, benchmarks).
+
+Each app runs in an event loop of its own. When the app has ended, the tasks it left are
+cancelled and given `SHUTDOWN_TIMEOUT_S`; tasks that ignore their cancellation are abandoned
+with the loop. (`asyncio.run` waits for them forever: after a crash during a broker restart, a
+Faust task kept looping through its cancellation, and the worker stayed alive but idle, never
+rebuilding its app.)
 """
 
 from __future__ import annotations
@@ -17,9 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 from astraflow.errors import ConfigError, KafkaLayerError
 from astraflow.kafka.offsets import OffsetTracker
+from stream_apps.takeover import Takeover
 
 if TYPE_CHECKING:
     import faust
+
+SHUTDOWN_TIMEOUT_S = 15.0  # how long the tasks an ended app left get to finish their cancellation
 
 
 class EngineLifecycle:
@@ -40,6 +49,7 @@ class EngineLifecycle:
     stopped: threading.Event
     error: BaseException | None
     tracker: OffsetTracker
+    takeover: Takeover
     _stop: threading.Event
     _loop: asyncio.AbstractEventLoop | None
     _gates: dict[int, asyncio.Lock]
@@ -49,6 +59,9 @@ class EngineLifecycle:
     _bound: bool
 
     async def _publish_metrics(self) -> None:
+        raise NotImplementedError
+
+    async def commit(self) -> None:
         raise NotImplementedError
 
     def build(self) -> faust.App:
@@ -64,7 +77,7 @@ class EngineLifecycle:
             while not self._stop.is_set():
                 self.error = None
                 try:
-                    asyncio.run(self.run_once())
+                    self._run_loop()
                 except ConfigError:
                     raise  # the user must fix something: retrying cannot help
                 except Exception as exc:  # e.g. Kafka unreachable while building the app
@@ -77,10 +90,34 @@ class EngineLifecycle:
         finally:
             self.stopped.set()
 
+    def _run_loop(self) -> None:
+        """`asyncio.run(self.run_once())`, except that leftover tasks get `SHUTDOWN_TIMEOUT_S` (module doc)."""
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self.run_once())
+        finally:
+            try:
+                left = [t for t in asyncio.all_tasks(loop) if not t.done()]
+                for t in left:
+                    t.cancel()
+                if left:
+                    _, stuck = loop.run_until_complete(asyncio.wait(left, timeout=SHUTDOWN_TIMEOUT_S))
+                    if stuck:
+                        self.log.warning("%s: %d task(s) ignored their cancellation for %.0f s and are abandoned: %s",
+                                         self.handler.name, len(stuck), SHUTDOWN_TIMEOUT_S,
+                                         ", ".join(sorted({t.get_coro().__qualname__ for t in stuck}))[:300])
+                for final in (loop.shutdown_asyncgens(), loop.shutdown_default_executor()):  # as asyncio.run, bounded
+                    loop.run_until_complete(asyncio.wait([loop.create_task(final)], timeout=SHUTDOWN_TIMEOUT_S))
+            finally:
+                asyncio.set_event_loop(None)
+                loop.close()
+
     async def run_once(self) -> None:
         """Runs the Faust app until stopped or crashed."""
         self._loop = asyncio.get_running_loop()
         self.tracker = OffsetTracker()
+        self.takeover = Takeover(self.tracker, bool(self.handler.tables))
         self._gates, self._tasks, self._dirty = {}, set(), set()
         self._seen_record = False
         app = self.build()
@@ -122,6 +159,8 @@ class EngineLifecycle:
         try:
             if self._tasks:
                 await asyncio.wait(self._tasks, timeout=10.0)
+            if self.started.is_set() and app.crash_reason is None:
+                await self.commit()  # what finished since the last commit interval (a graceful stop)
             if self.started.is_set() and app.producer is not None:
                 try:
                     await self._publish_metrics()
@@ -130,9 +169,10 @@ class EngineLifecycle:
             await app.stop()
         except Exception as exc:
             self.log.warning("%s: Faust app did not stop cleanly: %r", self.handler.name, exc)
-        self.log.info("%s worker %s stopped: %d in, %d out, %d dead-lettered, %d dropped", self.handler.name,
-                      self.instance_id, self.stats.records_in, self.stats.records_out,
-                      self.stats.dead_lettered_total, self.stats.dropped_total)
+        self.log.info("%s worker %s stopped: %d in, %d out, %d dead-lettered, %d dropped; %d held back while tables "
+                      "recovered, %d handed over twice", self.handler.name, self.instance_id, self.stats.records_in,
+                      self.stats.records_out, self.stats.dead_lettered_total, self.stats.dropped_total,
+                      self.takeover.held_back, self.takeover.redelivered)
 
     def close(self) -> None:
         """Releases what outlives the app (the control reader, the handler's readers)."""

@@ -11,7 +11,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -83,16 +83,42 @@ def topic_factory(kafka: KafkaSettings, unique: Callable[[str], str]) -> Iterato
 
 
 @pytest.fixture
-def experiment(kafka: KafkaSettings, unique: Callable[[str], str]) -> Iterator[str]:
-    """A fresh experiment whose topics (policy `policy`) exist; deleted afterwards."""
+def make_experiment(kafka: KafkaSettings, unique: Callable[[str], str]) -> Iterator[Callable[..., str]]:
+    """Makes fresh experiments: `make_experiment(prefix, policies)` creates the topics of those
+    policies (2 partitions each) and returns the experiment's name; all are deleted afterwards."""
     from astraflow.kafka.topics import TopicAdmin, topic_specs
 
-    name = unique("exp")
     admin = TopicAdmin(kafka)
-    specs = topic_specs(name, ["policy"], TopicSettings(partitions=2))
-    admin.create(specs)
-    yield name
-    admin.delete([s.name for s in specs])
+    made: list[str] = []
+
+    def make(prefix: str = "exp", policies: Sequence[str] = ("policy",)) -> str:
+        name = unique(prefix)
+        specs = topic_specs(name, list(policies), TopicSettings(partitions=2))
+        admin.create(specs)
+        made.extend(s.name for s in specs)
+        return name
+
+    yield make
+    if made:
+        admin.delete(made)
+
+
+@pytest.fixture
+def experiment(make_experiment: Callable[..., str]) -> str:
+    """A fresh experiment whose topics (policy `policy`) exist; deleted afterwards."""
+    return make_experiment("exp")
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op torch thread for the test: tiny matrices on a shared 2-core machine run much
+    faster so."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,8 @@
 - `AtomicCheckpointIO` + `save_checkpoint`: checkpoints written to a temporary file, fsynced and
   renamed (and the directory fsynced), so `kill -9` never leaves a torn file.
 - `SnapshotRequests`: snapshot requests for this policy from the control topic.
-- `KafkaMetrics`: the module's step metrics and staleness histogram as Metric records
-  (best effort: a broker outage delays them, never stops training).
+- `KafkaMetrics`: the module's metrics and staleness histogram of every `every`-th batch as
+  Metric records (best effort: a broker outage delays them, never stops training).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import re
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,11 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from astraflow.config import KafkaSettings
 from astraflow.errors import KafkaLayerError, ProduceError, SerdeError
-from astraflow.kafka.clients import RecordProducer
+from astraflow.kafka.clients import RecordProducer, reader_config, watermarks
 from astraflow.kafka.topics import Topics
 from astraflow.records import Control, Metric
 from astraflow.serde import AvroSerde
-from astraflow.weights.publish import CONTROL_APP, watermarks
+from astraflow.weights.versions import CONTROL_APP
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class SnapshotRequests:
     def __init__(self, kafka: KafkaSettings, topics: Topics, policy: str) -> None:
         self.key = f"{CONTROL_APP}/{policy}.snapshot"
         self.serde = AvroSerde()
-        self._consumer = Consumer({**kafka.client_config(), "group.id": "astraflow-trainer-control", "enable.auto.commit": False})
+        self._consumer = Consumer(reader_config(kafka, "astraflow-trainer-control"))
         try:
             _, high = watermarks(self._consumer, topics.control, 0)
             self._consumer.assign([TopicPartition(topics.control, 0, high)])
@@ -108,22 +109,30 @@ class SnapshotRequests:
 
 
 class KafkaMetrics(L.Callback):
-    """Sends the module's `last_metrics` and `last_staleness` to the metrics topic."""
+    """Sends the module's `last_metrics` and `last_staleness` to the metrics topic (and to each of
+    `observers`, e.g. the trainer's own /metrics endpoint)."""
 
-    def __init__(self, producer: RecordProducer, topics: Topics, policy: str, every: int = 1) -> None:
+    def __init__(self, producer: RecordProducer, topics: Topics, policy: str, every: int = 1,
+                 observers: list[Callable[[Metric], None]] | None = None) -> None:
         self.producer, self.topic, self.policy, self.every = producer, topics.metrics, policy, every
         self.instance = f"{socket.gethostname()}-{os.getpid()}"
+        self._batches = 0
+        self.observers = list(observers or [])
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if not trainer.is_global_zero or trainer.global_step % self.every:
+        self._batches += 1
+        if not trainer.is_global_zero or self._batches % self.every:
             return
         labels = {"policy": self.policy, "step": str(trainer.global_step)}
         ts = int(time.time() * 1000)
-        for name, value in getattr(pl_module, "last_metrics", {}).items():
-            self.producer.send(self.topic, Metric(f"trainer.{name}", float(value), "trainer", self.instance, labels, ts), key=self.policy)
-        for bucket, count in getattr(pl_module, "last_staleness", {}).items():
-            m = Metric("trainer.staleness", float(count), "trainer", self.instance, {**labels, "bucket": bucket}, ts)
+        out = [Metric(f"trainer.{name}", float(value), "trainer", self.instance, labels, ts)
+               for name, value in getattr(pl_module, "last_metrics", {}).items()]
+        out += [Metric("trainer.staleness", float(count), "trainer", self.instance, {**labels, "bucket": bucket}, ts)
+                for bucket, count in getattr(pl_module, "last_staleness", {}).items()]
+        for m in out:
             self.producer.send(self.topic, m, key=self.policy)
+            for observe in self.observers:
+                observe(m)
         self.producer.poll(0)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

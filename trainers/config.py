@@ -11,16 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from astraflow.config import AstraflowConfig
-
-
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+from astraflow.config import AstraflowConfig, FrozenSettings
 
 
-class LossSettings(_Frozen):
+class LossSettings(FrozenSettings):
     """The policy loss (`astraflow.rl.policy_loss`)."""
 
     mode: Literal["ppo", "decoupled", "tis", "mis", "m2po"] = "decoupled"
@@ -57,7 +53,7 @@ class LossSettings(_Frozen):
     """Weight of the entropy bonus (entropy is always measured)."""
 
 
-class TrainerSettings(_Frozen):
+class TrainerSettings(FrozenSettings):
     """One policy's trainer."""
 
     policy: str = "policy"
@@ -80,9 +76,16 @@ class TrainerSettings(_Frozen):
     """Linear learning-rate warmup over this many optimizer steps."""
     grad_clip: float | None = 1.0
     """Gradient norm clipping; None disables it."""
+    minibatches: int = 1
+    """Optimizer steps per pass over a batch: the batch is split into this many minibatches."""
+    ppo_epochs: int = 1
+    """Passes over each batch. With minibatches x ppo_epochs > 1, decoupled PPO's proximal policy
+    is the weights before the batch's first step (recomputed once per batch), so its clip acts."""
     loss: LossSettings = Field(default_factory=LossSettings)
+    """The configured loss; the control topic's `trainer/<policy>.loss` command replaces it while
+    the trainer runs (docs/training.md, "Switching the loss")."""
 
-    # batches (one batch = one optimizer step)
+    # batches (one batch = minibatches x ppo_epochs optimizer steps)
     batch_size: int = 32
     """Most samples in one batch."""
     token_budget: int | None = None
@@ -111,8 +114,9 @@ class TrainerSettings(_Frozen):
 
     # publication
     publish_every_steps: int = 1
-    """K: publish a policy version every K optimizer steps, each right after a checkpoint of the
-    state that produced it (checkpoint, then publish: docs/training.md)."""
+    """K: publish a policy version every K trained batches (K optimizer steps when a batch takes
+    one), each right after a checkpoint of the state that produced it (checkpoint, then publish:
+    docs/training.md)."""
     snapshot_every_versions: int = 20
     """N: a full snapshot every N versions (deltas in between)."""
     publish_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
@@ -126,13 +130,13 @@ class TrainerSettings(_Frozen):
 
     # run control
     max_steps: int = -1
-    """Stop after this many optimizer steps in total (-1: no limit)."""
+    """Stop after the batch during which this many optimizer steps in total were reached (-1: no limit)."""
     max_time_s: float | None = None
     """Stop after this much wall time in this process."""
     checkpoint_dir: Path | None = None
     """Checkpoints (weights, optimizer, consumed offsets); default <run_dir>/<experiment>/<policy>/checkpoints."""
     checkpoint_every_steps: int = 10
-    """Also checkpoint every this many optimizer steps (every publication checkpoints anyway)."""
+    """Also checkpoint every this many trained batches (every publication checkpoints anyway)."""
     keep_checkpoints: int = 2
     """Newest checkpoints to keep."""
     resume: bool = True
@@ -140,10 +144,12 @@ class TrainerSettings(_Frozen):
     trained_log: Path | None = None
     """JSONL log of every sample in published weights (sample_id, step, version, partition,
     offset), always written; default <run_dir>/<experiment>/<policy>/trained-samples.jsonl."""
-    logger: Literal["csv", "tensorboard", "none"] = "csv"
-    """Lightning logger writing under the run directory."""
+    logger: Literal["tensorboard+csv", "tensorboard", "csv", "none"] = "tensorboard+csv"
+    """Where the training curves go, under <run_dir>/<experiment>/<policy>: TensorBoard scalars
+    (tensorboard/, trainers.tblog; no TensorBoard package needed) and/or Lightning's CSV
+    (lightning/version_N/metrics.csv)."""
     metrics_every_steps: int = 1
-    """Send metrics to the metrics topic every this many steps."""
+    """Send metrics to the metrics topic every this many trained batches."""
     progress_bar: bool = True
     """Lightning's progress bar."""
 
@@ -161,6 +167,12 @@ class TrainerSettings(_Frozen):
     def _check(self) -> TrainerSettings:
         if self.batch_size < 1:
             raise ValueError("trainer.batch_size must be >= 1")
+        if self.minibatches < 1 or self.ppo_epochs < 1:
+            raise ValueError("trainer.minibatches and trainer.ppo_epochs must be >= 1")
+        if self.minibatches > self.batch_size:
+            raise ValueError(f"trainer.minibatches ({self.minibatches}) cannot exceed trainer.batch_size ({self.batch_size})")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError("trainer.grad_clip must be > 0, or null to switch clipping off")
         if self.token_budget is not None and self.token_budget < 1:
             raise ValueError("trainer.token_budget must be >= 1 or unset")
         if self.publish_every_steps < 1 or self.snapshot_every_versions < 1:

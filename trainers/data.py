@@ -1,9 +1,9 @@
 """Training data from Kafka: TrainSamples of ``<policy>.train``, batched, with exact offsets.
 
 `TrainStream` is an IterableDataset that reads every partition of the train topic with an
-assigned consumer (no group rebalances) and yields padded batches, one per optimizer step,
-closed when `batch_size` samples or the `token_budget` are reached, or `max_wait_s` after the
-batch's first sample: the trainer never waits for a full batch.
+assigned consumer (no group rebalances) and yields padded batches (`trainers.batching`), one per
+optimizer step, closed when `batch_size` samples or the `token_budget` are reached, or
+`max_wait_s` after the batch's first sample: the trainer never waits for a full batch.
 
 Exactly-once training: each batch carries the next offset of every partition after its
 samples (``batch["meta"]["offsets"]``). The LightningModule hands them to
@@ -30,18 +30,17 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 from torch.utils.data import IterableDataset
 
 from astraflow.config import KafkaSettings
 from astraflow.errors import KafkaLayerError, SerdeError, TopicError
-from astraflow.kafka.clients import DeadLetterWriter, RecordProducer
+from astraflow.kafka.clients import DeadLetterWriter, RecordProducer, data_messages, watermarks
 from astraflow.records import TrainSample
 from astraflow.rl.samples import (
     DuplicateSampleError,
@@ -51,62 +50,9 @@ from astraflow.rl.samples import (
     sample_problem,
 )
 from astraflow.serde import AvroSerde
-from astraflow.weights.publish import watermarks
+from trainers.batching import BatchLimits, collate
 
 log = logging.getLogger(__name__)
-
-
-# ---- pure parts: batching and collation -----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BatchLimits:
-    """When a batch is full."""
-
-    batch_size: int = 32  # most samples
-    token_budget: int | None = None  # most padded tokens (samples x longest); None: unlimited
-
-    def fits(self, n: int, longest: int, length: int) -> bool:
-        """Whether a sample of `length` tokens fits a batch of `n` samples whose longest has `longest`."""
-        if n >= self.batch_size:
-            return False
-        if self.token_budget is None or n == 0:  # an oversized sample forms a batch on its own
-            return True
-        return (n + 1) * max(longest, length) <= self.token_budget
-
-
-def collate(samples: Sequence[TrainSample], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Right-padded tensors of a batch: input_ids / attention_mask / loss_mask / behaviour_logprobs
-    / versions (int64, -1 where not trained) [B, T], advantages / rewards / temperatures [B] float32,
-    min_versions [B] int64. Position 0 is never trained (it has no context), padding never is."""
-    b, t = len(samples), max(len(s.token_ids) for s in samples)
-    ids = np.full((b, t), pad_id, np.int64)
-    attn = np.zeros((b, t), np.int64)
-    mask = np.zeros((b, t), np.bool_)
-    blp = np.zeros((b, t), np.float32)
-    vers = np.full((b, t), -1, np.int64)
-    for i, s in enumerate(samples):
-        n = len(s.token_ids)
-        ids[i, :n] = s.token_ids
-        attn[i, :n] = 1
-        mask[i, :n] = s.loss_mask.astype(bool)
-        blp[i, :n] = s.behaviour_logprobs
-        vers[i, :n] = s.versions
-    mask[:, 0] = False
-    return {
-        "input_ids": torch.from_numpy(ids),
-        "attention_mask": torch.from_numpy(attn),
-        "loss_mask": torch.from_numpy(mask),
-        "behaviour_logprobs": torch.from_numpy(blp),
-        "versions": torch.from_numpy(vers),
-        "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
-        "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),
-        "temperatures": torch.tensor([s.temperature for s in samples], dtype=torch.float32),
-        "min_versions": torch.tensor([s.min_version for s in samples], dtype=torch.int64),
-    }
-
-
-# ---- the stream ----------------------------------------------------------------------------------
 
 
 def flush_patiently(producer: RecordProducer, what: str, should_stop: Callable[[], bool] | None = None) -> bool:
@@ -258,14 +204,7 @@ class TrainStream(IterableDataset):
         """Poll once; decode into the buffer; returns how many records arrived."""
         msgs = self._open().consume(500, timeout_s)
         n = 0
-        for msg in msgs:
-            err = msg.error()
-            if err is not None:
-                if err.fatal():
-                    raise KafkaLayerError(f"fatal Kafka error on {self.topic}: {err.str()}")
-                if err.code() != KafkaError._PARTITION_EOF:
-                    log.warning("Kafka error on %s: %s", self.topic, err.str())
-                continue
+        for msg in data_messages(msgs, self.topic):
             n += 1
             item = self._decode(msg)
             self._buffers[item.partition].append(item)

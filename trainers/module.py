@@ -1,16 +1,23 @@
 """The LightningModule that trains a causal LM with PPO-clip / GRPO on TrainSample batches.
 
 The loss math lives in `astraflow.rl` (pure, tested); this module only runs the model, wires
-the batch into `policy_loss` and reports metrics. Batches come from `trainers.data.collate`:
+the batch into `policy_loss` and reports metrics. Batches come from `trainers.batching.collate`:
 per-token behaviour logprobs recorded at rollout (for PPO's ratio or decoupled PPO's truncated
 importance weights), one advantage per sequence (GRPO), and the sample's `min_version` for the
 staleness histogram (trainer version - min_version). The optional reference policy for the KL
 term is a frozen copy kept out of the checkpoint.
 
+Optimization is manual: a batch takes `ppo_epochs` passes of `minibatches` optimizer steps
+each (one step by default). With more than one, decoupled PPO's proximal policy is real: the
+logprobs of the weights before the batch's first step, computed once without gradients, so
+from the second step on the clip acts on ``pi / pi_prox``. The loss can be replaced between
+batches (`set_loss`, used by the control topic's `trainer/<policy>.loss` command).
+
 A step whose loss or gradients are not finite is skipped: the gradients are dropped before the
 optimizer sees them (AdamW leaves a parameter without a gradient untouched: no update, no
 weight decay, no moment change), `skipped_reason` says why, the `step_skipped` / `steps_skipped`
-metrics report it, and the publishing callback dead-letters the batch's samples.
+metrics report it, the batch's remaining steps are not taken (its earlier steps stay applied)
+and the publishing callback dead-letters the batch's samples.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from astraflow.errors import ModelError
+from astraflow.errors import ModelError, RLError
 from astraflow.rl import PolicyLossConfig, entropy_from_logits, policy_loss, scale_logits, sequence_logprobs
 from trainers.config import LossSettings
 
@@ -79,17 +86,21 @@ class PolicyTrainer(L.LightningModule):
         ref_model_dir: str | Path | None = None,
         model: torch.nn.Module | None = None,
         max_seq_len: int | None = None,
+        grad_clip: float | None = 1.0,
+        minibatches: int = 1,
+        ppo_epochs: int = 1,
     ) -> None:
         super().__init__()
+        if minibatches < 1 or ppo_epochs < 1:
+            raise ModelError(f"minibatches and ppo_epochs must be >= 1, got {minibatches} and {ppo_epochs}")
+        if grad_clip is not None and not grad_clip > 0:
+            raise ModelError(f"grad_clip must be > 0 or None, got {grad_clip}")
+        self.automatic_optimization = False  # several optimizer steps per batch (module docstring)
         self.model = model if model is not None else load_causal_lm(model_dir)
-        self.loss_settings = loss
-        settings = loss.model_dump()
-        if loss.aggregation == "seq_mean_token_sum_norm" and loss.max_tokens is None:
-            # Dr. GRPO divides by a constant: the longest sample the trainer accepts, never the padded length.
-            cfg = getattr(self.model, "config", None)
-            settings["max_tokens"] = max_seq_len or int(getattr(cfg, "max_position_embeddings", 0) or 32768)
-        self.loss_config = PolicyLossConfig(**settings)
+        self.max_seq_len = max_seq_len
+        self.loss_settings, self.loss_config = loss, self.loss_config_of(loss)
         self.lr, self.weight_decay, self.betas, self.warmup_steps = lr, weight_decay, tuple(betas), warmup_steps
+        self.grad_clip, self.minibatches, self.ppo_epochs = grad_clip, minibatches, ppo_epochs
         # A plain list keeps the frozen reference out of state_dict, the optimizer and checkpoints.
         self._ref: list[torch.nn.Module] = []
         if loss.kl_coef > 0:
@@ -97,6 +108,7 @@ class PolicyTrainer(L.LightningModule):
             ref.eval().requires_grad_(False)
             self._ref.append(ref)
         self.policy_version = 0  # last published version (set by the publishing callback)
+        self.loss_control_version = 0  # control version of the loss in use (0: configured; trainers.loss_control)
         self.skipped_reason: str | None = None  # why the current step was skipped (None: it was not)
         self.steps_skipped = 0  # steps skipped for non-finite loss or gradients, across restarts
         self._loss_finite = True
@@ -118,8 +130,31 @@ class PolicyTrainer(L.LightningModule):
         temps = batch.get("temperatures")
         return scale_logits(logits, temps) if temps is not None else logits
 
-    def compute_loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-        """Policy loss and metrics of one batch (no logging, no side effects)."""
+    def loss_config_of(self, loss: LossSettings) -> PolicyLossConfig:
+        """The `PolicyLossConfig` of `loss` for this model (raises RLError when it is not valid)."""
+        settings = loss.model_dump()
+        if loss.aggregation == "seq_mean_token_sum_norm" and loss.max_tokens is None:
+            # Dr. GRPO divides by a constant: the longest sample the trainer accepts, never the padded length.
+            cfg = getattr(self.model, "config", None)
+            settings["max_tokens"] = self.max_seq_len or int(getattr(cfg, "max_position_embeddings", 0) or 32768)
+        return PolicyLossConfig(**settings)
+
+    def set_loss(self, loss: LossSettings) -> None:
+        """Use `loss` from the next batch on; raises RLError (keeping the current loss) when it is
+        invalid or needs what this trainer did not load (a reference model for kl_coef > 0)."""
+        config = self.loss_config_of(loss)
+        if config.kl_coef > 0 and not self._ref:
+            raise RLError("kl_coef > 0 needs the reference model, loaded only at start: restart the trainer "
+                          "with trainer.loss.kl_coef > 0")
+        self.loss_settings, self.loss_config = loss, config
+
+    @property
+    def steps_per_batch(self) -> int:
+        return self.minibatches * self.ppo_epochs
+
+    def compute_loss(self, batch: dict[str, Any], proximal_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """Policy loss and metrics of one batch (no logging, no side effects); `proximal_logprobs`
+        [B, T]: decoupled PPO's proximal policy (None: the current weights, detached)."""
         ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
         temps = batch.get("temperatures")
         logits = self.scored_logits(batch)
@@ -142,6 +177,7 @@ class PolicyTrainer(L.LightningModule):
             batch["advantages"],
             mask,
             self.loss_config,
+            proximal_logprobs=proximal_logprobs,
             ref_logprobs=ref_logprobs,
             entropy=ent,
             token_lags=lags,
@@ -167,9 +203,37 @@ class PolicyTrainer(L.LightningModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         now = time.perf_counter()
         self.skipped_reason = None
-        loss, metrics = self.compute_loss(batch)
-        self._loss_finite = bool(torch.isfinite(loss.detach()))
-        metrics["step_skipped"] = 0.0
+        n = int(batch["input_ids"].shape[0])
+        proximal = None
+        if self.steps_per_batch > 1 and self.loss_config.mode == "decoupled":
+            with torch.no_grad():  # the proximal policy: the weights before this batch's first step
+                proximal = sequence_logprobs(self.scored_logits(batch), batch["input_ids"])
+        meta = batch.get("meta")
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if meta is not None and hasattr(dm, "mark_trained"):
+            # Before the first optimizer step and any checkpoint of this batch: these offsets are now trained.
+            dm.mark_trained(meta)
+        parts = [p for p in torch.arange(n).chunk(self.minibatches) if len(p)]
+        seen: list[dict[str, float]] = []
+        loss = torch.zeros(())
+        for _ in range(self.ppo_epochs):
+            for part in parts:
+                sub = batch if len(parts) == 1 else rows(batch, part)
+                loss, metrics = self.compute_loss(sub, None if proximal is None else proximal[part])
+                seen.append(metrics)
+                self._optimizer_step(loss)
+                if self.skipped_reason is not None:
+                    break
+            if self.skipped_reason is not None:
+                break
+        metrics = mean_metrics(seen)
+        attn, mask = batch["attention_mask"], batch["loss_mask"]
+        metrics.update(samples=float(n), optimizer_steps=float(len(seen)), tokens=float(mask.sum().item()),
+                       reward=batch["rewards"].float().mean().item(), advantage_abs=batch["advantages"].abs().mean().item(),
+                       seq_len=attn.sum(dim=1).float().mean().item())
+        if self.skipped_reason is not None and self.steps_per_batch > 1:
+            self.skipped_reason += f" (optimizer step {len(seen)} of {self.steps_per_batch} of this batch; the earlier ones stay applied)"
+        metrics["step_skipped"] = 1.0 if self.skipped_reason is not None else 0.0
         metrics["steps_skipped"] = float(self.steps_skipped)
         if self._last_step_at is not None:
             metrics["tokens_per_s"] = metrics["tokens"] / max(now - self._last_step_at, 1e-9)
@@ -179,15 +243,24 @@ class PolicyTrainer(L.LightningModule):
         metrics["staleness_mean"] = sum(lags) / max(len(lags), 1)
         metrics["staleness_max"] = float(max(lags, default=0))
         metrics["policy_version"] = float(self.policy_version)
+        metrics["loss_control_version"] = float(self.loss_control_version)
         self.last_metrics, self.last_staleness = metrics, hist
         self.log_dict({f"train/{k}": v for k, v in metrics.items()}, on_step=True, batch_size=len(lags))
         self.log_dict({f"staleness/{k}": float(v) for k, v in hist.items()}, on_step=True, batch_size=len(lags))
-        meta = batch.get("meta")
-        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        if meta is not None and hasattr(dm, "mark_trained"):
-            # Before the optimizer step and any checkpoint of this step: these offsets are now trained.
-            dm.mark_trained(meta)
-        return loss
+        return loss.detach()
+
+    def _optimizer_step(self, loss: torch.Tensor) -> None:
+        """Backward, clip, step (the hook below drops non-finite gradients), scheduler."""
+        opt = self.optimizers()
+        self._loss_finite = bool(torch.isfinite(loss.detach()))
+        opt.zero_grad(set_to_none=True)
+        self.manual_backward(loss)
+        if self.grad_clip is not None:
+            self.clip_gradients(opt, gradient_clip_val=self.grad_clip, gradient_clip_algorithm="norm")
+        opt.step()
+        sched = self.lr_schedulers()
+        if sched is not None:
+            sched.step()
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Skip the step (drop every gradient) when the loss or a gradient is not finite."""
@@ -201,9 +274,9 @@ class PolicyTrainer(L.LightningModule):
             p.grad = None
         self.skipped_reason = "loss is not finite" if not self._loss_finite else "gradients are not finite"
         self.steps_skipped += 1
-        self.last_metrics = {**self.last_metrics, "step_skipped": 1.0, "steps_skipped": float(self.steps_skipped)}
         step = self.trainer.global_step + 1 if self._trainer is not None else -1
-        log.warning("step %d skipped: %s (%d skipped so far); its samples go to the DLQ", step, self.skipped_reason, self.steps_skipped)
+        log.warning("step %d skipped: %s (%d skipped so far); its batch's samples go to the DLQ", step, self.skipped_reason,
+                    self.steps_skipped)
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(self.model.parameters(), lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
@@ -220,3 +293,18 @@ class PolicyTrainer(L.LightningModule):
         saved = checkpoint.get("astraflow", {})
         self.policy_version = int(saved.get("policy_version", 0))
         self.steps_skipped = int(saved.get("steps_skipped", 0))
+
+
+def rows(batch: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
+    """The samples `index` of a collated batch (every per-sample tensor; `meta` is left out)."""
+    n = int(batch["input_ids"].shape[0])
+    return {k: v[index] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n}
+
+
+def mean_metrics(seen: list[dict[str, float]]) -> dict[str, float]:
+    """Each metric's mean over the optimizer steps of a batch (`*_max` metrics: their max)."""
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for m in seen for k in m):
+        values = [m[key] for m in seen if key in m]
+        out[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
+    return out

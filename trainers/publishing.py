@@ -4,7 +4,8 @@ The invariant: **a version is published only once the state that produced it is 
 every publication step `DurablePublication` (1) checks that the weights, in the published dtype,
 are finite; (2) writes a checkpoint holding the weights, the optimizer, the consumed offsets,
 the trained sample-id window and the version number it promises (`pending`); (3) appends the
-trained-sample log lines of that version; (4) publishes the version in one Kafka transaction.
+trained-sample log lines of that version; (4) publishes the version in one Kafka transaction,
+with `TrainedSamples` records on the lineage topic (which step trained each sample it carries).
 
 On start it reconciles the restored state with the committed versions (after fencing any
 earlier publisher, which aborts a version left half-sent):
@@ -26,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,8 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from astraflow.weights.bits import Manifest
+from astraflow.records import TrainedSamples
+from astraflow.weights.bits import StateManifest
 from astraflow.weights.publish import NonFiniteWeightsError, WeightPublisher, check_finite, published_state
 from trainers.callbacks import SnapshotRequests, save_checkpoint
 from trainers.crash import CrashPoints
@@ -100,9 +103,19 @@ class TrainedSampleLog:
             os.fsync(f.fileno())
 
 
+def trained_records(policy: str, version: int, step: int, samples: list[list[Any]], per_record: int = 2000) -> list[TrainedSamples]:
+    """`samples` ([sample_id, step, partition, offset]) that `version` first carries, as lineage
+    records (published in the version's transaction), `per_record` samples each."""
+    instance = f"{socket.gethostname()}-{os.getpid()}"
+    parts = [samples[i:i + per_record] for i in range(0, len(samples), per_record)]
+    return [TrainedSamples(policy, version, step, instance, [str(s[0]) for s in part], [int(s[1]) for s in part], i, len(parts))
+            for i, part in enumerate(parts)]
+
+
 class DurablePublication(L.Callback):
-    """Checkpoints and publishes in the order of the module docstring; also checkpoints every
-    `checkpoint_every` steps between publications, at the end and on SIGTERM."""
+    """Checkpoints and publishes in the order of the module docstring, every `publish_every`
+    trained batches; also checkpoints every `checkpoint_every` batches between publications, at
+    the end and on SIGTERM."""
 
     def __init__(
         self,
@@ -124,6 +137,7 @@ class DurablePublication(L.Callback):
         self.version: int | None = None  # version of the weights last published (or promised)
         self.pending = False  # this checkpoint's weights are `version`, maybe not yet published
         self.unpublished: list[list[Any]] = []  # [sample_id, step, partition, offset] since `version`
+        self.batches = 0  # batches trained (a batch takes the module's minibatches x ppo_epochs optimizer steps)
         self._started = False
         self._saved_step = -1
         self._published_step = -1
@@ -132,12 +146,14 @@ class DurablePublication(L.Callback):
     # -- Lightning state ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "pending": self.pending, "unpublished": list(self.unpublished)}
+        return {"version": self.version, "pending": self.pending, "unpublished": list(self.unpublished),
+                "batches": self.batches}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.version = state_dict.get("version")
         self.pending = bool(state_dict.get("pending", False))
         self.unpublished = [list(x) for x in state_dict.get("unpublished", [])]
+        self.batches = int(state_dict.get("batches", 0))
 
     # -- pieces -----------------------------------------------------------------------------------
 
@@ -172,6 +188,7 @@ class DurablePublication(L.Callback):
             trained_samples=getattr(dm, "trained_samples", 0),
             snapshot=snapshot,
             version=version,
+            lineage=trained_records(self.publisher.policy, version, trainer.global_step, self.unpublished),
         )
         return manifest.version
 
@@ -212,7 +229,7 @@ class DurablePublication(L.Callback):
             assert weights is not None
             committed = self.publisher.committed
             same = committed is not None and committed.version == last and (
-                committed.state_checksum == Manifest.of(weights).checksum().hex()
+                committed.state_checksum == StateManifest.of(weights).checksum().hex()
             )
             if resumed and self.pending and self.version is not None and (last is None or last < self.version):
                 self.sample_log.write(self.version, self.unpublished)
@@ -256,10 +273,10 @@ class DurablePublication(L.Callback):
                 dm.finish_step(meta, skipped)
             if skipped is None:
                 self.unpublished += [[sid, trainer.global_step, p, o] for p, o, sid in meta["samples"]]
-        step = trainer.global_step
-        if step % self.publish_every == 0:
+        self.batches += 1
+        if self.batches % self.publish_every == 0:
             self.publish_durably(trainer, pl_module)
-        elif step % self.checkpoint_every == 0:
+        elif self.batches % self.checkpoint_every == 0:
             self._checkpoint(trainer)
         if hasattr(pl_module, "last_metrics"):
             pl_module.last_metrics = {**pl_module.last_metrics, "checkpoint_s": self.last_checkpoint_s}

@@ -3,8 +3,9 @@
 `run_training(config)` is what `astraflow train` calls. It trains whenever a batch is
 available (never waiting for rollout nodes), resumes from the newest checkpoint in the
 checkpoint directory (weights, optimizer, consumed offsets and trained sample ids together),
-publishes a policy version every K steps, each only after a checkpoint of the state that
-produced it (`trainers.publishing`), and stops on max_steps / max_time / idleness / Ctrl-C
+publishes a policy version every K batches, each only after a checkpoint of the state that
+produced it (`trainers.publishing`), follows the loss chosen on the control topic
+(`trainers.loss_control`), and stops on max_steps / max_time / idleness / Ctrl-C
 (graceful: a final checkpoint and version) or SIGTERM (checkpoint between batches).
 """
 
@@ -29,16 +30,20 @@ from astraflow.errors import ConfigError, ModelError
 from astraflow.kafka.acl import role_topics
 from astraflow.kafka.clients import RecordProducer
 from astraflow.kafka.topics import TopicAdmin, Topics, create_command
+from astraflow.metrics_export import serve_role
 from astraflow.rl.samples import SampleLimits
 from astraflow.weights.publish import PublishSettings, WeightPublisher
 from astraflow.weights.store import WeightStore
+from trainers.batching import BatchLimits
 from trainers.callbacks import AtomicCheckpointIO, KafkaMetrics, SnapshotRequests, newest_checkpoint
 from trainers.config import TrainRunConfig
 from trainers.crash import CrashPoints
-from trainers.data import TRAINER_PRODUCER, BatchLimits
+from trainers.data import TRAINER_PRODUCER
 from trainers.datamodule import KafkaTrainData
+from trainers.loss_control import LossControl
 from trainers.module import PolicyTrainer
 from trainers.publishing import DurablePublication, TrainedSampleLog
+from trainers.tblog import TensorBoardScalars
 
 log = logging.getLogger(__name__)
 
@@ -93,19 +98,15 @@ def _strategy(name: str, model: torch.nn.Module) -> Any:
 
 
 def _logger(kind: str, log_dir: Path) -> Any:
-    if kind == "csv":
+    """The Lightning loggers of `trainer.logger` (tensorboard+csv, tensorboard, csv or none)."""
+    loggers: list[Any] = []
+    if kind in ("tensorboard+csv", "tensorboard"):
+        loggers.append(TensorBoardScalars(log_dir))
+    if kind in ("tensorboard+csv", "csv"):
         from lightning.pytorch.loggers import CSVLogger
 
-        return CSVLogger(log_dir, name="lightning")
-    if kind == "tensorboard":
-        import importlib.util
-
-        from lightning.pytorch.loggers import TensorBoardLogger
-
-        if not (importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX")):
-            raise ConfigError("trainer.logger=tensorboard needs `pip install tensorboard`; or use trainer.logger=csv")
-        return TensorBoardLogger(log_dir, name="lightning")
-    return False
+        loggers.append(CSVLogger(log_dir, name="lightning"))
+    return loggers or False
 
 
 def run_training(config: TrainRunConfig) -> TrainSummary:
@@ -140,6 +141,9 @@ def run_training(config: TrainRunConfig) -> TrainSummary:
         warmup_steps=tc.warmup_steps,
         ref_model_dir=tc.ref_model_dir,
         max_seq_len=tc.max_seq_len,
+        grad_clip=tc.grad_clip,
+        minibatches=tc.minibatches,
+        ppo_epochs=tc.ppo_epochs,
     )
     deadline = None if tc.max_time_s is None else time.monotonic() + tc.max_time_s
     data = KafkaTrainData(
@@ -172,9 +176,15 @@ def run_training(config: TrainRunConfig) -> TrainSummary:
         keep=tc.keep_checkpoints, sample_log=TrainedSampleLog(config.trained_log()),
         requests=SnapshotRequests(config.kafka, topics, tc.policy), crash=crash,
     )
+    metrics_producer = RecordProducer(config.kafka, **TRAINER_PRODUCER)
+    metrics = KafkaMetrics(metrics_producer, topics, tc.policy, tc.metrics_every_steps)
+    endpoint = serve_role(config.experiment, "trainer", metrics.instance)  # opt-in: ASTRAFLOW_METRICS_PORT
+    if endpoint is not None:
+        metrics.observers.append(endpoint.observe)
     callbacks: list[L.Callback] = [
+        LossControl(config.kafka, config.experiment, tc.policy, tc.loss, metrics_producer),
         durable,
-        KafkaMetrics(RecordProducer(config.kafka, **TRAINER_PRODUCER), topics, tc.policy, tc.metrics_every_steps),
+        metrics,
     ]
     trainer = L.Trainer(
         accelerator=tc.accelerator,
@@ -183,7 +193,6 @@ def run_training(config: TrainRunConfig) -> TrainSummary:
         precision=tc.precision,
         max_steps=tc.max_steps,
         max_epochs=1,  # one pass over an endless stream; it ends on idle / time / stop
-        gradient_clip_val=tc.grad_clip,
         logger=_logger(tc.logger, log_dir),
         callbacks=callbacks,
         enable_checkpointing=False,  # DurablePublication does it, with the offsets, atomically
@@ -212,6 +221,8 @@ def run_training(config: TrainRunConfig) -> TrainSummary:
         stopped_by["value"] = "sigterm"
     finally:
         signal.signal(signal.SIGINT, previous)
+        if endpoint is not None:
+            endpoint.close()
     if not stopped_by["value"] and trainer.received_sigterm:  # SIGTERM while waiting for samples: the stream ended
         stopped_by["value"] = "sigterm"
     if not stopped_by["value"]:

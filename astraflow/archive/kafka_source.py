@@ -18,6 +18,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from astraflow.archive.errors import ReplayError
 from astraflow.archive.format import ArchivedRecord
 from astraflow.config import KafkaSettings
+from astraflow.kafka.clients import reader_config
 
 
 class TopicSource:
@@ -39,18 +40,8 @@ class TopicSource:
         self.since_ms = since_ms
         self.until_ms = until_ms
         self.follow = follow
-        self.consumer = Consumer(
-            {
-                **kafka.client_config(),
-                "group.id": f"af-read-{uuid.uuid4().hex}",
-                "enable.auto.commit": False,
-                "enable.auto.offset.store": False,
-                "enable.partition.eof": True,
-                "auto.offset.reset": "earliest",
-                "isolation.level": "read_committed",
-                "fetch.message.max.bytes": max_record_bytes + 65536,
-            }
-        )
+        self.consumer = Consumer(reader_config(kafka, f"af-read-{uuid.uuid4().hex}", max_record_bytes,
+                                               **{"enable.auto.offset.store": False, "enable.partition.eof": True}))
         try:
             self.ranges = self._plan(tail, timeout_s)
         except BaseException:

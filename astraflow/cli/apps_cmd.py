@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+from typing import Any
 
 import typer
 from rich.table import Table
@@ -52,11 +53,19 @@ def _logging(level: str) -> None:
 
 
 def _run(worker: object) -> None:
-    worker.install_signal_handlers()  # type: ignore[attr-defined]
+    from astraflow.metrics_export import serve_role
+
+    w: Any = worker
+    endpoint = serve_role(w.settings.experiment, w.handler.name, w.instance_id)  # opt-in: ASTRAFLOW_METRICS_PORT
+    if endpoint is not None:
+        w.metric_observers.append(endpoint.observe)
+    w.install_signal_handlers()
     try:
-        worker.run()  # type: ignore[attr-defined]
+        w.run()
     finally:
-        worker.close()  # type: ignore[attr-defined]
+        w.close()
+        if endpoint is not None:
+            endpoint.close()
 
 
 @app_app.command("run")
@@ -85,6 +94,7 @@ def run_app(
     max_turns: int | None = typer.Option(None, help="curator: model turns per rollout (1)."),
     max_tasks: int | None = typer.Option(None, help="curator: stop after this many tasks (0 = never)."),
     trainer_group: str | None = typer.Option(None, help="curator: trainer's consumer group (af.<exp>.<policy>.trainer; 'none' ignores it)."),
+    throttle: list[str] = typer.Option([], "--throttle", help="curator: policies whose trainers bound tasks ahead (default: every --policy)."),
     log_level: str = typer.Option("info", help="debug | info | warning"),
 ) -> None:
     """Run one worker of a stream app until SIGTERM / Ctrl-C; start more to split partitions."""
@@ -97,7 +107,7 @@ def run_app(
     curate_only = {"--group-timeout": group_timeout, "--min-group-size": min_group_size, "--emitted-ttl": emitted_ttl}
     curator_only = {"--dataset": dataset or None, "--n-samples": n_samples, "--max-ahead": max_ahead, "--workflow": workflow,
                     "--temperature": temperature, "--top-p": top_p, "--max-tokens": max_tokens, "--max-turns": max_turns,
-                    "--max-tasks": max_tasks, "--trainer-group": trainer_group}
+                    "--max-tasks": max_tasks, "--trainer-group": trainer_group, "--throttle": throttle or None}
     for owner, opts in (("curate", curate_only), ("curator", curator_only)):
         given = [k for k, v in opts.items() if v is not None]
         if given and name != owner:
@@ -117,12 +127,13 @@ def run_app(
         if not dataset:
             raise ConfigError("the curator needs --dataset FILE.jsonl (or .parquet); repeat it for several")
         sp = SamplingParams()
-        options.curator = CuratorOptions(
-            datasets=dataset, policies=policy, n_samples=n_samples or 8, max_ahead=max_ahead or 64,
-            workflow=workflow or "rlvr", max_tasks=max_tasks or 0, trainer_group=trainer_group,
+        given = {"n_samples": n_samples, "max_ahead": max_ahead, "workflow": workflow, "max_tasks": max_tasks}
+        options.curator = CuratorOptions(  # what is not given (or 0) keeps CuratorOptions' default
+            datasets=dataset, policies=policy, trainer_group=trainer_group, throttle=throttle,
             sampling=SamplingParams(temperature if temperature is not None else sp.temperature,
                                     top_p if top_p is not None else sp.top_p, max_tokens or sp.max_tokens, [],
                                     max_turns or sp.max_turns),
+            **{k: v for k, v in given.items() if v},
         )
     settings = _settings(ctx, experiment, group, instance_id, max_inflight, metrics_interval, guarantee)
     worker = build_worker(name, settings, options)  # type: ignore[arg-type]
@@ -149,8 +160,8 @@ def list_apps() -> None:
 @handle_errors
 def control_set(
     ctx: typer.Context,
-    app: str = typer.Argument(..., help="reward | curate | curator | <processor name> | * (every app)."),
-    slot: str = typer.Argument(..., help="reward | advantage | filter.<name> | curator | pause | ..."),
+    app: str = typer.Argument(..., help="reward | curate | curator | trainer | <processor name> | * (every app)."),
+    slot: str = typer.Argument(..., help="reward | advantage | filter.<name> | curator | pause | <policy>.loss (trainer) | ..."),
     strategy: str = typer.Argument(..., help="Registered strategy name, 'none' to switch an optional slot off, or a value."),
     experiment: str = EXPERIMENT,
     param: list[str] = typer.Option([], "--param", help="Strategy parameter name=value (JSON values decoded); repeatable."),
@@ -166,6 +177,11 @@ def control_set(
         from stream_apps.slots import build_strategy
 
         build_strategy(kind, strategy, parse_params(params))
+    if check and app == "trainer" and slot.endswith(".loss"):  # a policy's loss (trainers/loss_control.py)
+        from trainers.config import LossSettings
+        from trainers.loss_control import loss_from_control
+
+        loss_from_control(LossSettings(), strategy, params)
     cfg = load(ctx)
     control = ControlWriter(cfg.kafka, experiment).set(app, slot, strategy, params)
     shown = " ".join(f"{k}={v}" for k, v in control.params.items())

@@ -1,12 +1,14 @@
 """`astraflow archive run | ls | verify`: archive topics into Avro files and look after the archive.
 
-`archive run` is the same app as `python -m stream_apps.archive` (and `astraflow app run archive`).
+`archive run` starts the archive app (`stream_apps/archive.py`); its Kafka settings come from the
+global `--config` / `--set` and `ASTRAFLOW__*` like every command's.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
 import typer
 from rich.table import Table
@@ -42,11 +44,40 @@ def run_(
     cfg = load(ctx)
     names = resolve_topics(experiment, topics)
     console.print(f"archiving {', '.join(names)} into {to}")
-    stats = serve(cfg.kafka, names, to, group=group, experiment=experiment, start=start,  # type: ignore[arg-type]
-                  policy=policy_from(max_file_mb, max_file_age, max_file_records, block_kb), exit_when_idle_s=exit_when_idle,
-                  instance_id=instance_id)
+    endpoint, on_seal = _metrics(experiment, instance_id)
+    try:
+        stats = serve(cfg.kafka, names, to, group=group, experiment=experiment, start=start,  # type: ignore[arg-type]
+                      policy=policy_from(max_file_mb, max_file_age, max_file_records, block_kb),
+                      exit_when_idle_s=exit_when_idle, instance_id=instance_id, on_seal=on_seal)
+    finally:
+        if endpoint is not None:
+            endpoint.close()
     console.print(f"archived {stats.records:,} records into {stats.files} files ({stats.bytes / 2**20:.1f} MiB); "
                   f"{stats.skipped:,} already archived were skipped")
+
+
+def _metrics(experiment: str | None, instance_id: str | None) -> tuple[Any, Any]:
+    """The archive's /metrics endpoint (opt-in: ASTRAFLOW_METRICS_PORT) and the seal callback feeding it."""
+    import os
+    import socket
+
+    from astraflow.metrics_export import serve_role
+    from astraflow.records import Metric
+
+    process = instance_id or f"archive-{socket.gethostname()}-{os.getpid()}"
+    endpoint = serve_role(experiment or "", "archive", process)
+    if endpoint is None:
+        return None, None
+    totals = {"records_out_total": 0.0, "files_sealed_total": 0.0, "bytes_sealed_total": 0.0}
+    endpoint.observe(*(Metric(name, 0.0, "archive", process, {}) for name in totals))
+
+    def on_seal(m: Any) -> None:
+        totals["records_out_total"] += m.records
+        totals["files_sealed_total"] += 1
+        totals["bytes_sealed_total"] += m.bytes
+        endpoint.observe(*(Metric(name, value, "archive", process, {}) for name, value in totals.items()))
+
+    return endpoint, on_seal
 
 
 @app.command("ls")

@@ -46,3 +46,25 @@ def handle_errors(fn: F) -> F:
 
 def path_opt(p: str | None) -> Path | None:
     return Path(p) if p else None
+
+
+def serve_until_stopped(*closers: Callable[[], object], sigterm: bool = False) -> None:
+    """Blocks while a server runs in the background, until Ctrl-C (and SIGTERM when `sigterm`:
+    `docker stop` sends it), then calls each of `closers` in order, whatever stopped it."""
+    import signal
+    import time
+
+    if sigterm:
+        signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for close in closers:
+            close()
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt

@@ -16,21 +16,29 @@ def demo(
     bootstrap: str | None = typer.Option(None, help="Use this Kafka (HOST:PORT) instead of the local one."),
     out: str | None = typer.Option(None, help="Run directory (default runs/demo-<time>)."),
     target: float = typer.Option(0.9, help="Stop once held-out success reaches this."),
+    versions: int | None = typer.Option(None, min=1, help="Stop once the trainer has published this many versions "
+                                        "(solver-verifier: every policy, each also evaluated at least once)."),
     nodes: int = typer.Option(2, help="RaaS nodes."),
-    n_samples: int = typer.Option(8, help="Samples per prompt (group size)."),
+    n_samples: int | None = typer.Option(None, min=1, help="Samples per prompt (group size; default 8, scenarios "
+                                         "db/os/code: 4)."),
     lr: float = typer.Option(3e-4, help="RL learning rate."),
-    batch_size: int = typer.Option(64, help="Trainer batch size (samples)."),
-    sft_steps: int | None = typer.Option(None, help="Warm-start SFT steps (default 900; scenarios db/os/code: 300)."),
-    scenario: str = typer.Option("arith", help="arith (the calculator agent), or an AgentBench-style environment "
-                                 "through the OpenAI endpoint: db (SQL), os (sandboxed shell), code (hidden tests)."),
+    batch_size: int | None = typer.Option(None, help="Trainer batch size (samples; 64, solver-verifier 32)."),
+    sft_steps: int | None = typer.Option(None, help="Warm-start SFT steps (default 900; scenarios db/os/code: 300; "
+                                         "solver-verifier: the solver's, the verifier gets 2/3 of them)."),
+    tool_fraction: float = typer.Option(0.3, help="Share of warm-start demonstrations that call the calculator (arith)."),
+    scenario: str = typer.Option("arith", help="arith (the calculator agent), solver-verifier (two policies trained "
+                                 "together), or an AgentBench-style environment through the OpenAI endpoint: db (SQL), "
+                                 "os (sandboxed shell), code (hidden tests)."),
 ) -> None:
     """Learn a tool-using agent on CPU through the whole dataflow (default: arithmetic, with a live view)."""
     import time
 
     from astraflow.demo.run import DemoSettings, run_demo
 
-    if scenario not in ("arith", "db", "os", "code"):
-        raise typer.BadParameter(f"--scenario {scenario!r}: choose arith, db, os or code")
+    if scenario not in ("arith", "solver-verifier", "db", "os", "code"):
+        raise typer.BadParameter(f"--scenario {scenario!r}: choose arith, solver-verifier, db, os or code")
+    if not 0.0 <= tool_fraction <= 1.0:
+        raise typer.BadParameter(f"--tool-fraction {tool_fraction}: give a share between 0 and 1")
 
     overrides = [f"kafka.bootstrap_servers={bootstrap}"] if bootstrap else []
     cfg = load(ctx, *overrides)
@@ -44,13 +52,24 @@ def demo(
         local.up(echo=console.print)
         cfg = load(ctx, f"kafka.bootstrap_servers={local.bootstrap}")
     run_dir = Path(out) if out else Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    if scenario == "solver-verifier":
+        from astraflow.demo.pair import PairSettings, run_pair
+
+        steps = {"sft_steps": sft_steps, "verifier_sft_steps": max(1, sft_steps * 2 // 3)} if sft_steps else {}
+        pair = PairSettings(minutes=minutes, versions=versions, n_samples=n_samples or PairSettings.n_samples, lr=lr,
+                            batch_size=batch_size or PairSettings.batch_size, **steps)
+        raise typer.Exit(run_pair(cfg, pair, run_dir, console))
     if scenario != "arith":
         from astraflow.demo.scenarios import ScenarioSettings, run_scenario
 
         steps = {"sft_steps": sft_steps} if sft_steps else {}
-        raise typer.Exit(run_scenario(cfg, ScenarioSettings(scenario, minutes=minutes, **steps), run_dir, console))
-    settings = DemoSettings(minutes=minutes, target_success=target, nodes=nodes, n_samples=n_samples, lr=lr,
-                            batch_size=batch_size, sft_steps=sft_steps or DemoSettings.sft_steps)
+        env = ScenarioSettings(scenario, minutes=minutes, versions=versions, n_samples=n_samples or ScenarioSettings.n_samples,
+                               **steps)
+        raise typer.Exit(run_scenario(cfg, env, run_dir, console))
+    settings = DemoSettings(minutes=minutes, target_success=target, versions=versions, nodes=nodes,
+                            n_samples=n_samples or DemoSettings.n_samples, lr=lr,
+                            batch_size=batch_size or DemoSettings.batch_size, sft_steps=sft_steps or DemoSettings.sft_steps,
+                            tool_fraction=tool_fraction)
     code = run_demo(cfg, settings, run_dir, console)
     raise typer.Exit(code)
 

@@ -3,17 +3,25 @@ several), and `grant | credentials | acls`: per-role principals and ACLs on a se
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from astraflow.cli.common import console, handle_errors, load
 
+if TYPE_CHECKING:
+    from astraflow.kafka.local import LocalKafka
+
 app = typer.Typer(help="Run a real Apache Kafka (KRaft) locally, without Docker: one node or a cluster.", no_args_is_help=True)
 
 
-def _local(ctx: typer.Context, data_dir: str | None, port: int | None, brokers: int | None = None, secure: bool | None = None):
+def _local(ctx: typer.Context, data_dir: str | None, port: int | None, brokers: int | None = None, secure: bool | None = None,
+           wan_proxy_port: int | None = None) -> LocalKafka:
     from astraflow.kafka.local import LocalKafka
 
     overrides = []
@@ -25,6 +33,8 @@ def _local(ctx: typer.Context, data_dir: str | None, port: int | None, brokers: 
         overrides.append(f"local_kafka.brokers={brokers}")
     if secure:
         overrides.append("local_kafka.secure=true")
+    if wan_proxy_port:
+        overrides.append(f"local_kafka.wan_proxy_port={wan_proxy_port}")
     settings = load(ctx, *overrides).local_kafka
     # A formatted data directory knows its cluster: `down`, `status`, `kill` need no --brokers.
     layout = settings.data_dir.expanduser() / "layout.json"
@@ -35,6 +45,8 @@ def _local(ctx: typer.Context, data_dir: str | None, port: int | None, brokers: 
             "secure": secure or found.get("secure", settings.secure),
             "port": port or found.get("port", settings.port),
             "controller_port": (port + 1) if port else found.get("controller_port", settings.controller_port),
+            "wan_proxy_port": wan_proxy_port or found.get("wan_proxy_port", settings.wan_proxy_port),
+            "wan_port": found.get("wan_port", settings.wan_port),
         })
     return LocalKafka(settings)
 
@@ -43,6 +55,37 @@ DATA_DIR = typer.Option(None, "--data-dir", help="Where storage, logs, pid files
 PORT = typer.Option(None, "--port", help="Client port of node 1 on 127.0.0.1 (its controller: port+1; node i: +2*(i-1)).")
 BROKERS = typer.Option(None, "--brokers", help="Nodes (broker+controller each); 3 survives the loss of any one.")
 SECURE = typer.Option(False, "--secure", help="SASL/SCRAM-SHA-512 and ACLs (see docs/deploy.md).")
+NODE = typer.Argument(..., help="Node id (1..brokers).")
+WAN = typer.Option(None, "--wan-proxy-port", help="Also advertise a WAN listener through `astraflow wan up`'s proxy "
+                   "at this port (node i: +2*(i-1); the broker listens on port+1); see docs/deploy.md.")
+
+
+def _on_cluster(secure: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Gives a command the options that name a local cluster (--data-dir, --port, --brokers) and
+    calls it with that cluster (`local`, its first parameter) in their place; `secure`: the
+    cluster is the secure one."""
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        own = list(inspect.signature(fn).parameters.values())[1:]  # after `local`
+        own = [p.replace(annotation=eval(p.annotation, fn.__globals__) if isinstance(p.annotation, str) else p.annotation)
+               for p in own]
+        shared = [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
+                  *(inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=opt, annotation=int | None)
+                    for name, opt in (("port", PORT), ("brokers", BROKERS))),
+                  inspect.Parameter("data_dir", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=DATA_DIR,
+                                    annotation=str | None)]
+
+        @functools.wraps(fn)
+        def command(ctx: typer.Context, data_dir: str | None = None, port: int | None = None,
+                    brokers: int | None = None, **kwargs: Any) -> Any:
+            return fn(_local(ctx, data_dir, port, brokers, secure or None), **kwargs)
+
+        params = [shared[0], *own, shared[3], shared[1], shared[2]]
+        command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command
+
+    return deco
 
 
 @app.command()
@@ -53,14 +96,17 @@ def up(
     port: int | None = PORT,
     brokers: int | None = BROKERS,
     secure: bool = SECURE,
+    wan_proxy_port: int | None = WAN,
     experiment: str | None = typer.Option(None, "--experiment", "-e", help="Secure: also grant this experiment's roles."),
     policy: list[str] = typer.Option([], "--policy", "-p", help="Secure: a policy of that experiment (repeatable)."),
 ) -> None:
     """Start every node (no-op for those already running) and wait until all are registered."""
     t0 = time.monotonic()
-    local = _local(ctx, data_dir, port, brokers, secure)
+    local = _local(ctx, data_dir, port, brokers, secure, wan_proxy_port)
     st = local.up(echo=console.print)
     console.print(f"[green]ready[/] bootstrap.servers={st.bootstrap} pids={[n.pid for n in st.nodes]} ({time.monotonic() - t0:.1f}s)")
+    if local.wan_bootstrap:
+        console.print(f"region B: bootstrap.servers={local.wan_bootstrap} (start the proxy: `astraflow wan up`)")
     if local.settings.secure:
         console.print(f"admin credentials: {local.root / 'credentials.json'} (mode 0600)")
         if experiment:
@@ -69,50 +115,36 @@ def up(
 
 @app.command()
 @handle_errors
-def down(ctx: typer.Context, data_dir: str | None = DATA_DIR, port: int | None = PORT, brokers: int | None = BROKERS) -> None:
+@_on_cluster()
+def down(local: LocalKafka) -> None:
     """Stop every node that `up` started from this data directory (and nothing else)."""
-    _local(ctx, data_dir, port, brokers).down(echo=console.print)
+    local.down(echo=console.print)
 
 
 @app.command()
 @handle_errors
-def kill(
-    ctx: typer.Context,
-    node: int = typer.Argument(..., help="Node id (1..brokers)."),
-    data_dir: str | None = DATA_DIR,
-    port: int | None = PORT,
-    brokers: int | None = BROKERS,
-) -> None:
+@_on_cluster()
+def kill(local: LocalKafka, node: int = NODE) -> None:
     """kill -9 one node (fault testing); `astraflow kafka start NODE` brings it back."""
-    pid = _local(ctx, data_dir, port, brokers).kill(node)
+    pid = local.kill(node)
     console.print(f"node {node}: " + (f"killed (pid {pid})" if pid else "was not running"))
 
 
 @app.command()
 @handle_errors
-def start(
-    ctx: typer.Context,
-    node: int = typer.Argument(..., help="Node id (1..brokers)."),
-    data_dir: str | None = DATA_DIR,
-    port: int | None = PORT,
-    brokers: int | None = BROKERS,
-) -> None:
+@_on_cluster()
+def start(local: LocalKafka, node: int = NODE) -> None:
     """Start one node of a formatted cluster and wait until it is registered again."""
-    st = _local(ctx, data_dir, port, brokers).start(node, echo=console.print)
+    st = local.start(node, echo=console.print)
     console.print(f"node {node}: running pid={st.pid}")
 
 
 @app.command()
 @handle_errors
-def status(
-    ctx: typer.Context,
-    data_dir: str | None = DATA_DIR,
-    port: int | None = PORT,
-    brokers: int | None = BROKERS,
-    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-) -> None:
+@_on_cluster()
+def status(local: LocalKafka, as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """Is every node running and registered? One line per node; exit code 3 when any is not."""
-    st = _local(ctx, data_dir, port, brokers).status()
+    st = local.status()
     if as_json:
         console.print_json(json.dumps(st.to_json()))
     else:
@@ -126,18 +158,13 @@ def status(
 
 @app.command()
 @handle_errors
-def logs(
-    ctx: typer.Context,
-    data_dir: str | None = DATA_DIR,
-    port: int | None = PORT,
-    brokers: int | None = BROKERS,
-    lines: int = typer.Option(50, "-n", help="How many lines from the end."),
-) -> None:
+@_on_cluster()
+def logs(local: LocalKafka, lines: int = typer.Option(50, "-n", help="How many lines from the end.")) -> None:
     """Print the end of every node's logs."""
-    console.print(_local(ctx, data_dir, port, brokers).log_tail(lines), markup=False, highlight=False)
+    console.print(local.log_tail(lines), markup=False, highlight=False)
 
 
-def _grant(local, experiment: str, policies: list[str]) -> None:
+def _grant(local: LocalKafka, experiment: str, policies: list[str]) -> None:
     from confluent_kafka.admin import AdminClient
 
     from astraflow.kafka.acl import apply_grants, principals, role_grants
@@ -159,28 +186,19 @@ POLICIES = typer.Option([], "--policy", "-p", help="Policy name (repeatable).")
 
 @app.command()
 @handle_errors
-def grant(
-    ctx: typer.Context,
-    experiment: str = EXPERIMENT,
-    policy: list[str] = POLICIES,
-    data_dir: str | None = DATA_DIR,
-    port: int | None = PORT,
-    brokers: int | None = BROKERS,
-) -> None:
+@_on_cluster(secure=True)
+def grant(local: LocalKafka, experiment: str = EXPERIMENT, policy: list[str] = POLICIES) -> None:
     """Secure local cluster: create each role's SCRAM user and its ACLs for an experiment."""
-    local = _local(ctx, data_dir, port, brokers, True)
     _grant(local, experiment, policy)
 
 
 @app.command()
 @handle_errors
+@_on_cluster(secure=True)
 def credentials(
-    ctx: typer.Context,
+    local: LocalKafka,
     role: str = typer.Argument(..., help="curator, reward, curate, raas, trainer, archive, monitor or operator."),
     policy: str | None = typer.Option(None, "--policy", "-p", help="The trainer's policy."),
-    data_dir: str | None = DATA_DIR,
-    port: int | None = PORT,
-    brokers: int | None = BROKERS,
 ) -> None:
     """Print `export` lines that give one process exactly one role's credentials."""
     import shlex
@@ -188,7 +206,6 @@ def credentials(
     from astraflow.kafka.acl import principal_of
     from astraflow.kafka.secure import CredentialStore
 
-    local = _local(ctx, data_dir, port, brokers, True)
     try:
         user = principal_of(role, policy)
     except ValueError as exc:

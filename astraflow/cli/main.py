@@ -7,6 +7,7 @@ import typer
 from astraflow.cli import (
     apps_cmd,
     archive_cmd,
+    dashboard_cmd,
     demo_cmd,
     kafka_cmd,
     logs_cmd,
@@ -16,7 +17,9 @@ from astraflow.cli import (
     smoke_cmd,
     status_cmd,
     topics_cmd,
+    trace_cmd,
     train_cmd,
+    wan_cmd,
 )
 from astraflow.cli.common import console, handle_errors, load
 
@@ -26,6 +29,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(kafka_cmd.app, name="kafka")
+app.add_typer(wan_cmd.app, name="wan")
 app.add_typer(topics_cmd.app, name="topics")
 app.add_typer(apps_cmd.app_app, name="app")
 app.add_typer(apps_cmd.control_app, name="control")
@@ -40,6 +44,8 @@ app.command("demo")(demo_cmd.demo)
 app.command("eval")(demo_cmd.evaluate)
 app.add_typer(model_cmd.app, name="model")
 status_cmd.register(app)
+trace_cmd.register(app)
+dashboard_cmd.register(app)
 
 
 @app.callback()

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from astraflow.cli.common import console, err_console, handle_errors, load
+from astraflow.cli.common import console, err_console, handle_errors, load, serve_until_stopped
 
 if TYPE_CHECKING:
     from astraflow.ops.status import StatusReport
@@ -32,7 +32,7 @@ def status(
 ) -> None:
     """Topics with rates, consumer lag per group, RaaS nodes, policy versions and trainers,
     staleness, recent reward and the DLQ of one experiment, read from its topics."""
-    from astraflow.ops.offsets import OffsetReader
+    from astraflow.ops.cluster_offsets import OffsetReader
     from astraflow.ops.render import render_status
     from astraflow.ops.status import collect_status
 
@@ -80,10 +80,9 @@ def serve(
     window: float = WINDOW,
     recent: int = RECENT,
 ) -> None:
-    """Serve an experiment's metrics topic and status (lag, versions, staleness, reward, DLQ) as
-    Prometheus gauges until Ctrl-C / SIGTERM. One bridge covers every node of the experiment."""
-    import signal
-
+    """Serve what only Kafka knows of an experiment (lag, topic rates, published versions, staleness,
+    reward, DLQ) as Prometheus gauges until Ctrl-C / SIGTERM; each role serves its own series
+    (ASTRAFLOW_METRICS_PORT, docs/metrics.md)."""
     from prometheus_client import CollectorRegistry
 
     from astraflow.metrics_export import MetricsBridge, start_metrics_server
@@ -97,19 +96,7 @@ def serve(
     console.print(f"serving metrics of {experiment} on http://{addr}:{server.port}/metrics (refresh every {interval:.0f}s)")
     if bridge.last_error:
         err_console.print(f"[yellow]not yet:[/] {bridge.last_error}; retrying every {interval:.0f}s")
-    signal.signal(signal.SIGTERM, _interrupt)  # `docker stop` sends SIGTERM: close the port cleanly
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.close()
-        bridge.stop()
-
-
-def _interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
+    serve_until_stopped(server.close, bridge.stop, sigterm=True)  # `docker stop`: close the port cleanly
 
 
 def register(app: typer.Typer) -> None:

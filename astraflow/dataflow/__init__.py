@@ -5,7 +5,7 @@ them to typed records, and record `strategy.ref(app, slot)` in each output's lin
 
 | kind | module | names |
 |---|---|---|
-| reward | `rewards`, `code_reward` | exact_match, numeric, tool_use, code_tests, weighted |
+| reward | `rewards`, `code_reward`, `judge_rewards`, `code_pair_reward` | exact_match, numeric, tool_use, code_tests, weighted, solver_verifier, coder_tester |
 | filter | `filters` | staleness, zero_variance, length, dedupe |
 | advantage | `advantages` | grpo, dr_grpo, rloo |
 | curator | `curators`, `curriculum`, `mixing` | accept_all, filter_solved, greso, curriculum_target, curriculum_ordered, mix |

@@ -41,6 +41,8 @@ BUILTIN_MODULES = (
     "astraflow.dataflow.rewards",
     "astraflow.dataflow.code_reward",
     "astraflow.dataflow.env_rewards",
+    "astraflow.dataflow.judge_rewards",
+    "astraflow.dataflow.code_pair_reward",
     "astraflow.dataflow.filters",
     "astraflow.dataflow.advantages",
     "astraflow.dataflow.curators",

@@ -11,14 +11,21 @@ sequence (as before), `<trajectory_id>#<policy>#<k>` for the k-th after it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from astraflow.records import Segment, Trajectory
 
 
 def policy_sequences(traj: Trajectory, policy: str) -> list[list[Segment]]:
     """The sequences of `policy` in `traj`: its segments, cut before each of its `prompt`
     segments after the first (segments of other policies are not part of its sequences)."""
+    return segment_sequences(traj.segments, policy)
+
+
+def segment_sequences(segments: Iterable[Segment], policy: str) -> list[list[Segment]]:
+    """`policy_sequences` of a list of segments (a trajectory being built)."""
     out: list[list[Segment]] = []
-    for seg in traj.segments:
+    for seg in segments:
         if seg.policy != policy:
             continue
         if not out or (seg.role == "prompt" and out[-1]):
@@ -33,4 +40,4 @@ def sequence_sample_id(trajectory_id: str, policy: str, index: int) -> str:
     return base if index == 0 else f"{base}#{index}"
 
 
-__all__ = ["policy_sequences", "sequence_sample_id"]
+__all__ = ["policy_sequences", "segment_sequences", "sequence_sample_id"]

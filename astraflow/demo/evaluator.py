@@ -4,7 +4,8 @@ Evaluates the starting weights, then each newly applied version (at most one eva
 `min_interval_s`, always the newest version), with the same tool protocol as the `tool_use`
 workflow. Two figures per version go to the metrics topic (component "eval", label "version"):
 `eval_success`, the success of the policy as it acts in rollouts (sampled at temperature 1, two
-episodes per held-out problem), and `eval_success_greedy` (argmax decoding).
+episodes per held-out problem), and `eval_success_greedy` (argmax decoding). A held-out row whose
+reference is `yes` or `no` is a verifier's: success is then the share of right verdicts.
 """
 
 from __future__ import annotations
@@ -43,20 +44,25 @@ def load_heldout(path: Path) -> list[tuple[str, str]]:
 
 def evaluate(model, tokenizer, items: list[tuple[str, str]], batch: int = 128, temperature: float = 0.0,
              repeats: int = 1) -> float:
+    """Share of `items` (prompt, reference) answered right: a number for a solver's problem, or a
+    verdict (`yes` / `no`) for a verifier's."""
     from astraflow.models.arith import answers_match, parse_answer
     from astraflow.models.evaluate import run_tool_use
+    from astraflow.models.protocol import VERDICTS, parse_verdict
 
     items = items * repeats
     correct = 0
     for lo in range(0, len(items), batch):
         chunk = items[lo : lo + batch]
         outs = run_tool_use(model, tokenizer, [p for p, _ in chunk], temperature=temperature)
-        correct += sum(answers_match(parse_answer(text), ref) for (text, _), (_, ref) in zip(outs, chunk, strict=True))
+        correct += sum(parse_verdict(text) == ref if ref in VERDICTS else answers_match(parse_answer(text), ref)
+                       for (text, _), (_, ref) in zip(outs, chunk, strict=True))
     return correct / max(len(items), 1)
 
 
 def run_evaluator(cfg: AstraflowConfig, experiment: str, policy: str, model_dir: str, heldout: Path,
                   min_interval_s: float = 20.0, threads: int = 1) -> None:
+    from astraflow.metrics_export import serve_role
     from astraflow.models.tiny import load_tiny
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -72,6 +78,7 @@ def run_evaluator(cfg: AstraflowConfig, experiment: str, policy: str, model_dir:
     follower = KafkaWeightFollower(cfg.kafka, experiment, policy, request_snapshots=False, requester="eval",
                                    limits=FollowLimits.from_settings(cfg.weights), layout=ModelLayout.of(model.state_dict()))
     follower.start()
+    endpoint = serve_role(experiment, "eval", f"eval-{policy}")  # opt-in: ASTRAFLOW_METRICS_PORT
 
     def publish(version: int) -> None:
         with torch.no_grad():
@@ -80,7 +87,10 @@ def run_evaluator(cfg: AstraflowConfig, experiment: str, policy: str, model_dir:
             greedy = evaluate(model, tokenizer, items, temperature=0.0)
         labels = {"version": str(version), "policy": policy, "n": str(len(items))}
         for name, value in (("eval_success_greedy", greedy), ("eval_success", sampled)):
-            producer.send(topics.metrics, Metric(name, value, "eval", f"eval-{policy}", labels), key=f"eval-{policy}")
+            m = Metric(name, value, "eval", f"eval-{policy}", labels)
+            producer.send(topics.metrics, m, key=f"eval-{policy}")
+            if endpoint is not None:
+                endpoint.observe(m)
         producer.flush()
         log.info("version %d: held-out success %.3f sampled, %.3f greedy (%d problems)", version, sampled, greedy, len(items))
 
@@ -101,3 +111,5 @@ def run_evaluator(cfg: AstraflowConfig, experiment: str, policy: str, model_dir:
         evaluated, last = int(version), time.monotonic()
     follower.close()
     producer.flush()
+    if endpoint is not None:
+        endpoint.close()

@@ -17,6 +17,7 @@ from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, TopicPartiti
 from confluent_kafka.admin import AdminClient
 
 from astraflow.config import KafkaSettings
+from astraflow.kafka.clients import reader_config
 from astraflow.kafka.topics import Topics
 from astraflow.records import DeadLetter, Metric, Trajectory
 from astraflow.serde import AvroSerde
@@ -38,6 +39,11 @@ class Snapshot:
     lags: dict[str, int]  # topic -> total consumer lag of its reading group
     dlq: int
     train_samples: int  # samples trained on so far
+
+    @property
+    def newest_version(self) -> int:
+        """The newest version seen live: the trainer's (reported at its next step) or a node's."""
+        return max([self.trainer_version or 0, *self.versions_by_node.values()])
 
 
 @dataclass
@@ -77,8 +83,7 @@ class Monitor:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
-        c = Consumer({**self.kafka.client_config(), "group.id": f"af.{self.experiment}.monitor-{uuid.uuid4().hex[:6]}",
-                      "auto.offset.reset": "earliest", "enable.auto.commit": False})
+        c = Consumer(reader_config(self.kafka, f"af.{self.experiment}.monitor-{uuid.uuid4().hex[:6]}"))
         c.subscribe([self.topics.scored, self.topics.metrics, self.topics.dlq])
         last_lag = 0.0
         try:
@@ -101,36 +106,39 @@ class Monitor:
             return
         now = time.monotonic() - self.t0
         with self._lock:
-            if isinstance(rec, Trajectory):
-                gen = [s for s in rec.segments if s.loss_mask.any()]
-                version = int(min((int(s.versions[s.loss_mask.astype(bool)].min()) for s in gen), default=-1))
-                newest = max([self.trainer_version or 0, version, *self.versions_by_node.values()])
-                row = {"t": now, "reward": rec.reward if rec.reward is not None else 0.0, "version": version,
-                       "node": rec.node.node_id, "tool_calls": len(rec.tool_calls), "status": str(rec.status),
-                       "trainer_version": newest}
-                self.rows.append(row)
-                self._recent.append(row)
-            elif isinstance(rec, Metric):
-                name = rec.name.removeprefix("trainer.")
-                if rec.component == "eval" and rec.name == "eval_success_greedy":
-                    self._greedy[int(rec.labels.get("version", -1))] = rec.value
-                elif rec.component == "eval" and rec.name == "eval_success":
-                    v = int(rec.labels.get("version", -1))
-                    self.evals.append({"t": now, "success": rec.value, "version": v, "greedy": self._greedy.get(v)})
-                elif rec.name == "policy_version" and rec.component == "raas":
-                    self.versions_by_node[rec.instance] = int(rec.value)
-                elif rec.component == "trainer" and "bucket" not in rec.labels:
-                    self.trainer_metrics[name] = rec.value
-                    if name == "policy_version":
-                        self.trainer_version = int(rec.value)
-                    elif name == "samples":
-                        self.trained_samples += int(rec.value)
-            elif isinstance(rec, DeadLetter):
-                self.dlq.append(rec)
+            self._apply(rec, now)
+
+    def _apply(self, rec: object, now: float) -> None:
+        """Folds one decoded record into the figures (called under the lock; subclasses add theirs)."""
+        if isinstance(rec, Trajectory):
+            version = min((oldest for oldest, _ in rec.trained_versions().values()), default=-1)
+            newest = max([self.trainer_version or 0, version, *self.versions_by_node.values()])
+            row = {"t": now, "reward": rec.reward if rec.reward is not None else 0.0, "version": version,
+                   "node": rec.node.node_id, "tool_calls": len(rec.tool_calls), "status": str(rec.status),
+                   "trainer_version": newest}
+            self.rows.append(row)
+            self._recent.append(row)
+        elif isinstance(rec, Metric):
+            name = rec.name.removeprefix("trainer.")
+            if rec.component == "eval" and rec.name == "eval_success_greedy":
+                self._greedy[int(rec.labels.get("version", -1))] = rec.value
+            elif rec.component == "eval" and rec.name == "eval_success":
+                v = int(rec.labels.get("version", -1))
+                self.evals.append({"t": now, "success": rec.value, "version": v, "greedy": self._greedy.get(v)})
+            elif rec.name == "policy_version" and rec.component == "raas":
+                self.versions_by_node[rec.instance] = int(rec.value)
+            elif rec.component == "trainer" and "bucket" not in rec.labels:
+                self.trainer_metrics[name] = rec.value
+                if name == "policy_version":
+                    self.trainer_version = int(rec.value)
+                elif name == "samples":
+                    self.trained_samples += int(rec.value)
+        elif isinstance(rec, DeadLetter):
+            self.dlq.append(rec)
 
     def _lags(self) -> dict[str, int]:
         if self._probe is None:  # one watermark reader for the whole run; it never joins a group
-            self._probe = Consumer({**self.kafka.client_config(), "group.id": "af-lag-probe"})
+            self._probe = Consumer(reader_config(self.kafka, "af-lag-probe"))
         out = {}
         for topic, group in self.groups.items():
             try:

@@ -8,23 +8,34 @@ success or the time budget -> CSV, plot and summary.json in the run directory.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-import os
-import shutil
-import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
-from astraflow.config import AstraflowConfig, default_home, write_resolved
+from astraflow.config import AstraflowConfig
+from astraflow.demo.common import (
+    PY,
+    cached_model,
+    curate_role,
+    node_role,
+    pct,
+    print_failure,
+    role_env,
+    start_run,
+    supervise,
+    trainer_role,
+)
 from astraflow.demo.monitor import Monitor
 from astraflow.demo.report import write_csv, write_plot, write_summary
-from astraflow.demo.supervisor import Role, RoleFailed, Supervisor
+from astraflow.demo.supervisor import Role, Supervisor
 from astraflow.demo.view import render
-from astraflow.kafka.topics import TopicAdmin, topic_specs
 
 
 @dataclass(frozen=True)
@@ -33,12 +44,14 @@ class DemoSettings:
 
     minutes: float = 8.0  # wall-time budget of the learning phase
     target_success: float = 0.9  # stop early when held-out success reaches this
+    versions: int | None = None  # stop early once this version is live (the trainer's or a node's version metric): work-bound runs
     difficulty: int = 2  # arithmetic difficulty (astraflow.models.tasks.DIFFICULTIES)
     n_train: int = 4000  # training prompts
     n_heldout: int = 128  # held-out evaluation prompts
     n_samples: int = 8  # samples per prompt (GRPO group size)
-    sft_steps: int = 900  # warm-start steps (with tool_fraction 0.5: 41% of sampled episodes call the tool, 14% succeed)
-    tool_fraction: float = 0.5  # share of warm-start demonstrations that use the calculator (the rest answer directly)
+    sft_steps: int = 900  # warm-start steps
+    sft_lr: float = 1e-3  # warm-start peak learning rate (3e-3 fails to learn copying for some seeds)
+    tool_fraction: float = 0.3  # share of warm-start demonstrations that use the calculator (the rest answer directly)
     lr: float = 3e-4  # RL learning rate (1e-3 collapses the tiny model; 5e-5 barely moves it)
     batch_size: int = 64  # trainer batch (samples)
     max_ahead: int = 16  # tasks the curator keeps ahead of the trainer
@@ -47,9 +60,6 @@ class DemoSettings:
     publish_dtype: str = "float32"  # bf16 would round away most of a tiny model's small RL updates
     eval_interval_s: float = 30.0  # at most one held-out evaluation per this many seconds
     seed: int = 0
-
-
-PY = [sys.executable, "-m", "astraflow.cli.main"]
 
 
 def warm_model(settings: DemoSettings, console: Console) -> Path:
@@ -61,27 +71,19 @@ def warm_model(settings: DemoSettings, console: Console) -> Path:
 
     hf_logging.disable_progress_bar()
 
-    key = hashlib.sha256(json.dumps([settings.sft_steps, settings.difficulty, settings.seed, settings.tool_fraction, 3]).encode()).hexdigest()[:10]
-    cached = default_home() / "demo-models" / key
-    if (cached / "config.json").exists():
-        console.print(f"Reusing the warm-started tiny model in {cached}")
-        return cached
-    # A build directory of this process alone: two demos started at once must not build into the
-    # same directory (the second one's rmtree would cut the first one's model in half).
-    tmp = cached.with_name(f"{cached.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    console.print("Building a tiny Qwen2 model with a locally trained tokenizer...")
-    init_tiny(tmp, seed=settings.seed)
-    console.print(f"Warm-starting it with {settings.sft_steps} SFT steps: {settings.tool_fraction:.0%} of the demonstrations "
-                  "use the calculator, the rest answer directly (about a minute)...")
-    m = warm_start(tmp, steps=settings.sft_steps, difficulty=settings.difficulty, seed=settings.seed,
-                   tool_fraction=settings.tool_fraction)
-    console.print(f"  SFT loss {m.first_loss:.2f} -> {m.final_loss:.2f} in {m.seconds:.0f}s")
-    try:
-        tmp.rename(cached)
-    except OSError:  # another process cached the same model first: keep theirs
-        shutil.rmtree(tmp, ignore_errors=True)
-    return cached
+    key = hashlib.sha256(json.dumps([settings.sft_steps, settings.difficulty, settings.seed, settings.tool_fraction,
+                                     settings.sft_lr, 4]).encode()).hexdigest()[:10]
+
+    def build(tmp: Path) -> None:
+        console.print("Building a tiny Qwen2 model with a locally trained tokenizer...")
+        init_tiny(tmp, seed=settings.seed)
+        console.print(f"Warm-starting it with {settings.sft_steps} SFT steps: {settings.tool_fraction:.0%} of the "
+                      "demonstrations use the calculator, the rest answer directly (about a minute)...")
+        m = warm_start(tmp, steps=settings.sft_steps, difficulty=settings.difficulty, seed=settings.seed,
+                       tool_fraction=settings.tool_fraction, lr=settings.sft_lr)
+        console.print(f"  SFT loss {m.first_loss:.2f} -> {m.final_loss:.2f} in {m.seconds:.0f}s")
+
+    return cached_model(key, console, build)
 
 
 def write_datasets(settings: DemoSettings, data_dir: Path) -> tuple[Path, Path]:
@@ -99,13 +101,6 @@ def write_datasets(settings: DemoSettings, data_dir: Path) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
-def role_env(bootstrap_servers: str) -> dict[str, str]:
-    """Environment of every role process: the cluster, one torch thread, nothing from a hub."""
-    return {"ASTRAFLOW__KAFKA__BOOTSTRAP_SERVERS": bootstrap_servers, "OMP_NUM_THREADS": "1",
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
-            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-
-
 def roles(cfg: AstraflowConfig, s: DemoSettings, exp: str, model: Path, train: Path, heldout: Path, run_dir: Path) -> list[Role]:
     env = role_env(cfg.kafka.bootstrap_servers)
     out = [
@@ -113,86 +108,90 @@ def roles(cfg: AstraflowConfig, s: DemoSettings, exp: str, model: Path, train: P
                          "--workflow", "tool_use", "--n-samples", str(s.n_samples), "--max-ahead", str(s.max_ahead),
                          "--temperature", "1.0", "--max-tokens", "24", "--max-turns", "2"], env),
         Role("reward", [*PY, "app", "run", "reward", "-e", exp], env),
-        Role("curate", [*PY, "app", "run", "curate", "-e", exp, "--policy", "policy"], env),
-        Role("trainer", [*PY, "train", "-e", exp, "-p", "policy", "-m", str(model),
-                         "--set", f"run_dir={run_dir}", "--set", f"trainer.lr={s.lr}",
-                         "--set", f"trainer.batch_size={s.batch_size}", "--set", "trainer.progress_bar=false",
-                         "--set", "trainer.max_wait_s=5",
-                         # The tiny model is 1.5 MB in fp32: publish exactly what the trainer holds.
-                         "--set", f"trainer.publish_dtype={s.publish_dtype}"], env),
+        curate_role(exp, ["policy"], env),
+        trainer_role("trainer", exp, "policy", model, run_dir, s.lr, s.batch_size, env, s.publish_dtype),
         Role("eval", [*PY, "eval", "-e", exp, "-p", "policy", "-m", str(model), "--heldout", str(heldout),
                       "--interval", str(s.eval_interval_s)], env),
     ]
-    for i in range(s.nodes):
-        out.append(Role(f"raas-{i + 1}", [*PY, "raas", "serve", "-e", exp, "-p", f"policy={model}", "--max-inflight",
-                                          str(s.max_inflight), "--node-id", f"raas-{i + 1}", "--threads", "1",
-                                          "--seed", str(s.seed + i)], env))
+    out += [node_role(f"raas-{i + 1}", exp, {"policy": model}, s.max_inflight, s.seed + i, env) for i in range(s.nodes)]
     return out
 
 
 def run_demo(cfg: AstraflowConfig, s: DemoSettings, run_dir: Path, console: Console) -> int:
     """Runs the demo; returns the process exit code."""
     t_setup = time.monotonic()
-    run_dir.mkdir(parents=True, exist_ok=True)
     exp = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    write_resolved(cfg, run_dir)
-    (run_dir / "demo.json").write_text(json.dumps({"experiment": exp, **asdict(s)}, indent=2) + "\n")
+    n_topics = start_run(cfg, run_dir, exp, ["policy"], asdict(s))
     model = warm_model(s, console)
     train, heldout = write_datasets(s, run_dir / "data")
-    specs = topic_specs(exp, ["policy"], cfg.topics)
-    TopicAdmin(cfg.kafka).create(specs, cfg.topics.replication_factor)
-    console.print(f"Experiment [bold]{exp}[/]: {len(specs)} topics on {cfg.kafka.bootstrap_servers}; logs in {run_dir / 'logs'}")
+    console.print(f"Experiment [bold]{exp}[/]: {n_topics} topics on {cfg.kafka.bootstrap_servers}; logs in {run_dir / 'logs'}")
     sup = Supervisor(run_dir / "logs")
     monitor = Monitor(cfg.kafka, exp, "policy", groups={
         f"af.{exp}.tasks": f"af.{exp}.raas", f"af.{exp}.rollouts": f"af.{exp}.reward",
         f"af.{exp}.scored": f"af.{exp}.curate", f"af.{exp}.policy.train": f"af.{exp}.policy.trainer"})
-    failed: RoleFailed | None = None
-    stopped_by = "time budget"
     setup_s = time.monotonic() - t_setup
-    t0 = time.monotonic()
-    try:
-        for role in roles(cfg, s, exp, model, train, heldout, run_dir):
-            sup.start(role)
-        monitor.start()
+    live: list[Any] = []  # the rich Live view, once open
+
+    @contextlib.contextmanager
+    def view() -> Iterator[None]:
         from rich.live import Live
 
-        with Live(render(monitor.snapshot(), s, exp), console=console, refresh_per_second=1) as live:
-            while time.monotonic() - t0 < s.minutes * 60:
-                time.sleep(1.0)
-                sup.check()
-                snap = monitor.snapshot()
-                live.update(render(snap, s, exp))
-                if snap.eval_success is not None and snap.eval_version and snap.eval_success >= s.target_success:
-                    stopped_by = f"target success {s.target_success:.0%}"
-                    break
-    except RoleFailed as exc:
-        failed = exc
-    except KeyboardInterrupt:
-        stopped_by = "Ctrl-C"
-    finally:
-        console.print("Stopping all roles...")
-        sup.stop_all()
-        monitor.stop()
-    wall = time.monotonic() - t0
+        page = _dashboard(cfg, exp, console)
+        try:
+            with Live(render(monitor.snapshot(), s, exp), console=console, refresh_per_second=1) as lv:
+                live.append(lv)
+                yield
+        finally:
+            if page is not None:
+                page[0].close()
+                page[1].stop()
+
+    def step() -> str | None:
+        snap = monitor.snapshot()
+        live[0].update(render(snap, s, exp))
+        if snap.eval_success is not None and snap.eval_version and snap.eval_success >= s.target_success:
+            return f"target success {s.target_success:.0%}"
+        if s.versions is not None and snap.newest_version >= s.versions:
+            return f"{s.versions} versions published"
+        return None
+
+    run = supervise(console, sup, monitor, roles(cfg, s, exp, model, train, heldout, run_dir), minutes=s.minutes,
+                    period_s=1.0, step=step, view=view)
+    failed, stopped_by, wall = run.failed, run.stopped_by, run.wall_s
     write_csv(monitor, run_dir)
     plot = write_plot(monitor, run_dir)
     summary = write_summary(monitor, run_dir, {"wall_time_s": round(wall, 1), "setup_s": round(setup_s, 1),
                                                "stopped_by": "failure" if failed else stopped_by,
                                                "failed_role": failed.role.name if failed else None})
     if failed:
-        console.print(f"[bold red]{failed.role.name} failed[/] (exit code {failed.code}); last lines of {failed.role.log}:")
-        console.print(failed.tail, markup=False, highlight=False)
+        print_failure(console, failed)
         return 1
     w, f = summary["eval_success_warm_start"], summary["eval_success_final"]
     console.print(
-        f"[bold]held-out success[/] (sampled): warm start {_pct(w)} -> final {_pct(f)} (best {_pct(summary['eval_success_best'])}); "
-        f"greedy {_pct(summary['eval_success_greedy_warm_start'])} -> {_pct(summary['eval_success_greedy_final'])}; "
+        f"[bold]held-out success[/] (sampled): warm start {pct(w)} -> final {pct(f)} (best {pct(summary['eval_success_best'])}); "
+        f"greedy {pct(summary['eval_success_greedy_warm_start'])} -> {pct(summary['eval_success_greedy_final'])}; "
         f"{summary['versions_published']} versions, {summary['trajectories']} trajectories, {wall:.0f}s; stopped by {stopped_by}"
     )
     console.print(f"Run directory: {run_dir} (summary.json, learning.png, trajectories.csv, eval.csv, logs/)")
     console.print(f"Plot: {plot}")
+    console.print(f"Training curves: tensorboard --logdir {run_dir}; one sample's path: astraflow trace SAMPLE_ID -e {exp}")
     return 0
 
 
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.1%}"
+def _dashboard(cfg: AstraflowConfig, exp: str, console: Console) -> tuple[Any, Any] | None:
+    """The live page of the run (`astraflow dashboard`), on 127.0.0.1:8787 or a free port."""
+    from astraflow.cli.dashboard_cmd import DashboardServer
+    from astraflow.errors import ConfigError
+    from astraflow.ops.dashboard import DashboardState
+
+    state = DashboardState(cfg.kafka, exp, interval_s=5.0, window_s=30.0).start()
+    for port in (8787, 0):
+        try:
+            server = DashboardServer(state, "127.0.0.1", port)
+        except ConfigError:
+            continue
+        console.print(f"Live dashboard: [bold]{server.url}[/]")
+        return server, state
+    state.stop()
+    return None
+

@@ -36,8 +36,8 @@ STREAM_APPS = ("curator", "reward", "curate")
 # Group-id prefixes of the assign-only readers (see the modules that name them).
 READER_GROUPS = {
     "control": "af-reader-",  # astraflow/control.py: control and compacted readers
-    "weights": "astraflow-weights-reader",  # astraflow/weights/publish.py (literal)
-    "status": "af-status-",  # astraflow/ops/offsets.py
+    "weights": "astraflow-weights-reader",  # astraflow/kafka/read.py (literal)
+    "status": "af-status-",  # astraflow/ops/cluster_offsets.py
     "archive_source": "af-read-",  # astraflow/archive/kafka_source.py
     "curator_lag": "af-curator-",  # stream_apps/curator.py, when it follows no trainer group
     "trainer_control": "astraflow-trainer-control",  # trainers/callbacks.py: snapshot requests (literal)
@@ -96,6 +96,7 @@ def role_grants(experiment: str, policies: list[str]) -> list[Grant]:
     g("curate", "TOPIC", t.scored, (READ,), "scored trajectories")
     g("curate", "TOPIC", t.feedback, (READ, WRITE), "per-prompt statistics")
     g("curate", "TOPIC", t.policies, (READ,), "latest version per policy (staleness)")
+    g("curate", "TOPIC", t.lineage, (WRITE,), "groups it dropped, with the filter and the reason (trace)")
     for p in policies:
         g("curate", "TOPIC", t.train(p), (WRITE,), "training samples")
         g("curator", "TOPIC", t.train(p), (DESCRIBE,), "end offsets of the trainer's input (tasks ahead)")
@@ -118,6 +119,7 @@ def role_grants(experiment: str, policies: list[str]) -> list[Grant]:
         g(who, "GROUP", f"{pre}{p}.trainer", (READ,), "its input offsets (informational; the checkpoint is the truth)")
         g(who, "TOPIC", t.weights(p), (READ, WRITE), "publishes its policy's weights (reads the last one on restart)")
         g(who, "TOPIC", t.policies, (READ, WRITE), "latest version of its policy")
+        g(who, "TOPIC", t.lineage, (WRITE,), "samples each version first carries, with their steps (trace)")
         g(who, "GROUP", READER_GROUPS["weights"], (DESCRIBE,), "weight reader's group (assign only)")
         g(who, "GROUP", READER_GROUPS["trainer_control"], (DESCRIBE,), "snapshot-request reader's group (assign only)")
         g(who, "TRANSACTIONAL_ID", t.publisher_id(p), (WRITE,), "publishes each version in one transaction (fences a predecessor)")

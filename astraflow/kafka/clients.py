@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -83,10 +83,46 @@ def consumer_config(kafka: KafkaSettings, group_id: str, max_record_bytes: int, 
         "partition.assignment.strategy": "cooperative-sticky",
         "fetch.message.max.bytes": max_record_bytes + _OVERHEAD,
         "max.poll.interval.ms": 300000,
+        # A killed member's partitions move after the session, not librdkafka's default 45 s.
+        "session.timeout.ms": round(kafka.group_session_timeout_s * 1000),
+        "heartbeat.interval.ms": round(kafka.heartbeat_interval_s * 1000),
     }
     conf.update(overrides)
     return conf
 
+
+
+def reader_config(kafka: KafkaSettings, group_id: str, max_record_bytes: int | None = None, **overrides: Any) -> dict[str, Any]:
+    """librdkafka properties of a reader that never commits: assign()-only readers of a range, a
+    compacted topic or watermarks (`group_id` names it to the broker; `committed()` reads that
+    group's offsets) and watchers that subscribe without committing. read_committed, from the
+    earliest offset where none is given, fetches as large as `max_record_bytes` (when given)."""
+    conf: dict[str, Any] = {
+        **kafka.client_config(),
+        "group.id": group_id,
+        "enable.auto.commit": False,
+        "auto.offset.reset": "earliest",
+        "isolation.level": "read_committed",
+    }
+    if max_record_bytes is not None:
+        conf["fetch.message.max.bytes"] = max_record_bytes + _OVERHEAD
+    conf.update(overrides)
+    return conf
+
+
+def data_messages(msgs: Iterable[Message], where: str,
+                  fatal: Callable[[str], Exception] = KafkaLayerError) -> Iterator[Message]:
+    """The messages of a `consume()` that carry records. End-of-partition events are skipped;
+    other errors are logged and skipped (librdkafka retries them by itself); a fatal one raises
+    `fatal(message)` (KafkaLayerError by default), naming `where`."""
+    for msg in msgs:
+        err = msg.error()
+        if err is None:
+            yield msg
+        elif err.fatal():
+            raise fatal(f"fatal Kafka error on {where}: {err.str()}")
+        elif err.code() != KafkaError._PARTITION_EOF:
+            log.warning("Kafka error on %s: %s", where, err.str())
 
 # Commit errors that mean "the coordinator is away or moving", not "you lost the partition".
 _RETRIABLE_COMMIT = frozenset(
@@ -268,7 +304,8 @@ class RecordConsumer(Generic[R]):
         self.dlq = dlq
         self._consumer = Consumer(consumer_config(kafka, group_id, self.serde.max_record_bytes, **overrides))
         kwargs = {k: v for k, v in (("on_assign", on_assign), ("on_revoke", on_revoke)) if v is not None}
-        self._consumer.subscribe(list(topics), **kwargs)
+        self.topics = list(topics)
+        self._consumer.subscribe(self.topics, **kwargs)
         self.dead_lettered = 0
         self._last_seen: dict[tuple[str, int], int] = {}  # highest offset handed out or dead-lettered
 
@@ -280,14 +317,7 @@ class RecordConsumer(Generic[R]):
         """
         msgs = self._consumer.consume(max_records, timeout_s)
         out: list[Received[R]] = []
-        for msg in msgs:
-            err = msg.error()
-            if err is not None:
-                if err.code() == KafkaError._PARTITION_EOF:
-                    continue
-                if err.fatal():
-                    raise KafkaLayerError(f"fatal Kafka consumer error on {msg.topic()}: {err.str()}")
-                continue  # transient errors: librdkafka retries by itself
+        for msg in data_messages(msgs, ", ".join(self.topics)):
             try:
                 rec = self.serde.loads(msg.value(), self.expect)
             except SerdeError as exc:

@@ -49,6 +49,7 @@ __all__ = ["KafkaStatus", "LocalKafka", "Node", "NodeStatus"]
 
 POM = Path(__file__).resolve().parents[2] / "docker" / "kafka" / "pom.xml"
 Echo = Callable[..., Any]
+_SETTING = {"broker": "port", "controller": "controller_port", "WAN listener": "wan_port"}
 
 class LocalKafka:
     """Manages the local node(s) rooted at `settings.data_dir`."""
@@ -58,8 +59,13 @@ class LocalKafka:
         self.root = s.data_dir.expanduser().resolve()
         self.cluster_file = self.root / "cluster.id"
         self.layout_file = self.root / "layout.json"
+        if s.wan_proxy_port is not None and s.secure:
+            raise LocalKafkaError("local_kafka.wan_proxy_port works with a plaintext cluster only; drop --secure or the WAN")
+        wan = (s.wan_port or s.wan_proxy_port + 1) if s.wan_proxy_port is not None else None
         self.nodes = [
-            Node(i, s.port + 2 * (i - 1), s.controller_port + 2 * (i - 1), self.root if s.brokers == 1 else self.root / f"node-{i}")
+            Node(i, s.port + 2 * (i - 1), s.controller_port + 2 * (i - 1), self.root if s.brokers == 1 else self.root / f"node-{i}",
+                 None if wan is None else wan + 2 * (i - 1),
+                 None if s.wan_proxy_port is None else s.wan_proxy_port + 2 * (i - 1))
             for i in range(1, s.brokers + 1)
         ]
         digest = hashlib.sha256(POM.read_bytes()).hexdigest()[:16] if POM.exists() else "missing"
@@ -68,6 +74,13 @@ class LocalKafka:
     @property
     def bootstrap(self) -> str:
         return ",".join(n.bootstrap for n in self.nodes)
+
+    @property
+    def wan_bootstrap(self) -> str | None:
+        """Region B's bootstrap servers (the WAN proxy's ports), or None without a WAN listener."""
+        if self.settings.wan_proxy_port is None:
+            return None
+        return ",".join(f"127.0.0.1:{n.wan_proxy_port}" for n in self.nodes)
 
     def node(self, node_id: int) -> Node:
         if not 1 <= node_id <= len(self.nodes):
@@ -243,7 +256,8 @@ class LocalKafka:
             return
         echo(f"Formatting KRaft storage in {node.storage} (cluster {cluster_id})")
         cmd = [java, "-Xmx256m", f"-Dlog4j2.configurationFile={node.log4j}", "-cp", f"{self.libs}/*",
-               "kafka.tools.StorageTool", "format", "--ignore-formatted", "-t", cluster_id, "-c", str(node.properties)]
+               "kafka.tools.StorageTool", "format", "--ignore-formatted", f"--cluster-id={cluster_id}",  # "=": ids may start with "-"
+               "-c", str(node.properties)]
         if len(self.nodes) == 1:
             cmd.append("--standalone")  # dynamic quorum of one; several nodes use static voters
         if self.settings.secure:
@@ -267,7 +281,8 @@ class LocalKafka:
     def _check_layout(self) -> None:
         """One data directory holds one kind of cluster: refuse to reuse it for another."""
         want = {"brokers": len(self.nodes), "secure": self.settings.secure}
-        ports = {"port": self.settings.port, "controller_port": self.settings.controller_port}
+        ports = {"port": self.settings.port, "controller_port": self.settings.controller_port,
+                 "wan_proxy_port": self.settings.wan_proxy_port, "wan_port": self.settings.wan_port}
         if self.layout_file.exists():
             found = {k: v for k, v in json.loads(self.layout_file.read_text()).items() if k in want}
         elif (self.root / "data" / "meta.properties").exists():
@@ -284,12 +299,17 @@ class LocalKafka:
     def _cluster_id(self) -> str:
         if self.cluster_file.exists():
             return self.cluster_file.read_text().strip()
-        cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        cid = "-"
+        while cid.startswith("-"):  # as Kafka's own Uuid.randomUuid(): an id starting with "-" reads as an option
+            cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
         self.cluster_file.write_text(cid + "\n")
         return cid
 
     def _check_ports(self, node: Node) -> None:
-        for port, what in ((node.port, "broker"), (node.controller_port, "controller")):
+        ports = [(node.port, "broker"), (node.controller_port, "controller")]
+        if node.wan_port is not None:
+            ports.append((node.wan_port, "WAN listener"))
+        for port, what in ports:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
@@ -297,7 +317,7 @@ class LocalKafka:
                 except OSError:
                     raise PortInUseError(
                         f"port {port} ({what} of node {node.node_id}) on 127.0.0.1 is taken by another process; stop "
-                        f"it, or choose another with local_kafka.{'port' if what == 'broker' else 'controller_port'}=N "
+                        f"it, or choose another with local_kafka.{_SETTING[what]}=N "
                         f"(and kafka.bootstrap_servers to match)"
                     ) from None
 

@@ -43,6 +43,8 @@ class Node:
     port: int  # client (and inter-broker) listener
     controller_port: int
     root: Path
+    wan_port: int | None = None  # second client listener, advertised through a WAN proxy (region B)
+    wan_proxy_port: int | None = None  # where that proxy listens: what the WAN listener advertises
 
     @property
     def bootstrap(self) -> str:
@@ -128,6 +130,12 @@ def server_properties(nodes: list[Node], node: Node) -> dict[str, str]:
         "replica.fetch.max.bytes": str(64 * 1024 * 1024),
         "log.retention.check.interval.ms": "60000",
     }
+    if node.wan_port is not None and node.wan_proxy_port is not None:
+        # Region-B clients bootstrap through the proxy and reach the WAN listener; the broker then
+        # advertises the proxy's address for that listener, so they never connect around it.
+        props["listeners"] += f",WAN://127.0.0.1:{node.wan_port}"
+        props["advertised.listeners"] += f",WAN://127.0.0.1:{node.wan_proxy_port}"
+        props["listener.security.protocol.map"] += ",WAN:PLAINTEXT"
     if n == 1:
         props["controller.quorum.bootstrap.servers"] = f"127.0.0.1:{node.controller_port}"
     else:

@@ -23,6 +23,7 @@ class _PartitionState:
     highest: int = -1  # highest offset received
     committed: int = -1  # last offset handed to commit (the next offset to read)
     epoch: int = 0  # which assignment of the partition this state belongs to
+    seen: set[int] = field(default_factory=set)  # received, not below `committed` (read twice: skip)
 
 
 class OffsetTracker:
@@ -39,6 +40,7 @@ class OffsetTracker:
             self._epochs += 1
             st = self._parts[tp] = _PartitionState(epoch=self._epochs)
         st.pending.add(offset)
+        st.seen.add(offset)
         heapq.heappush(st.heap, offset)
         st.highest = max(st.highest, offset)
         return st.epoch
@@ -73,8 +75,15 @@ class OffsetTracker:
 
     def mark_committed(self, offsets: dict[TP, int]) -> None:
         for tp, off in offsets.items():
-            if tp in self._parts:
-                self._parts[tp].committed = max(self._parts[tp].committed, off)
+            st = self._parts.get(tp)
+            if st is not None:
+                st.committed = max(st.committed, off)
+                st.seen = {o for o in st.seen if o >= st.committed}
+
+    def redelivered(self, tp: TP, offset: int) -> bool:
+        """True if this assignment of `tp` already received `offset` (Faust handed it over again)."""
+        st = self._parts.get(tp)
+        return st is not None and (offset < st.committed or offset in st.seen)
 
     def pending(self, tp: TP | None = None) -> int:
         """Records received and not finished (for one partition or all)."""

@@ -21,7 +21,7 @@ log = logging.getLogger("astraflow.kafka")
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 
-SHARED_STREAMS = ("tasks", "rollouts", "scored", "feedback", "control", "metrics", "dlq", "policies")
+SHARED_STREAMS = ("tasks", "rollouts", "scored", "feedback", "control", "metrics", "dlq", "policies", "lineage")
 POLICY_STREAMS = ("train", "weights")
 
 
@@ -76,6 +76,11 @@ class Topics:
     def policies(self) -> str:
         return self._t("policies")
 
+    @property
+    def lineage(self) -> str:
+        """What `astraflow trace` needs beyond the data topics: groups dropped, samples trained."""
+        return self._t("lineage")
+
     def train(self, policy: str) -> str:
         return self._t(f"{check_name('policy', policy)}.train")
 
@@ -119,6 +124,7 @@ def topic_specs(experiment: str, policies: list[str], settings: TopicSettings) -
         TopicSpec(t.metrics, 1, work),
         TopicSpec(t.dlq, 1, {**work, "max.message.bytes": big}),
         TopicSpec(t.policies, 1, {**compact, "max.message.bytes": big}),
+        TopicSpec(t.lineage, 1, {**work, "max.message.bytes": big}),
     ]
     for policy in policies:
         specs.append(TopicSpec(t.train(policy), p, work))

@@ -13,6 +13,10 @@ A conversation is plain text, no chat template::
 - The tool (never the model) appends ``<result>VALUE</result>``; those tokens are not trained.
 - The model then writes ``Answer: N`` and ``<eos>``.
 
+A verifier reads the question and a proposed answer, ``verification_prompt(prompt, proposed)``
+= ``"Q: {question}\nProposed: {answer}\nA:"``, may call the calculator the same way, and
+ends with ``Answer: yes`` or ``Answer: no`` (`parse_verdict`).
+
 Every tag is one token in the tokenizer, so stopping at ``</calc>`` is a token-id check and
 tokenizing the pieces one by one gives the same ids as tokenizing their concatenation.
 """
@@ -52,3 +56,24 @@ def tool_result(value: str) -> str:
 def final_answer(value: str) -> str:
     """The model's closing line: ``"Answer: VALUE"`` (the end-of-sequence token follows)."""
     return f"{ANSWER_PREFIX} {value}"
+
+
+VERDICTS = ("yes", "no")
+
+
+def verification_prompt(prompt: str, proposed: str) -> str:
+    """What a verifier reads: the task's prompt (its trailing ``A:`` removed) and the proposed answer
+    on one line of at most 200 characters, then ``A:``."""
+    question = prompt.rstrip()
+    question = question[: -len("A:")].rstrip() if question.endswith("A:") else question
+    return f"{question}\nProposed: {' '.join(proposed.split())[:200]}\nA:"
+
+
+def parse_verdict(text: str | None) -> str:
+    """The verdict after the last ``Answer:`` of `text`: ``yes``, ``no``, or ``unclear`` for anything else."""
+    if not text:
+        return "unclear"
+    idx = text.rfind(ANSWER_PREFIX)
+    words = text[idx + len(ANSWER_PREFIX):].split() if idx >= 0 else []
+    word = words[0].lower().rstrip(".!,") if words else ""
+    return word if word in VERDICTS else "unclear"

@@ -49,6 +49,14 @@ def render_status(r: StatusReport) -> RenderableType:
                       f"{n.tokens_per_s:,.0f}", f"{n.inflight:.0f}", f"{n.rollouts_total:,.0f}", _age(n.last_seen_s) + " ago",
                       style=style)
 
+    regions = Table("region", "nodes", "rollouts/s", "inflight", "version lag", title="regions", title_justify="left")
+    for g in r.regions:
+        regions.add_row(g.region, str(g.nodes), f"{g.rollouts_per_s:.2f}", f"{g.inflight:.0f}", _num(g.version_lag, "{}"))
+    a = r.autoscale
+    scale = Text.assemble(("autoscale ", "bold"), "-" if a is None else (
+        f"{a.nodes} nodes, task lag {a.task_lag}, backlog {_num(a.backlog_s, '{:.0f}s')} (target {a.target_s:.0f}s): "
+        f"{'add ' + str(a.desired_delta) if a.desired_delta > 0 else 'remove 1' if a.desired_delta < 0 else 'hold'} ({a.reason})"))
+
     pol = Table("policy", "version", "kind", "published", "trainer step", "samples", "loss", "reward", "trainer tokens/s",
                 title="policies and trainers", title_justify="left")
     for p in r.policies:
@@ -69,7 +77,7 @@ def render_status(r: StatusReport) -> RenderableType:
     for item in d.recent[:3]:
         dlq.append(f"\n  {item['component']}: {item['error_class']}: {item['error'][:100]} (from {item['topic']}@{item['offset']})",
                    style="dim")
-    parts: list[RenderableType] = [header, topics, lags, nodes, pol, staleness, reward, dlq]
+    parts: list[RenderableType] = [header, topics, lags, nodes, regions, scale, pol, staleness, reward, dlq]
     if r.undecodable:
         parts.append(Text(f"{r.undecodable} records could not be decoded by status (see the dlq)", style="yellow"))
     return Group(*parts)

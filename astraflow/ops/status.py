@@ -20,8 +20,10 @@ from typing import Any
 
 from astraflow.config import KafkaSettings
 from astraflow.errors import SerdeError, TopicError
+from astraflow.kafka.offsets import TP
 from astraflow.kafka.topics import Topics
-from astraflow.ops.offsets import TP, GroupLag, OffsetReader, PartitionOffsets, group_lags, read_ranges
+from astraflow.ops.cluster_offsets import GroupLag, OffsetReader, PartitionOffsets, group_lags, read_ranges
+from astraflow.ops.scaling import AutoscaleSignal, RegionStatus, autoscale_of, regions_of
 from astraflow.records import DeadLetter, Metric, PolicyVersion, Trajectory, now_ms
 from astraflow.serde import AvroSerde
 
@@ -130,6 +132,8 @@ class StatusReport:
     dlq: DlqStatus
     metrics: list[MetricSeries]
     undecodable: int  # records status could not decode (they are the DLQ's business, not ours)
+    regions: list[RegionStatus] = field(default_factory=list)  # RaaS nodes per region (astraflow.ops.scaling)
+    autoscale: AutoscaleSignal | None = None  # the RaaS autoscaling signal and its rule's answer
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -141,24 +145,11 @@ def _quantile(sorted_values: list[int], q: float) -> float | None:
     return float(sorted_values[min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))])
 
 
-def trajectory_versions(traj: Trajectory) -> dict[str, int]:
-    """Policy -> oldest version among the tokens that policy generated (trained-on tokens only)."""
-    out: dict[str, int] = {}
-    for seg in traj.segments:
-        mask = seg.loss_mask.astype(bool)
-        if not mask.any():
-            continue
-        v = int(seg.versions[mask].min())
-        if v >= 0:
-            out[seg.policy] = min(out.get(seg.policy, v), v)
-    return out
-
-
 def staleness_of(trajectories: list[Trajectory], latest: dict[str, int]) -> StalenessStatus:
     """Versions behind per trajectory (its stalest policy); trajectories of unpublished policies are left out."""
     lags: list[int] = []
     for traj in trajectories:
-        behind = [max(0, latest[p] - v) for p, v in trajectory_versions(traj).items() if p in latest]
+        behind = [max(0, latest[p] - v) for p, (v, _) in traj.trained_versions().items() if p in latest and v >= 0]
         if behind:
             lags.append(max(behind))
     lags.sort()
@@ -330,6 +321,9 @@ def collect_status(
          "offset": d.offset, "ts": d.ts}
         for _ts, d in sorted(dead, key=lambda x: x[0], reverse=True)
     ]
+    node_rows = nodes_of(series, now)
+    raas_lag = next((g.lag for g in lags if g.group == f"{prefix}raas" and g.topic == t.tasks), 0)
+    tasks_row = next((r for r in topic_rows if r.name == t.tasks), None)
     return StatusReport(
         experiment=experiment,
         bootstrap_servers=kafka.bootstrap_servers,
@@ -337,11 +331,13 @@ def collect_status(
         window_s=window_s,
         topics=topic_rows,
         lags=lags,
-        nodes=nodes_of(series, now),
+        nodes=node_rows,
         policies=policies,
         staleness=staleness_of(trajectories, latest_versions),
         reward=reward_of(trajectories),
         dlq=DlqStatus(dlq_row.records if dlq_row else 0, dlq_row.rate_per_s if dlq_row else 0.0, recent_dead),
         metrics=sorted(series, key=lambda s: (s.component, s.instance, s.name)),
         undecodable=undecodable,
+        regions=regions_of(node_rows, latest_versions),
+        autoscale=autoscale_of(raas_lag, tasks_row.rate_per_s if tasks_row else 0.0, node_rows),
     )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from astraflow.config import RaasSettings
 from astraflow.errors import AstraflowError
-from astraflow.raas.workflows import Workflow, WorkflowNotAllowedError, resolve_workflow
+from astraflow.raas.workflows import Workflow, WorkflowNotAllowedError, policy_count, resolve_workflow
 from astraflow.records import Task
 
 MAX_ID_CHARS = 512  # task_id / group_id: they become record keys and trajectory ids
@@ -81,6 +81,12 @@ def admit(task: Task, limits: RaasSettings, served: Collection[str]) -> Admitted
         workflow = resolve_workflow(task.workflow, limits.workflow_modules)
     except WorkflowNotAllowedError as exc:
         raise InvalidTaskError(f"task {task.task_id!r}: {exc}") from exc
+    lo, hi = policy_count(task.workflow, workflow)
+    n = len(task.policies)
+    if n < lo or (hi is not None and n > hi) or len(set(task.policies)) != n:
+        want = f"{lo}" if lo == hi else (f"{lo} or more" if hi is None else f"{lo} to {hi}")
+        raise InvalidTaskError(f"task {task.task_id!r}: workflow {task.workflow!r} takes {want} distinct policies, "
+                               f"the task names {n}: {task.policies[:8]}")
     return AdmittedTask(task, workflow)
 
 

@@ -3,9 +3,10 @@
 Guarantees (DESIGN.md, "RaaS node"):
 - at most `max_inflight` rollouts run; tasks fetched beyond that wait in a small local buffer
   (`prefetch` tasks, uncommitted, so a crash redelivers them); while that buffer is full the
-  node pauses its partitions but keeps polling, so a rollout that takes minutes never costs it
-  its group membership. (Pausing on every completion would be slow: librdkafka drops its
-  prefetched records on pause and refetches about a second after resume.)
+  node stops fetching, and once it has been full for `PAUSE_AFTER_S` it pauses its partitions
+  and polls again, so a rollout that takes minutes never costs it its group membership. (A
+  pause is kept for long stalls: librdkafka drops its prefetched records on pause and refetches
+  about a second after resume, which would starve a node whose rollouts take less than that.)
 - a task's offset is committed only after every trajectory of that task was acknowledged by
   Kafka, and only once every earlier task of its partition is done (at-least-once);
 - trajectory ids are `<task_id>/<sample_index>`, so a redelivered task yields the same ids;
@@ -54,6 +55,7 @@ from astraflow.raas.workflows import RolloutContext, Workflow
 from astraflow.records import Metric, NodeInfo, Task, Trajectory
 
 log = logging.getLogger("astraflow.raas")
+PAUSE_AFTER_S = 1.0  # a local buffer full for this long pauses the partitions (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class RaasNode:
         self.rollouts_failed = 0  # ERROR trajectories (workflow raised, timed out or returned garbage)
         self._stop = asyncio.Event()
         self._paused = False
+        self._full_since: float | None = None  # when the local buffer last became full
         self._pending: collections.deque[Received[Task]] = collections.deque()  # fetched, not started
         self._running: set[asyncio.Task] = set()
         self._workflows: weakref.WeakSet[asyncio.Future] = weakref.WeakSet()  # rollouts' own tasks
@@ -145,7 +148,10 @@ class RaasNode:
                 room = max(1, self.s.prefetch - len(self._pending))
                 # Short polls while rollouts run, so a freed slot is refilled at once from the buffer.
                 timeout = 0.005 if self.inflight else 0.05
-                self._pending.extend(await asyncio.to_thread(self.consumer.poll_batch, room, timeout))
+                if self._full_since is not None and not self._paused:
+                    await asyncio.sleep(timeout)  # full for a moment: fetch nothing, keep what librdkafka holds
+                else:
+                    self._pending.extend(await asyncio.to_thread(self.consumer.poll_batch, room, timeout))
                 while self._pending and self.inflight < self.s.max_inflight:
                     self._start_task(self._pending.popleft())
                 self.producer.poll(0)
@@ -170,7 +176,11 @@ class RaasNode:
 
     def _backpressure(self) -> None:
         full = len(self._pending) >= self.s.prefetch
-        if full and not self._paused:
+        if not full:
+            self._full_since = None
+        elif self._full_since is None:
+            self._full_since = time.monotonic()
+        if full and not self._paused and time.monotonic() - self._full_since >= PAUSE_AFTER_S:
             self.consumer.pause_all()
             self._paused = True
         elif not full and self._paused:

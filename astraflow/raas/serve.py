@@ -28,29 +28,36 @@ def serve_node(cfg: AstraflowConfig, experiment: str, policies: dict[str, str], 
     TopicAdmin(cfg.kafka).require(role_topics("raas", experiment, list(policies)), create_command(experiment, list(policies)))
     opts: dict[str, Any] = {}
     if backend == "torch":
-        opts = {"max_batch": max_batch, "threads": threads, "seed": seed}
+        # The engine in its own process: workflows, serde and Kafka never hold its interpreter lock.
+        opts = {"max_batch": max_batch, "threads": threads, "seed": seed, "process": True,
+                "engine_restarts": cfg.raas.engine_restarts}
     elif backend == "openai":
         opts = {"tokenizer": tokenizer}
     elif backend == "vllm":
         opts = {"seed": seed}
     backends = {name: create_backend(backend, name, target, **opts) for name, target in policies.items()}
-    kw = {"node_id": node_id} if node_id else {}
-    settings = NodeSettings(experiment, max_inflight=max_inflight, region=region, prefetch=prefetch, **kw)
-    node = RaasNode(cfg, settings, backends, default_tools(search_corpus, tool_latency, seed))
-    prometheus = _prometheus(experiment, node)
-    followers = []
-    if follow_weights and backend == "openai":
-        log.info("openai backend: the server manages its weights; not following the weights topics")
-    elif follow_weights:
-        followers = start_followers(cfg, experiment, backends)
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, node.stop)
-        await node.run()
-
+    followers: list = []
+    prometheus = None
     try:
+        if follow_weights and backend == "openai":
+            log.info("openai backend: the server manages its weights; not following the weights topics")
+        elif follow_weights:
+            followers = start_followers(cfg, experiment, backends)
+            if followers:  # join the tasks group only with the newest weights (raas.catch_up_timeout_s)
+                from astraflow.raas.weight_follower import wait_caught_up
+
+                wait_caught_up(cfg, experiment, backends, cfg.raas.catch_up_timeout_s)
+        kw = {"node_id": node_id} if node_id else {}
+        settings = NodeSettings(experiment, max_inflight=max_inflight, region=region, prefetch=prefetch, **kw)
+        node = RaasNode(cfg, settings, backends, default_tools(search_corpus, tool_latency, seed))
+        prometheus = _prometheus(experiment, node)
+
+        async def main() -> None:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, node.stop)
+            await node.run()
+
         _run_until_stopped(main)
     finally:
         if prometheus is not None:
@@ -86,23 +93,18 @@ def _run_until_stopped(main, grace_s: float = 5.0) -> None:
 
 def _prometheus(experiment: str, node: RaasNode):
     """Opt-in /metrics endpoint (ASTRAFLOW_METRICS_PORT) serving the node's latest metrics."""
-    from prometheus_client import REGISTRY
+    from astraflow.metrics_export import serve_role
 
-    from astraflow.metrics_export import ProcessMetrics, start_from_env
-
-    server = start_from_env()
-    if server is not None:
-        collector = ProcessMetrics(experiment)
-        REGISTRY.register(collector)
-        node.metric_observers.append(collector.observe)
-        log.info("Prometheus metrics on port %d", server.port)
-    return server
+    endpoint = serve_role(experiment, "raas", node.node.node_id)
+    if endpoint is not None:
+        node.metric_observers.append(endpoint.observe)
+    return endpoint
 
 
 def start_followers(cfg: AstraflowConfig, experiment: str, backends: dict) -> list:
     """Starts one weight follower per policy; returns objects with `stop()` (empty until available)."""
     try:
-        from astraflow.raas.weights import start_weight_followers
+        from astraflow.raas.weight_follower import start_weight_followers
     except ImportError:
         log.warning("weight following unavailable in this build; serving initial weights only")
         return []

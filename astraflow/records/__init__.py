@@ -8,7 +8,7 @@ datetime conversion costs time on the hot path).
 """
 
 from astraflow.records.base import Record, now_ms
-from astraflow.records.ops import Control, DeadLetter, Metric, PromptStats
+from astraflow.records.ops import Control, DeadLetter, GroupDropped, Metric, PromptStats, TrainedSamples
 from astraflow.records.rollout import (
     NodeInfo,
     SamplingParams,
@@ -24,13 +24,15 @@ from astraflow.records.training import PolicyVersion, TrainSample, WeightChunk, 
 
 RECORD_TYPES: dict[str, type[Record]] = {
     cls.SCHEMA: cls
-    for cls in (Task, Trajectory, TrainSample, PolicyVersion, WeightChunk, Control, PromptStats, Metric, DeadLetter)
+    for cls in (Task, Trajectory, TrainSample, PolicyVersion, WeightChunk, Control, PromptStats, Metric, DeadLetter,
+                GroupDropped, TrainedSamples)
 }
 
 __all__ = [
     "RECORD_TYPES",
     "Control",
     "DeadLetter",
+    "GroupDropped",
     "Metric",
     "NodeInfo",
     "PolicyVersion",
@@ -43,6 +45,7 @@ __all__ = [
     "Timings",
     "ToolCall",
     "TrainSample",
+    "TrainedSamples",
     "Trajectory",
     "TrajectoryStatus",
     "WeightChunk",

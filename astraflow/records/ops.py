@@ -1,5 +1,6 @@
 """Operational records: Control (operators -> everyone), PromptStats (curate -> curator),
-Metric (everyone -> status) and DeadLetter (everyone -> operators)."""
+Metric (everyone -> status), DeadLetter (everyone -> operators), and the lineage records that
+`astraflow trace` follows: GroupDropped (curate) and TrainedSamples (trainer)."""
 
 from __future__ import annotations
 
@@ -79,4 +80,40 @@ class DeadLetter(FlatRecord):
     original_key: bytes | None = None
     strategy: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    ts: int = field(default_factory=now_ms)
+
+
+@dataclass(slots=True)
+class GroupDropped(FlatRecord):
+    """Trajectories of a group that curate dropped instead of training on them, and why (on `lineage`)."""
+
+    SCHEMA: ClassVar[str] = "astraflow.GroupDropped"
+
+    group_id: str
+    task_id: str
+    prompt_id: str
+    policy: str
+    trajectory_ids: list[str]
+    component: str
+    filter: str  # the slot (filter.zero_variance, ...) or rule (timeout)
+    strategy: str  # the strategy in the slot, or the rule's name
+    reason: str
+    ts: int = field(default_factory=now_ms)
+
+
+@dataclass(slots=True)
+class TrainedSamples(FlatRecord):
+    """Samples first carried by a published version, with the trainer step of each (on `lineage`,
+    in the transaction that publishes the version)."""
+
+    SCHEMA: ClassVar[str] = "astraflow.TrainedSamples"
+
+    policy: str
+    version: int
+    trainer_step: int
+    instance: str
+    sample_ids: list[str]
+    steps: list[int]
+    part: int = 0
+    parts: int = 1
     ts: int = field(default_factory=now_ms)

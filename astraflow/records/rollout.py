@@ -172,7 +172,11 @@ class Segment:
     __hash__ = None  # type: ignore[assignment]
 
     def to_avro(self) -> dict[str, Any]:
-        raw = self._raw or {}
+        raw = self._raw
+        if raw is None:  # the arrays already have their wire dtypes (constructor, setters): bytes as they are
+            return {"policy": self.policy, "role": self.role, "text": self.text,
+                    "token_ids": self._token_ids.tobytes(), "logprobs": self._logprobs.tobytes(),  # type: ignore[union-attr]
+                    "loss_mask": self._loss_mask.tobytes(), "versions": self._versions.tobytes()}  # type: ignore[union-attr]
         out: dict[str, Any] = {"policy": self.policy, "role": self.role, "text": self.text}
         for name, dtype in self._ARRAYS:
             cached = raw.get(name)
@@ -221,6 +225,9 @@ class TrajectoryStatus(enum.StrEnum):
     OK = "OK"
     TRUNCATED = "TRUNCATED"
     ERROR = "ERROR"
+
+
+_STATUS = {s.value: s for s in TrajectoryStatus}  # faster than calling the enum per record
 
 
 @dataclass(slots=True)
@@ -302,6 +309,19 @@ class Trajectory:
     def num_tokens(self) -> int:
         return sum(len(s) for s in self.segments)
 
+    def trained_versions(self) -> dict[str, tuple[int, int]]:
+        """Per policy that trained tokens (loss_mask 1) here: the (oldest, newest) version among them."""
+        out: dict[str, tuple[int, int]] = {}
+        for seg in self.segments:
+            mask = np.asarray(seg.loss_mask).astype(bool, copy=False)
+            if not mask.any():
+                continue
+            v = np.asarray(seg.versions)[mask]
+            lo, hi = int(v.min()), int(v.max())
+            old = out.get(seg.policy)
+            out[seg.policy] = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
+        return out
+
     def to_avro(self) -> dict[str, Any]:
         return {
             "trajectory_id": self.trajectory_id,
@@ -316,14 +336,14 @@ class Trajectory:
             "tool_calls": [t.to_avro() for t in self.tool_calls],
             "final_answer": self.final_answer,
             "reference": self.reference,
-            "status": str(self.status),
+            "status": self.status.value,
             "error": self.error,
             "reward": self.reward,
-            "reward_components": dict(self.reward_components),
+            "reward_components": self.reward_components,  # read, never kept, by the encoder
             "timings": self.timings.to_avro(),
             "node": self.node.to_avro(),
             "lineage": [s.to_avro() for s in self.lineage],
-            "metadata": dict(self.metadata),
+            "metadata": self.metadata,
             "created_at": self.created_at,
             "temperature": self.temperature,
         }
@@ -343,14 +363,14 @@ class Trajectory:
             tool_calls=[ToolCall.from_avro(t) for t in d["tool_calls"]],
             final_answer=d["final_answer"],
             reference=d["reference"],
-            status=TrajectoryStatus(d["status"]),
+            status=_STATUS[d["status"]],
             error=d["error"],
             reward=d["reward"],
-            reward_components=dict(d["reward_components"]),
+            reward_components=d["reward_components"],  # a fresh dict from the decoder
             timings=Timings.from_avro(d["timings"]),
             node=NodeInfo.from_avro(d["node"]),
             lineage=[StrategyRef.from_avro(s) for s in d["lineage"]],
-            metadata=dict(d["metadata"]),
+            metadata=d["metadata"],
             created_at=d["created_at"],
             temperature=float(d.get("temperature", 1.0)),
         )

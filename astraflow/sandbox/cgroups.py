@@ -4,7 +4,7 @@ Layout (v1: in both the memory and the pids hierarchy; v2: once, in the unified 
 
     /sys/fs/cgroup[/memory|/pids]/astraflow-sandbox/   memory: `total_memory_mb` for all runs
         <pid>-<n>-<random>/                            one per run: memory `memory_mb` (no swap
-                                                       beyond it), pids `nproc` (+ bwrap's two)
+                                                       beyond it), pids `nproc` (+ bwrap's three)
 
 (`SandboxSettings.cgroup_parent` names the parent.) A run's processes enter its cgroup before
 the sandbox starts (`enter_argv` puts a shell in front of bwrap that moves itself, then execs),
@@ -36,8 +36,9 @@ PARENT = "astraflow-sandbox"
 CONTROLLERS = ("memory", "pids")
 _MIB = 1024 * 1024
 _counter = itertools.count()
-# bwrap's outer process and the pid-1 reaper it starts in the new pid namespace, besides the run's own
-BWRAP_PROCESSES = 2
+# bwrap's outer process and the pid-1 reaper it starts in the new pid namespace, besides the run's own;
+# as root, also the bwrap that drops to the run's unprivileged uid (`isolation.unprivileged_argv`)
+BWRAP_PROCESSES = 3
 
 
 def version(root: Path = ROOT) -> int:

@@ -6,7 +6,9 @@ Two modes (`SandboxResult.isolation` says which one ran):
   fresh user, pid, network, ipc, uts and cgroup namespaces on a new root holding only /usr, the
   interpreter's installation (read-only) and a private size-capped /tmp; `--disable-userns`, the
   seccomp filter of `astraflow.sandbox.seccomp`, and the run's memory and pids cgroups
-  (`astraflow.sandbox.cgroups`) surround it.
+  (`astraflow.sandbox.cgroups`) surround it. As root, bwrap itself runs as a host uid of its own
+  per run (`unprivileged_argv`), so the code's uid 1000 is that unprivileged uid outside its
+  namespace, never host uid 0.
 * **process** (only with `allow_weak_isolation`, where bwrap cannot run): a new session, the
   resource limits, an empty environment and the same seccomp filter (loaded by the prelude); as root, the code runs
   under a uid of its own, and where that is impossible (an interpreter other users cannot read)
@@ -35,7 +37,7 @@ from astraflow.sandbox.types import SandboxLimits
 
 _HERE = Path(__file__).parent
 PRELUDE_SOURCE = (_HERE / "_prelude.py").read_text()
-SANDBOX_UIDS = (1_000_000, 2_000_000)  # process mode as root: a uid of its own per run
+SANDBOX_UIDS = (1_000_000, 2_000_000)  # as root: the host uid of each run, its own
 SANDBOX_UID = 1000  # the uid the code sees inside the user namespace
 MAIN_SCRIPT = "main.py"
 WORKDIR = "/tmp"  # the run's private working directory inside bwrap
@@ -92,13 +94,43 @@ def bwrap_path(settings: SandboxSettings) -> str | None:
     return shutil.which(settings.bwrap)
 
 
+def unprivileged_argv(bwrap: str, prefix: str, uid: int) -> list[str]:
+    """What runs the sandbox's bwrap as host uid `uid` when we are root (so the code's uid 1000
+    inside its user namespace is `uid` outside, not 0).
+
+    An unprivileged bwrap can bind only what that uid can reach, and the interpreter often lives
+    where it cannot (a pyenv or venv under /root, mode 0700). So a first bwrap, as root, builds a
+    view holding /usr, the loader cache and the interpreter's prefix under directories every user
+    may traverse (`--perms 0755 --dir`), the host's /proc (a new procfs inside a user namespace
+    needs a fully visible one) and a /tmp for bwrap's own new root; `setpriv` then drops to `uid`
+    (no supplementary groups) and execs the sandbox's bwrap in that view."""
+    setpriv = shutil.which("setpriv") or "setpriv"
+    argv = [bwrap, "--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            argv += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            argv += ["--ro-bind", top, top]
+    binds = ["/etc/ld.so.cache"] if os.path.exists("/etc/ld.so.cache") else []
+    if prefix != "/usr" and not prefix.startswith("/usr/"):
+        binds.append(prefix)
+    for path in binds:  # bwrap makes missing parents 0700: make them 0755 first, outermost first
+        for parent in reversed(Path(path).parents[:-1]):
+            argv += ["--perms", "0755", "--dir", str(parent)]
+        argv += ["--ro-bind", path, path]
+    argv += ["--bind", "/proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--die-with-parent", "--"]
+    return [*argv, setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+
+
 def bwrap_argv(
     bwrap: str, prefix: str, limits: SandboxLimits, inner: list[str], *, seccomp_fd: int, status_fd: int,
-    files: list[str],
+    files: list[str], host_uid: int | None = None,
 ) -> list[str]:
     """The bwrap command line that runs `inner` under `limits`, with the interpreter installed at
-    `prefix`; `files` are `--file FD DEST` pairs."""
-    argv = [bwrap, *BWRAP_FLAGS, *root_binds(prefix)]
+    `prefix`; `files` are `--file FD DEST` pairs. With `host_uid` (we are root), bwrap runs as
+    that uid (`unprivileged_argv`)."""
+    outer = [] if host_uid is None else unprivileged_argv(bwrap, prefix, host_uid)
+    argv = [*outer, bwrap, *BWRAP_FLAGS, *root_binds(prefix)]
     argv += ["--size", str(limits.disk_mb * 1024 * 1024), "--tmpfs", WORKDIR]
     argv += ["--size", str(1024 * 1024), "--tmpfs", "/dev/shm"]
     for var, value in sandbox_env(WORKDIR).items():
@@ -116,7 +148,8 @@ def _probe(bwrap: str, python: str, prefix: str) -> str | None:
         os.close(w)
         w = -1
         inner = [python, "-I", "-c", "pass"]
-        argv = bwrap_argv(bwrap, prefix, SandboxLimits(), inner, seccomp_fd=r, status_fd=2, files=[])
+        argv = bwrap_argv(bwrap, prefix, SandboxLimits(), inner, seccomp_fd=r, status_fd=2, files=[],
+                          host_uid=new_uid() if os.geteuid() == 0 else None)
         try:
             done = subprocess.run(argv, env={}, capture_output=True, timeout=20, check=False, pass_fds=(r,))
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -137,6 +170,8 @@ def _bwrap_unavailable(bwrap: str | None, python: str, prefix: str) -> str | Non
         return "bubblewrap needs Linux"
     if bwrap is None:
         return "bubblewrap (bwrap) is not installed"
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        return "setpriv (util-linux) is not installed: as root, the sandbox needs it to run code as an unprivileged uid"
     if not seccomp.supported():
         return f"no seccomp filter for this architecture ({', '.join(seccomp.ARCHES)} have one)"
     reason = cgroups.unavailable()
@@ -267,6 +302,7 @@ def bwrap_launch(
     seccomp_fd = _memfd("sandbox-seccomp", seccomp.build_filter())
     owned.append(seccomp_fd)
     inner = user_argv(python, limits, args)
-    argv = bwrap_argv(bwrap, prefix, limits, inner, seccomp_fd=seccomp_fd, status_fd=status_fd, files=file_args)
+    argv = bwrap_argv(bwrap, prefix, limits, inner, seccomp_fd=seccomp_fd, status_fd=status_fd, files=file_args,
+                      host_uid=new_uid() if os.geteuid() == 0 else None)
     launch = Launch(cgroups.enter_argv(cgroup, argv), {}, "/", "bwrap", pass_fds=(*owned, status_fd, *pass_fds))
     return launch, owned

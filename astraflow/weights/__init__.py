@@ -6,7 +6,7 @@ asks for a full `snapshot` whenever a version is missing or fails its checksum. 
 exact on bit patterns. Format and figures: docs/weights.md.
 """
 
-from astraflow.weights.bits import Manifest
+from astraflow.weights.bits import StateManifest
 from astraflow.weights.chain import ApplyResult, ApplyStatus, WeightChain
 from astraflow.weights.delta import SparseDelta, apply, apply_stream, encode, iter_encode
 from astraflow.weights.snapshot import Snapshot, iter_snapshot, load_snapshot, snapshot
@@ -14,9 +14,9 @@ from astraflow.weights.snapshot import Snapshot, iter_snapshot, load_snapshot, s
 __all__ = [
     "ApplyResult",
     "ApplyStatus",
-    "Manifest",
     "Snapshot",
     "SparseDelta",
+    "StateManifest",
     "WeightChain",
     "apply",
     "apply_stream",

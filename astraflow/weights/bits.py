@@ -7,7 +7,7 @@ the table of dtype codes written on the wire, and the checksums:
 
 - tensor checksum: ``zlib.crc32`` of the tensor's little-endian bit bytes (about 3.5 GB/s here,
   2x sha256 with SHA-NI and 4x blake2b, and it streams chunk by chunk);
-- version checksum: sha256 of the `Manifest` (name, dtype, shape, tensor crc32 of every
+- version checksum: sha256 of the `StateManifest` (name, dtype, shape, tensor crc32 of every
   tensor, sorted by name), so it covers the set of tensors and their layout as well.
 
 crc32 is an integrity check against corruption and wrong bases, not against an adversary.
@@ -155,7 +155,7 @@ class TensorEntry:
     crc: int  # crc32 of the bit bytes
 
 
-class Manifest(dict[str, TensorEntry]):
+class StateManifest(dict[str, TensorEntry]):
     """name -> `TensorEntry` for one version of the weights; `checksum()` names the version."""
 
     def checksum(self) -> bytes:
@@ -173,7 +173,7 @@ class Manifest(dict[str, TensorEntry]):
         return h.digest()
 
     @classmethod
-    def of(cls, state: Mapping[str, Any]) -> Manifest:
+    def of(cls, state: Mapping[str, Any]) -> StateManifest:
         """Compute the manifest of a state dict (one crc32 pass over all the bits)."""
         out = cls()
         for name, value in state.items():

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from astraflow.errors import DeltaFormatError, WeightsError
-from astraflow.weights.bits import Manifest, is_torch
+from astraflow.weights.bits import StateManifest, is_torch
 from astraflow.weights.delta import SparseDelta
 from astraflow.weights.format import KIND_HEADER, OP_FULL, StreamHeader, TensorRecord, split_blocks, unframe
 from astraflow.weights.layout import ModelLayout, WeightLayoutError
@@ -67,7 +67,7 @@ class WeightChain:
 
     def __init__(self, layout: ModelLayout | None = None, max_state_bytes: int | None = None) -> None:
         self._state: dict[str, Any] = {}  # name -> tensor, owned (contiguous CPU)
-        self._manifest = Manifest()  # verified manifest of _state
+        self._manifest = StateManifest()  # verified manifest of _state
         self._version: int | None = None  # None until a snapshot is loaded
         self.layout = layout  # the served model's tensors; None: any layout (bounded by max_state_bytes)
         self.max_state_bytes = max_state_bytes  # most bytes of new tensors one payload may decode to
@@ -78,7 +78,7 @@ class WeightChain:
         """Start from weights already in memory (copied, so the caller keeps its own)."""
         chain = cls(layout, max_state_bytes)
         chain._state = {name: _owned_copy(v) for name, v in state.items()}
-        chain._manifest = Manifest.of(chain._state)
+        chain._manifest = StateManifest.of(chain._state)
         chain._version = version
         return chain
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from astraflow.errors import DeltaFormatError
-from astraflow.weights.bits import Manifest, TensorEntry, TensorMeta, bit_view, tensor_crc
+from astraflow.weights.bits import StateManifest, TensorEntry, TensorMeta, bit_view, tensor_crc
 from astraflow.weights.codec import DEFAULT_CHUNK_ELEMS, DEFAULT_LEVEL, ChunkEncoder
 from astraflow.weights.format import (
     KIND_HEADER,
@@ -55,7 +55,7 @@ class SparseDelta:
     blocks: tuple[bytes, ...]  # the wire blocks, ready to send one by one or concatenated
     header: StreamHeader  # base version/checksum and target version
     trailer: StreamTrailer  # counts and checksum of the resulting version
-    manifest: Manifest | None = field(default=None, compare=False)  # of `new`, when encoded here
+    manifest: StateManifest | None = field(default=None, compare=False)  # of `new`, when encoded here
 
     @property
     def nbytes(self) -> int:
@@ -85,8 +85,8 @@ def iter_encode(
     *,
     base_version: int = 0,
     version: int = 1,
-    base_manifest: Manifest | None = None,
-    out_manifest: Manifest | None = None,
+    base_manifest: StateManifest | None = None,
+    out_manifest: StateManifest | None = None,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     level: int = DEFAULT_LEVEL,
 ) -> Iterator[bytes]:
@@ -96,8 +96,8 @@ def iter_encode(
     pass over `prev`. `out_manifest`, if given, is filled with the manifest of `new` so the
     next call can pass it as `base_manifest`.
     """
-    base = base_manifest if base_manifest is not None else Manifest.of(prev)
-    result = out_manifest if out_manifest is not None else Manifest()
+    base = base_manifest if base_manifest is not None else StateManifest.of(prev)
+    result = out_manifest if out_manifest is not None else StateManifest()
     result.clear()
     yield StreamHeader(STREAM_DELTA, base_version, version, base.checksum(), chunk_elems).to_block()
     coder = ChunkEncoder(chunk_elems, level)
@@ -134,12 +134,12 @@ def encode(
     *,
     base_version: int = 0,
     version: int = 1,
-    base_manifest: Manifest | None = None,
+    base_manifest: StateManifest | None = None,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     level: int = DEFAULT_LEVEL,
 ) -> SparseDelta:
     """Encode the delta `prev` -> `new` in memory; see `iter_encode` for the arguments."""
-    manifest = Manifest()
+    manifest = StateManifest()
     blocks = tuple(
         iter_encode(
             prev,
@@ -169,7 +169,7 @@ def apply(
     prev: StateDict,
     delta: SparseDelta | bytes | memoryview | Iterable[bytes],
     *,
-    base_manifest: Manifest | None = None,
+    base_manifest: StateManifest | None = None,
 ) -> dict[str, Any]:
     """Return the new state dict; `prev` is not modified.
 
@@ -179,13 +179,13 @@ def apply(
     delta's base, `DeltaChecksumError` / `DeltaFormatError` if the delta is corrupt.
     """
     state = dict(prev)
-    base = base_manifest if base_manifest is not None else Manifest.of(prev)
+    base = base_manifest if base_manifest is not None else StateManifest.of(prev)
     apply_blocks(state, _blocks_of(delta), base, inplace=False)
     return state
 
 
 def apply_stream(
-    prev: StateDict, blocks: Iterable[bytes], *, base_manifest: Manifest | None = None
+    prev: StateDict, blocks: Iterable[bytes], *, base_manifest: StateManifest | None = None
 ) -> dict[str, Any]:
     """`apply` for an iterator of blocks (kept for symmetry with `iter_encode`)."""
     return apply(prev, blocks, base_manifest=base_manifest)

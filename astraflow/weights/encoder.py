@@ -16,7 +16,7 @@ from typing import Any
 
 from astraflow.errors import WeightsError
 from astraflow.records import PolicyVersion, WeightChunk, WeightKind
-from astraflow.weights.bits import Manifest
+from astraflow.weights.bits import StateManifest
 from astraflow.weights.delta import encode
 from astraflow.weights.snapshot import snapshot as snapshot_bytes
 from astraflow.weights.store import sha256_hex
@@ -98,7 +98,7 @@ class VersionEncoder:
         self.settings = settings
         self.next_version = next_version  # number the next publication gets
         self._prev: dict[str, Any] | None = None  # last published state (None: next is a snapshot)
-        self._prev_manifest: Manifest | None = None
+        self._prev_manifest: StateManifest | None = None
         self._since_snapshot = 0  # versions published since the last snapshot
 
     @property
@@ -128,14 +128,14 @@ class VersionEncoder:
         )
         if as_snapshot:
             payload = snapshot_bytes(new, version)
-            manifest = Manifest.of(new)
+            manifest = StateManifest.of(new)
             base = None
         else:
             assert self._prev is not None and self._prev_manifest is not None
             delta = encode(
                 self._prev, new, base_version=version - 1, version=version, base_manifest=self._prev_manifest
             )
-            payload, manifest, base = delta.to_bytes(), delta.manifest or Manifest.of(new), version - 1
+            payload, manifest, base = delta.to_bytes(), delta.manifest or StateManifest.of(new), version - 1
         record = PolicyVersion(
             policy=self.policy,
             version=version,

@@ -25,8 +25,9 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, Message, TopicPartition
 
 from astraflow.config import KafkaSettings
-from astraflow.errors import KafkaLayerError, SerdeError, WeightsError
-from astraflow.kafka.clients import DeadLetterWriter, RecordProducer
+from astraflow.errors import SerdeError, WeightsError
+from astraflow.kafka.clients import DeadLetterWriter, RecordProducer, data_messages
+from astraflow.kafka.read import assigned_consumer
 from astraflow.kafka.topics import Topics
 from astraflow.records import Metric, PolicyVersion, WeightChunk, WeightKind
 from astraflow.serde import AvroSerde
@@ -34,13 +35,6 @@ from astraflow.weights.chain import ApplyResult, ApplyStatus, WeightChain
 from astraflow.weights.delta import SparseDelta
 from astraflow.weights.format import STREAM_SNAPSHOT
 from astraflow.weights.layout import ModelLayout
-from astraflow.weights.publish import (
-    SNAPSHOT_OFFSET,
-    PayloadError,
-    _consumer,
-    latest_policy_version,
-    request_snapshot,
-)
 from astraflow.weights.store import sha256_hex
 from astraflow.weights.verify import (
     FollowLimits,
@@ -50,9 +44,14 @@ from astraflow.weights.verify import (
     check_uri,
     fetch_bounded,
 )
+from astraflow.weights.versions import SNAPSHOT_OFFSET, ask_trainer_for_snapshot, latest_policy_version
 
 log = logging.getLogger("astraflow.weights")
 
+
+class PayloadError(WeightsError):
+    """Raised when in-band chunks are missing, out of order or fail their crc32, or a payload
+    fails its sha256 or does not produce the version its manifest announces."""
 
 @dataclass(frozen=True)
 class SnapshotHint:
@@ -291,7 +290,7 @@ class KafkaWeightFollower:
         self.follower = follower or WeightFollower(policy, limits=limits, layout=layout)
         self.serde = serde or AvroSerde()
         self.topic = self.topics.weights(policy)
-        self._consumer = _consumer(kafka, self.serde)
+        self._consumer = assigned_consumer(kafka, self.serde)
         self._acted: SnapshotHint | None = None
         producer = RecordProducer(kafka) if request_snapshots or report_refusals else None
         self._requests = producer if request_snapshots else None
@@ -312,12 +311,7 @@ class KafkaWeightFollower:
     def poll(self, timeout_s: float = 1.0, max_records: int = 64) -> list[FollowEvent]:
         """Read what is available (waiting up to `timeout_s`) and return the version events."""
         events: list[FollowEvent] = []
-        for msg in self._consumer.consume(max_records, timeout_s):
-            err = msg.error()
-            if err is not None:
-                if err.fatal():
-                    raise KafkaLayerError(f"fatal Kafka error while following {self.topic}: {err.str()}")
-                continue
+        for msg in data_messages(self._consumer.consume(max_records, timeout_s), self.topic):
             try:
                 record = self.serde.loads(msg.value())
             except SerdeError as exc:  # the version it belongs to fails its checks as well
@@ -371,7 +365,7 @@ class KafkaWeightFollower:
         if newest > self._requested_for:
             self._requested_for = newest
             reason = stuck[-1].result.reason[:200]
-            request_snapshot(self._requests, self.topics, self.policy, self.requester, reason)
+            ask_trainer_for_snapshot(self._requests, self.topics, self.policy, self.requester, reason)
 
     def close(self) -> None:
         self._consumer.close()

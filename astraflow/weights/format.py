@@ -105,7 +105,7 @@ class StreamHeader:
     stream: int  # STREAM_DELTA or STREAM_SNAPSHOT
     base_version: int  # version the delta applies to (-1 for a snapshot)
     version: int  # version it produces
-    base_checksum: bytes  # Manifest.checksum() of the base (of the empty manifest for a snapshot)
+    base_checksum: bytes  # StateManifest.checksum() of the base (of the empty manifest for a snapshot)
     chunk_elems: int  # elements per chunk
 
     def to_block(self) -> bytes:
@@ -131,7 +131,7 @@ class StreamTrailer:
     n_tensor_blocks: int  # TENSOR blocks in the stream (catches dropped blocks)
     n_tensors: int  # tensors in the resulting version
     n_changed: int  # changed elements over all DELTA blocks
-    checksum: bytes  # Manifest.checksum() of the resulting version
+    checksum: bytes  # StateManifest.checksum() of the resulting version
 
     def to_block(self) -> bytes:
         return frame(

@@ -12,30 +12,25 @@ mid-version leaves nothing visible, and a second publisher with the same id fenc
 A broker outage only delays a publication: the publisher waits for Kafka, and retries the same
 version (same number, same weights) when the transaction had to be aborted.
 
-Receiver side: `WeightFollower` (pure: feed it records in topic order) reassembles chunks,
-checks each chunk's crc32, the payload's sha256 and the resulting state checksum, and applies
-versions to a `WeightChain`; when it cannot advance by deltas it sets `snapshot_hint` to the
-newest snapshot that helps. `KafkaWeightFollower` reads the weights topic with a plain assigned
-consumer, acts on hints (seek back to an in-band snapshot or fetch it from the store) and can
-ask the trainer for a fresh snapshot over the control topic. Details: docs/training.md.
+The receiving side is `astraflow.weights.follow`; what both sides read of the topics (the
+latest version, the last number used, the snapshot request) is `astraflow.weights.versions`.
+Details: docs/training.md.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import KafkaError, KafkaException
 
 from astraflow.config import KafkaSettings
-from astraflow.errors import KafkaLayerError, ProduceError, SerdeError, WeightsError
-from astraflow.kafka.clients import RecordProducer, watermarks
+from astraflow.errors import KafkaLayerError, ProduceError, WeightsError
+from astraflow.kafka.clients import RecordProducer
 from astraflow.kafka.topics import Topics
-from astraflow.records import Control, PolicyVersion, WeightChunk, WeightKind
-from astraflow.serde import AvroSerde
+from astraflow.records import PolicyVersion, WeightChunk, WeightKind
 from astraflow.weights.encoder import (
     NonFiniteWeightsError,
     Publication,
@@ -46,17 +41,9 @@ from astraflow.weights.encoder import (
     split_chunks,
 )
 from astraflow.weights.store import WeightStore
+from astraflow.weights.versions import OFFSET, SNAPSHOT_OFFSET, last_published_version, latest_policy_version
 
 log = logging.getLogger(__name__)
-
-SNAPSHOT_OFFSET = "latest_snapshot_offset"  # metadata: weights-topic offset of the latest snapshot's manifest
-OFFSET = "offset"  # metadata (policies topic only): weights-topic offset of this version's manifest
-CONTROL_APP = "trainer"  # Control records asking a trainer for a snapshot: app, slot "<policy>.snapshot"
-
-
-class PayloadError(WeightsError):
-    """Raised when in-band chunks are missing, out of order or fail their crc32, or a payload
-    fails its sha256 or does not produce the version its manifest announces."""
 
 
 class PublisherFencedError(WeightsError):
@@ -121,6 +108,7 @@ class WeightPublisher:
         self.committed: PolicyVersion | None = None  # latest version on `policies` when `start` ran
         self._snapshot: tuple[int, str | None, int] | None = None  # (version, uri, weights-topic offset)
         self._snapshot_requested = False
+        self._lineage: list[Any] = []  # records sent with the version being published (lineage topic)
         self._txn_ready = False
 
     def start(self, timeout_s: float = 10.0) -> int | None:
@@ -171,9 +159,11 @@ class WeightPublisher:
         trained_samples: int = 0,
         snapshot: bool = False,
         version: int | None = None,
+        lineage: Sequence[Any] = (),
     ) -> PolicyVersion:
         """Encode `state` as the next version (or as `version`, e.g. one a checkpoint promised)
-        and send it; returns its manifest once acknowledged (committed)."""
+        and send it, with `lineage` records (e.g. `TrainedSamples`) to the lineage topic in the same
+        transaction; returns its manifest once acknowledged (committed)."""
         if version is not None:
             self.encoder.next_version = version
         pub = self.encoder.encode(
@@ -182,6 +172,7 @@ class WeightPublisher:
             trained_samples=trained_samples,
             snapshot=snapshot or self._snapshot_requested,
         )
+        self._lineage = list(lineage)
         try:
             manifest = self._send_transaction(pub) if self.transactional else self._send(pub)
         except BaseException:
@@ -272,6 +263,8 @@ class WeightPublisher:
             self._snapshot = (m.version, m.uri, offsets[0])
             m.metadata = {**m.metadata, SNAPSHOT_OFFSET: str(offsets[0])}
         latest = replace(m, metadata={**m.metadata, OFFSET: str(offsets[0])})
+        for record in self._lineage:  # before the manifest: a version is announced with its lineage
+            self.producer.send(self.topics.lineage, record, key=self.policy)
         self.producer.send(self.topics.policies, latest, key=self.policy)
         self._flush()
         return latest
@@ -280,135 +273,15 @@ class WeightPublisher:
         self._flush()
 
 
-# ---- reading the topics ---------------------------------------------------------------------------
-
-
-def _consumer(kafka: KafkaSettings, serde: AvroSerde) -> Consumer:
-    return Consumer(
-        {
-            **kafka.client_config(),
-            "group.id": "astraflow-weights-reader",  # assign() only: never joins or commits
-            "enable.auto.commit": False,
-            "auto.offset.reset": "earliest",
-            "enable.partition.eof": True,
-            "isolation.level": "read_committed",  # a version is visible once its transaction commits
-            "fetch.message.max.bytes": serde.max_record_bytes + 64 * 1024,
-        }
-    )
-
-
-def _read_range(
-    kafka: KafkaSettings, topic: str, start: int | None, serde: AvroSerde, timeout_s: float, strict: bool = False
-) -> list[Any]:
-    """Decoded committed records of partition 0 of `topic` from `start` (None: the last 64
-    offsets) to its end. `strict`: raise KafkaLayerError instead of returning what was read by
-    the timeout."""
-    consumer = _consumer(kafka, serde)
-    try:
-        low, high = watermarks(consumer, topic, 0, timeout_s)
-        if high <= low:
-            return []
-        first = max(high - 64, low) if start is None else max(start, low)
-        consumer.assign([TopicPartition(topic, 0, first)])
-        out: list[Any] = []
-        deadline = time.monotonic() + timeout_s
-        pos = first
-        while pos < high and time.monotonic() < deadline:
-            for msg in consumer.consume(500, 0.5):
-                if msg.error() is not None:
-                    if msg.error().code() == KafkaError._PARTITION_EOF:
-                        pos = high
-                    continue
-                pos = msg.offset() + 1
-                try:
-                    out.append(serde.loads(msg.value()))
-                except SerdeError:
-                    continue  # not ours to judge here; the follower skips what it cannot decode
-        if strict and pos < high:
-            raise KafkaLayerError(f"could not read {topic} to its end ({pos} of {high}) in {timeout_s:.0f} s")
-        return out
-    finally:
-        consumer.close()
-
-
-def latest_policy_version(
-    kafka: KafkaSettings,
-    topics: Topics,
-    policy: str,
-    timeout_s: float = 10.0,
-    serde: AvroSerde | None = None,
-    strict: bool = False,
-) -> PolicyVersion | None:
-    """The newest PolicyVersion of `policy` on the compacted ``policies`` topic (None if none);
-    `strict`: KafkaLayerError rather than an answer from a partial read."""
-    records = _read_range(kafka, topics.policies, 0, serde or AvroSerde(), timeout_s, strict)
-    found = [r for r in records if isinstance(r, PolicyVersion) and r.policy == policy]
-    return max(found, key=lambda r: r.version) if found else None
-
-
-def last_published_version(
-    kafka: KafkaSettings,
-    topics: Topics,
-    policy: str,
-    timeout_s: float = 10.0,
-    latest: PolicyVersion | None = None,
-) -> int | None:
-    """Highest version number already used for `policy`: on ``policies`` (`latest`, when the
-    caller read it already) or, after a crash between the two sends of a publisher without
-    transactions, among the last records of the weights topic. Raises KafkaLayerError when
-    Kafka cannot be read to the end."""
-    serde = AvroSerde()
-    if latest is None:
-        latest = latest_policy_version(kafka, topics, policy, timeout_s, serde, strict=True)
-    tail = _read_range(kafka, topics.weights(policy), None, serde, timeout_s, strict=True)
-    versions = [r.version for r in tail if isinstance(r, PolicyVersion | WeightChunk)]
-    versions += [latest.version] if latest else []
-    return max(versions) if versions else None
-
-
-def request_snapshot(
-    producer: RecordProducer, topics: Topics, policy: str, requester: str, reason: str = ""
-) -> None:
-    """Ask the trainer of `policy` to publish a full snapshot next (via the control topic)."""
-    producer.send(
-        topics.control,
-        Control(
-            CONTROL_APP,
-            f"{policy}.snapshot",
-            "snapshot",
-            int(time.time() * 1000),
-            {"reason": reason},
-            requester,
-        ),
-        key=f"{CONTROL_APP}/{policy}.snapshot",
-    )
-    producer.flush()
-
-
-_FOLLOW = ("FollowEvent", "KafkaWeightFollower", "SnapshotHint", "WeightFollower")
-
-
-def __getattr__(name: str) -> Any:
-    """The receiver side moved to `astraflow.weights.follow`; older imports from here keep working."""
-    if name in _FOLLOW:
-        from astraflow.weights import follow
-
-        return getattr(follow, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
     "NonFiniteWeightsError",
-    "PayloadError",
     "Publication",
     "PublishSettings",
     "PublisherFencedError",
     "VersionEncoder",
     "WeightPublisher",
     "check_finite",
-    "latest_policy_version",
     "published_state",
     "publisher_producer_config",
-    "request_snapshot",
     "split_chunks",
 ]

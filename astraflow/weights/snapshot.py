@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from astraflow.errors import DeltaFormatError
-from astraflow.weights.bits import Manifest, TensorEntry, bit_view, tensor_crc
+from astraflow.weights.bits import StateManifest, TensorEntry, bit_view, tensor_crc
 from astraflow.weights.codec import DEFAULT_CHUNK_ELEMS, DEFAULT_LEVEL, ChunkEncoder
 from astraflow.weights.format import (
     KIND_TENSOR,
@@ -39,7 +39,7 @@ class Snapshot:
 
     version: int  # the version it holds
     state: dict[str, Any]  # name -> tensor
-    manifest: Manifest  # verified manifest of `state`; its checksum() names the version
+    manifest: StateManifest  # verified manifest of `state`; its checksum() names the version
 
 
 def iter_snapshot(
@@ -51,9 +51,9 @@ def iter_snapshot(
     level: int = DEFAULT_LEVEL,
 ) -> Iterator[bytes]:
     """Yield the blocks of a snapshot of `state` at `version`, one tensor at a time."""
-    yield StreamHeader(STREAM_SNAPSHOT, -1, version, Manifest().checksum(), chunk_elems).to_block()
+    yield StreamHeader(STREAM_SNAPSHOT, -1, version, StateManifest().checksum(), chunk_elems).to_block()
     coder = ChunkEncoder(chunk_elems, level)
-    manifest = Manifest()
+    manifest = StateManifest()
     for name, value in state.items():
         meta, bits = bit_view(value)
         crc = tensor_crc(bits)
@@ -83,7 +83,7 @@ def load_snapshot(
     """
     blocks = split_blocks(data) if isinstance(data, bytes | bytearray | memoryview) else data
     state: dict[str, Any] = {}
-    applied = apply_blocks(state, blocks, Manifest(), inplace=False, prefer_torch=prefer_torch, admit=admit)
+    applied = apply_blocks(state, blocks, StateManifest(), inplace=False, prefer_torch=prefer_torch, admit=admit)
     if applied.header.stream != STREAM_SNAPSHOT:
         raise DeltaFormatError("these bytes are a delta, not a snapshot")
     return Snapshot(applied.header.version, state, applied.manifest)

@@ -20,7 +20,7 @@ from typing import Any
 
 from astraflow.errors import DeltaBaseMismatchError, DeltaChecksumError, DeltaFormatError
 from astraflow.weights.bits import (
-    Manifest,
+    StateManifest,
     TensorEntry,
     bit_view,
     from_bits,
@@ -50,13 +50,13 @@ class AppliedStream:
 
     header: StreamHeader  # the stream's header
     trailer: StreamTrailer  # the stream's trailer
-    manifest: Manifest  # manifest of the resulting state (verified against trailer.checksum)
+    manifest: StateManifest  # manifest of the resulting state (verified against trailer.checksum)
 
 
 def apply_blocks(
     state: MutableMapping[str, Any],
     blocks: Iterable[bytes | memoryview],
-    base: Manifest,
+    base: StateManifest,
     *,
     inplace: bool,
     prefer_torch: bool | None = None,
@@ -90,7 +90,7 @@ def _rollback(undo: list[Callable[[], None]]) -> None:
 def _apply(
     state: MutableMapping[str, Any],
     blocks: Iterator[bytes | memoryview],
-    base: Manifest,
+    base: StateManifest,
     inplace: bool,
     prefer_torch: bool,
     undo: list[Callable[[], None]],
@@ -108,7 +108,7 @@ def _apply(
             f"delta {header.base_version} -> {header.version} was encoded against other weights than "
             "these (base checksum differs); apply it to its base version or load a snapshot"
         )
-    manifest = Manifest(base)
+    manifest = StateManifest(base)
     n_blocks = 0
     for block in blocks:
         kind, body = unframe(block)
@@ -157,7 +157,7 @@ def _replace(state: MutableMapping[str, Any], name: str, value: Any, undo: list[
 
 def _apply_record(
     state: MutableMapping[str, Any],
-    manifest: Manifest,
+    manifest: StateManifest,
     record: TensorRecord,
     body: memoryview,
     chunk_elems: int,

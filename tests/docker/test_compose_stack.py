@@ -6,13 +6,15 @@ then one compose project of its own (unique name, its own host ports) runs the w
 1. Kafka and the one-shot topic creation come up first; the test switches curate's dropping
    filters off on the control topic, so every task must reach the trainer (a counted workload);
 2. the rest comes up; the test waits until the trainer has published 3 versions and the node has
-   applied one (Prometheus, which scrapes the node's own endpoint);
+   applied one (Prometheus, which scrapes every role's own endpoint);
 3. `--scale raas=3`: the two new nodes apply a version too;
-4. one node container is `docker kill`ed mid-work, and `docker-compose restart curate` restarts a
+4. one node container's process is killed (`kill -9` from the host, as a crash or the OOM killer
+   does) mid-work and the container comes back by itself (restart policy; `docker kill` is an
+   operator's stop, which no policy undoes), and `docker-compose restart curate` restarts a
    stream app;
 5. the curator is paused and the test counts: every task group on the tasks topic reaches the train
    topic (or the DLQ, with its reason): nothing lost;
-6. Prometheus answers a query for a metric of every role;
+6. Prometheus answers a query for a metric of every role, each scraped from the role itself;
 7. `down -v` leaves no container, network or volume of the project.
 
 Needs a Docker engine: `scripts/test.sh` starts one (and stops it if it did). Elsewhere the test
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -82,7 +85,7 @@ class Stack:
             "AF_TRAINER_THREADS": "1",
         }
         self.kafka = KafkaSettings(bootstrap_servers=f"127.0.0.1:{KAFKA_PORT}")
-        self.killed: set[str] = set()  # containers the test killed on purpose (full ids)
+        self.crashed: set[str] = set()  # containers the test crashed on purpose (full ids), until back
 
     def script(self, *args: str, timeout: float = 3600) -> str:
         res = subprocess.run(["bash", str(SCRIPT), *args], env=self.env, cwd=ROOT, capture_output=True, text=True,
@@ -135,8 +138,21 @@ class Stack:
             if len(out) != 4:
                 continue
             full_id, name, status, code = out
-            if full_id not in self.killed and status == "exited" and code != "0":
+            if full_id not in self.crashed and status == "exited" and code != "0":
                 raise AssertionError(f"container {name} exited with {code}\n{self.logs()}")
+
+    def where_lost(self, groups: set[str]) -> str:
+        """Every hop of a few lost groups (`astraflow trace`), and all the logs kept in a file."""
+        out = []
+        for group in sorted(groups)[:4]:
+            try:
+                out.append(self.astraflow("trace", group, "-e", EXPERIMENT))
+            except AssertionError as exc:
+                out.append(str(exc))
+        logs = ROOT / "build" / f"{self.project}-logs.txt"
+        logs.parent.mkdir(exist_ok=True)
+        logs.write_text(self.dc("logs", "--no-color", "--timestamps", timeout=300))
+        return "\n".join(out) + f"\nthe stack's whole logs: {logs}"
 
     def logs(self, tail: int = 40) -> str:
         try:
@@ -239,8 +255,7 @@ def test_stack_scales_survives_kills_and_restarts_and_loses_nothing(stack: Stack
 
     # 2. The whole stack, one node.
     stack.dc("up", "-d", "--no-build", "--scale", "raas=1", timeout=600)
-    stack.wait("3 versions published", lambda: _max(stack.query(
-        f'astraflow_policy_version{{experiment="{EXPERIMENT}"}}')) >= 3, 900)
+    stack.wait("3 versions published", lambda: _published(stack) >= 3, 900)
     stack.wait("the node applied a version", lambda: _applied_nodes(stack) >= 1, 300)
     print(f"stack up, 3 versions, node applied: {time.monotonic() - t0:.0f} s")
 
@@ -249,15 +264,20 @@ def test_stack_scales_survives_kills_and_restarts_and_loses_nothing(stack: Stack
     assert len(stack.containers("raas")) == 3
     stack.wait("3 nodes applied a version", lambda: _applied_nodes(stack) >= 3, 600)
 
-    # 4. Faults: kill -9 of a node container, restart of a stream app, while tasks flow.
+    # 4. Faults: kill -9 of a node container's process (it comes back: restart policy), restart of
+    #    a stream app, while tasks flow.
     victim = stack.containers("raas")[-1]
-    stack.killed.add(subprocess.run([_client(), "inspect", "--format", "{{.Id}}", victim], check=True,
-                                    capture_output=True, text=True).stdout.strip())
-    subprocess.run([_client(), "kill", victim], check=True, capture_output=True)
+    pid = subprocess.run([_client(), "inspect", "--format", "{{.State.Pid}}", victim], check=True, capture_output=True,
+                         text=True).stdout.strip()
+    stack.crashed.add(subprocess.run([_client(), "inspect", "--format", "{{.Id}}", victim], check=True,
+                                     capture_output=True, text=True).stdout.strip())
+    os.kill(int(pid), signal.SIGKILL)  # the container's init (tini): the whole container dies
     stack.dc("restart", "curate", timeout=300)
-    before = _max(stack.query(f'astraflow_policy_version{{experiment="{EXPERIMENT}"}}'))
-    stack.wait("a version published after the faults", lambda: _max(stack.query(
-        f'astraflow_policy_version{{experiment="{EXPERIMENT}"}}')) > before, 600)
+    stack.wait("the killed node container back", lambda: _restarted(victim), 300)
+    stack.crashed.clear()
+    before = _published(stack)
+    stack.wait("a version published after the faults", lambda: _published(stack) > before, 600)
+    stack.wait("3 live nodes applied a version again", lambda: _applied_nodes(stack) >= 3, 600)
 
     # 5. Pause the curator, let everything issued drain, count.
     stack.astraflow("control", "set", "-e", EXPERIMENT, "curator", "pause", "on")
@@ -272,17 +292,25 @@ def test_stack_scales_survives_kills_and_restarts_and_loses_nothing(stack: Stack
     except AssertionError:
         ledger = group_ledger(stack.kafka, EXPERIMENT, "policy")
         raise AssertionError(f"lost groups: {sorted(ledger.lost)[:20]} of {len(ledger.issued)} issued; "
-                             f"dead-lettered: {ledger.dead_lettered}\n{stack.logs()}") from None
+                             f"dead-lettered: {ledger.dead_lettered}\n{stack.where_lost(ledger.lost)}"
+                             f"\n{stack.logs()}") from None
     print(f"issued {len(ledger.issued)} groups, {len(ledger.trained)} reached the train topic, "
-          f"{len(ledger.dead_lettered)} dead-lettered, samples twice on the train topic: {ledger.samples_twice}")
+          f"{len(ledger.dead_lettered)} dead-lettered, samples twice on the train topic: {ledger.samples_twice}; "
+          f"dead letters: {ledger.dead_lettered}")
     assert len(ledger.issued) >= 12 and not ledger.lost
 
-    # 6. A metric of every role in Prometheus (the node endpoints and the bridge).
-    components = {r["metric"].get("component") for r in stack.query('group by (component) ({__name__=~"astraflow_.+"})')}
-    assert {"curator", "reward", "curate", "trainer", "raas"} <= components, components
-    assert stack.query('astraflow_consumer_lag{group=~".*archive.*"}'), "no lag series of the archive's group"
-    assert stack.query('astraflow_topic_end_offset{stream="tasks"} > 0'), "no Kafka topic offsets"
-    assert stack.query('up{job="raas"} == 1'), "Prometheus scrapes no node directly"
+    # 6. A metric of every role in Prometheus, scraped from the role itself (job = its service),
+    #    and what only Kafka knows from the bridge.
+    roles = ("curator", "reward", "curate", "archive", "trainer", "raas")
+    up = {r["metric"]["job"] for r in stack.query(f'astraflow_role_up{{experiment="{EXPERIMENT}"}} == 1')
+          if r["metric"].get("job") == r["metric"].get("component")}
+    assert set(roles) <= up, up
+    for role, metric in (("curator", "astraflow_tasks_issued_total"), ("reward", "astraflow_records_in_total"),
+                         ("curate", "astraflow_records_out_total"), ("archive", "astraflow_records_out_total"),
+                         ("trainer", "astraflow_trainer_loss"), ("raas", "astraflow_rollouts_total")):
+        assert stack.query(f'{metric}{{job="{role}",component="{role}",experiment="{EXPERIMENT}"}}'), (role, metric)
+    assert stack.query('astraflow_consumer_lag{job="kafka",group=~".*archive.*"}'), "no lag series of the archive's group"
+    assert stack.query('astraflow_topic_end_offset{job="kafka",stream="tasks"} > 0'), "no Kafka topic offsets"
     print(f"docker test body: {time.monotonic() - t0:.0f} s")
 
 
@@ -309,6 +337,17 @@ def _max(result: list[dict]) -> float:
     return max((float(r["value"][1]) for r in result), default=0.0)
 
 
+def _published(stack: Stack) -> float:
+    return _max(stack.query(f'astraflow_published_version{{experiment="{EXPERIMENT}"}}'))
+
+
 def _applied_nodes(stack: Stack) -> int:
-    """Nodes (scraped directly, so only live ones) whose model is at version 1 or later."""
-    return len(stack.query('astraflow_raas_policy_version{job="raas"} >= 1'))
+    """Live nodes (their endpoint answered the last scrape) whose model is at version 1 or later."""
+    return len(stack.query('astraflow_policy_version{job="raas"} >= 1 and on (instance) up{job="raas"} == 1'))
+
+
+def _restarted(container: str) -> bool:
+    """The container runs again after the restart policy brought it back."""
+    out = subprocess.run([_client(), "inspect", "--format", "{{.State.Running}} {{.RestartCount}}", container],
+                         capture_output=True, text=True).stdout.split()
+    return out[:1] == ["true"] and len(out) == 2 and int(out[1]) >= 1

@@ -22,7 +22,7 @@ from astraflow.config import KafkaSettings
 from astraflow.kafka.topics import Topics
 from astraflow.serde import AvroSerde
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
 def _read_all(kafka: KafkaSettings, topic: str, idle_s: float = 3.0) -> list:
@@ -42,9 +42,9 @@ def _read_all(kafka: KafkaSettings, topic: str, idle_s: float = 3.0) -> list:
 def test_short_demo(kafka: KafkaSettings, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "astraflow.cli.main", "demo", "--bootstrap", kafka.bootstrap_servers,
-           "--minutes", "2.5", "--out", str(run_dir), "--sft-steps", "40", "--target", "1.01",
+           "--minutes", "15", "--versions", "3", "--out", str(run_dir), "--sft-steps", "300", "--target", "1.01",
            "--n-samples", "4", "--batch-size", "16"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "120"})
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env={**os.environ, "COLUMNS": "120"})
     assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     summary = json.loads((run_dir / "summary.json").read_text())
     for name in ("config.json", "learning.png", "trajectories.csv", "eval.csv"):
@@ -52,7 +52,8 @@ def test_short_demo(kafka: KafkaSettings, tmp_path: Path) -> None:
     topics = Topics(summary["experiment"])
 
     versions = [r.version for r in _read_all(kafka, topics.weights("policy")) if type(r).__name__ == "PolicyVersion"]
-    assert len(versions) >= 2 and max(versions) >= 2, versions
+    assert len(versions) >= 3 and max(versions) >= 3, versions
+    assert summary["stopped_by"] == "3 versions published", summary["stopped_by"]
 
     scored = _read_all(kafka, topics.scored)
     assert scored and all(t.reward is not None for t in scored)

@@ -42,6 +42,7 @@ class BrainBackend:
 
         self.policy, self.version, self.brain = policy, 2, brain
         self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.context_length = 2048  # tokens of prompt + completion (the endpoint refuses more)
 
     def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_bos)
@@ -141,7 +142,8 @@ def test_os_env_check_script_right_wrong_and_network(kafka: KafkaSettings, exper
     ref = {"files": {"logs/app.log": "ERROR a\nINFO b\nERROR c\nERROR d\n"},
            "check": 'test "$(echo $ANSWER)" = "$(grep -c ERROR logs/app.log)"'}
     plan = {"Count A": ("grep -c ERROR logs/app.log", None), "Count B": (None, "7"),
-            "Count C": ("python3 -c \"import socket; socket.create_connection(('1.1.1.1', 80), timeout=3)\"", "0")}
+            "Count C": ("python3 -c \"import socket; socket.create_connection(('1.1.1.1', 80), timeout=3)\"", "0"),
+            "Count D": ("seq 1 1000", "1")}  # its output (~3,900 tokens) overflows the context
 
     def brain(prompt: str) -> str:
         key = next(k for k in plan if k in prompt)
@@ -154,11 +156,16 @@ def test_os_env_check_script_right_wrong_and_network(kafka: KafkaSettings, exper
     tasks = [_task(i, f"{k}: how many lines of logs/app.log contain ERROR?", ref, "os_agent") for i, k in enumerate(plan)]
     trajs = _serve(kafka, experiment, tasks, BrainBackend("policy", tiny_model_dir, brain))
     reward = REGISTRY.get("reward", "os_check")
-    assert [reward(t).reward for t in trajs] == [1.0, 0.0, 0.0]
+    assert [reward(t).reward for t in trajs] == [1.0, 0.0, 0.0, 0.0]
     assert trajs[0].final_answer == "3" and trajs[0].tool_calls[0].result.startswith("3")
     net = trajs[2].tool_calls[0].result
     assert "Address family not supported" in net or "Operation not permitted" in net
-    assert all(t.status is TrajectoryStatus.OK for t in trajs)
+    assert all(t.status is TrajectoryStatus.OK for t in trajs[:3])
+    # the prompt with the long tool result is refused (400 context_length_exceeded), not truncated:
+    # the episode ends TRUNCATED with the first call's segments only, and the node served the rest
+    over = trajs[3]
+    assert over.status is TrajectoryStatus.TRUNCATED and [s.role for s in over.segments] == ["prompt", "assistant"]
+    assert over.tool_calls[0].result.startswith("1\n2\n3")
 
 
 def test_code_env_real_model_tokens_are_exactly_the_sampled_ones(kafka: KafkaSettings, experiment: str,

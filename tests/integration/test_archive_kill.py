@@ -28,8 +28,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _start(kafka: KafkaSettings, topic: str, archive: Path, group: str, log: Path, *extra: str) -> subprocess.Popen:
     cmd = [
-        sys.executable, "-m", "stream_apps.archive", "--topics", topic, "--to", str(archive), "--group", group,
-        "--instance-id", "archive-0", "--max-file-age", "0.5", "--block-kb", "4", "--set", f"kafka.bootstrap_servers={kafka.bootstrap_servers}", *extra,
+        sys.executable, "-m", "astraflow.cli.main", "--set", f"kafka.bootstrap_servers={kafka.bootstrap_servers}",
+        "archive", "run", "--topics", topic, "--to", str(archive), "--group", group,
+        "--instance-id", "archive-0", "--max-file-age", "0.5", "--block-kb", "4", *extra,
     ]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
 

@@ -30,12 +30,8 @@ from astraflow.models.tiny import init_tiny, load_tiny
 from astraflow.ops.status import collect_status
 from astraflow.records import DeadLetter
 from astraflow.serde import AvroSerde
-from astraflow.weights.publish import (
-    PublishSettings,
-    WeightPublisher,
-    last_published_version,
-    latest_policy_version,
-)
+from astraflow.weights.publish import PublishSettings, WeightPublisher
+from astraflow.weights.versions import last_published_version, latest_policy_version
 from trainers.config import TrainRunConfig
 from trainers.run import run_training
 from trainers.synthetic import make_samples

@@ -8,7 +8,6 @@ import uuid
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 from astraflow.config import AstraflowConfig, KafkaSettings
@@ -18,13 +17,6 @@ from astraflow.raas.backends.torch_backend import TorchBackend
 from astraflow.raas.node import NodeSettings, RaasNode
 from astraflow.records import DeadLetter, SamplingParams, Trajectory
 from astraflow.testing import make_task
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from astraflow.models.tiny import init_tiny
-
-    return Path(init_tiny(tmp_path_factory.mktemp("tiny"), seed=0))
 
 
 def _collect(kafka: KafkaSettings, topic: str, want: int, expect=None, timeout_s: float = 60.0) -> list:
@@ -47,7 +39,7 @@ async def _run_until(node: RaasNode, done, timeout_s: float = 120.0) -> None:
     await task
 
 
-def test_sixteen_tasks_four_samples(kafka: KafkaSettings, experiment: str, tiny_model: Path) -> None:
+def test_sixteen_tasks_four_samples(kafka: KafkaSettings, experiment: str, tiny_model_dir: Path) -> None:
     topics = Topics(experiment)
     producer = RecordProducer(kafka)
     for i in range(16):
@@ -59,7 +51,7 @@ def test_sixteen_tasks_four_samples(kafka: KafkaSettings, experiment: str, tiny_
     producer.send(topics.tasks, bad, key=bad.group_id)
     producer.flush()
 
-    backend = TorchBackend("policy", str(tiny_model), seed=0, max_batch=16)
+    backend = TorchBackend("policy", str(tiny_model_dir), seed=0, max_batch=16)
     cfg = AstraflowConfig(kafka=kafka)
     node = RaasNode(cfg, NodeSettings(experiment, max_inflight=16, metrics_interval_s=1.0), {"policy": backend})
     asyncio.run(_run_until(node, lambda: node.tasks_done >= 16))
@@ -85,9 +77,9 @@ def test_sixteen_tasks_four_samples(kafka: KafkaSettings, experiment: str, tiny_
     backend.close()
 
 
-def test_new_version_mid_run_shows_in_later_tokens(kafka: KafkaSettings, experiment: str, tiny_model: Path) -> None:
+def test_new_version_mid_run_shows_in_later_tokens(kafka: KafkaSettings, experiment: str, tiny_model_dir: Path) -> None:
     topics = Topics(experiment)
-    backend = TorchBackend("policy", str(tiny_model), seed=0, max_batch=4)
+    backend = TorchBackend("policy", str(tiny_model_dir), seed=0, max_batch=4)
     producer = RecordProducer(kafka)
     task = make_task(0, n_samples=1)
     task.sampling = SamplingParams(temperature=1.0, max_tokens=64)
@@ -115,7 +107,7 @@ def test_new_version_mid_run_shows_in_later_tokens(kafka: KafkaSettings, experim
     backend.close()
 
 
-def test_prometheus_endpoint_serves_node_metrics(kafka: KafkaSettings, experiment: str, tiny_model: Path) -> None:
+def test_prometheus_endpoint_serves_node_metrics(kafka: KafkaSettings, experiment: str, tiny_model_dir: Path) -> None:
     """`ASTRAFLOW_METRICS_PORT` opts a node into a /metrics endpoint with its rollout figures."""
     import os
     import signal
@@ -135,12 +127,12 @@ def test_prometheus_endpoint_serves_node_metrics(kafka: KafkaSettings, experimen
     env = {**os.environ, "ASTRAFLOW__KAFKA__BOOTSTRAP_SERVERS": kafka.bootstrap_servers, "ASTRAFLOW_METRICS_PORT": str(port)}
     # Metrics every second (the CLI keeps NodeSettings' 5 s default; the test waits for two rounds).
     proc = subprocess.Popen([sys.executable, "-m", "astraflow.cli.main", "raas", "serve", "-e", experiment,
-                             "-p", f"policy={tiny_model}", "--node-id", "prom-node", "--threads", "1",
+                             "-p", f"policy={tiny_model_dir}", "--node-id", "prom-node", "--threads", "1",
                              "--no-follow-weights"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     body = ""
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and "astraflow_raas_rollouts_total" not in body:
+        deadline = time.monotonic() + 240  # a loaded machine: the engine process starts, the model loads
+        while time.monotonic() < deadline and "astraflow_rollouts_total" not in body:
             time.sleep(1)
             try:
                 body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
@@ -149,5 +141,6 @@ def test_prometheus_endpoint_serves_node_metrics(kafka: KafkaSettings, experimen
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
-    assert "astraflow_raas_rollouts_total" in body and 'node_id="prom-node"' in body, body[-2000:]
-    assert "astraflow_raas_policy_version" in body
+    assert "astraflow_rollouts_total{" in body and 'node_id="prom-node"' in body, body[-2000:]
+    assert any(ln.startswith("astraflow_policy_version{") and 'component="raas"' in ln for ln in body.splitlines())
+    assert 'astraflow_role_up{component="raas"' in body

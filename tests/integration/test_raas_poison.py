@@ -54,13 +54,6 @@ async def blocks(ctx):
 '''
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from astraflow.models.tiny import init_tiny
-
-    return Path(init_tiny(tmp_path_factory.mktemp("tiny"), seed=0))
-
-
 @pytest.fixture
 def flows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str]:
     """(module of misbehaving workflows, module that raises SystemExit when imported), importable."""
@@ -162,7 +155,7 @@ def _check_answers(trajs: list[Trajectory], letters: list[DeadLetter], errors, r
 
 
 def test_each_poison_task_is_answered_committed_and_the_node_goes_on(
-        kafka: KafkaSettings, experiment: str, tiny_model: Path, flows: tuple[str, str]) -> None:
+        kafka: KafkaSettings, experiment: str, tiny_model_dir: Path, flows: tuple[str, str]) -> None:
     errors, refused = _poison(*flows)
     good = [make_task(i, n_samples=1) for i in range(2)]
     for g in good:
@@ -172,7 +165,7 @@ def test_each_poison_task_is_answered_committed_and_the_node_goes_on(
     _send(kafka, topics.tasks, tasks)
 
     limits = RaasSettings(workflow_modules=list(flows), rollout_timeout_s=2.0, max_tokens=32, max_prompt_chars=200)
-    backend = TorchBackend("policy", str(tiny_model), seed=0, max_batch=8, threads=1)
+    backend = TorchBackend("policy", str(tiny_model_dir), seed=0, max_batch=8, threads=1)
     node = RaasNode(AstraflowConfig(kafka=kafka, raas=limits), NodeSettings(experiment, max_inflight=32), {"policy": backend})
     group = f"af.{experiment}.raas"
 
@@ -215,7 +208,7 @@ def _node(kafka: KafkaSettings, experiment: str, model: Path, node_id: str, log:
 
 @pytest.mark.slow  # two node processes, one killed: ~40 s
 def test_a_node_taking_over_uncommitted_poison_is_not_killed_either(
-        kafka: KafkaSettings, experiment: str, tiny_model: Path, flows: tuple[str, str], tmp_path: Path) -> None:
+        kafka: KafkaSettings, experiment: str, tiny_model_dir: Path, flows: tuple[str, str], tmp_path: Path) -> None:
     errors, refused = _poison(*flows)
     errors = [e for e in errors if e[0].task_id != "block"]  # node A's long deadline would hold it 30 s
     good = make_task(0, n_samples=1)
@@ -226,7 +219,7 @@ def test_a_node_taking_over_uncommitted_poison_is_not_killed_either(
     _send(kafka, topics.tasks, tasks)
     group = f"af.{experiment}.raas"
 
-    a = _node(kafka, experiment, tiny_model, "node-a", tmp_path / "a.log", flows, timeout_s=120)
+    a = _node(kafka, experiment, tiny_model_dir, "node-a", tmp_path / "a.log", flows, timeout_s=120)
     answered_by_a = {t.task_id for t, _ in errors[1:]} | {good.task_id}
 
     def kill_a_once_it_answered(out: list[Trajectory]) -> None:
@@ -243,7 +236,7 @@ def test_a_node_taking_over_uncommitted_poison_is_not_killed_either(
     assert a.returncode == -signal.SIGKILL, (tmp_path / "a.log").read_text()[-3000:]
     assert not _all_committed(kafka, group, topics.tasks), "node A committed past the hanging task"
 
-    b = _node(kafka, experiment, tiny_model, "node-b", tmp_path / "b.log", flows, timeout_s=2)
+    b = _node(kafka, experiment, tiny_model_dir, "node-b", tmp_path / "b.log", flows, timeout_s=2)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not _all_committed(kafka, group, topics.tasks):

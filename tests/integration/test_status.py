@@ -130,6 +130,11 @@ def test_status_reports_the_nodes_lags_and_versions_the_experiment_has(running: 
         assert n.tokens_per_s == want["tokens_per_s"] and n.rollouts_per_s == 1.5 and n.rollouts_total == 42.0
         assert n.last_seen_s < 60
 
+    regions = {g.region: g for g in r.regions}  # per region: throughput, and versions behind the published v4
+    assert (regions["us-east"].nodes, regions["us-east"].rollouts_per_s, regions["us-east"].version_lag) == (1, 1.5, 0)
+    assert (regions["eu-west"].nodes, regions["eu-west"].rollouts_per_s, regions["eu-west"].version_lag) == (1, 1.5, 1)
+    assert r.autoscale is not None and r.autoscale.task_lag == TASKS - TASKS_CONSUMED and r.autoscale.nodes == 2
+
     (policy,) = r.policies
     assert policy.policy == "policy" and policy.version == 4 and policy.kind == "DELTA"
     assert policy.trainer_step == 42 and policy.trainer == {"loss": 0.5}  # the newest step; the bucket series apart
@@ -192,27 +197,40 @@ def test_prometheus_bridge_serves_the_experiment(running: Running) -> None:
         bridge.stop()
     assert f'astraflow_status_up{{experiment="{exp}"}} 1.0' in text
     assert f'astraflow_consumer_lag{{experiment="{exp}",group="af.{exp}.raas",topic="af.{exp}.tasks"}} 6.0' in text
-    assert f'astraflow_policy_version{{experiment="{exp}",policy="policy"}} 4.0' in text
+    assert f'astraflow_published_version{{experiment="{exp}",policy="policy"}} 4.0' in text
     assert f'astraflow_dlq_records{{experiment="{exp}"}} 2.0' in text
     assert f'astraflow_raas_nodes{{experiment="{exp}"}} 2.0' in text
-    gpu = [ln for ln in text.splitlines() if ln.startswith("astraflow_raas_tokens_per_s{") and 'node_id="node-gpu"' in ln]
-    assert len(gpu) == 1 and 'region="eu-west"' in gpu[0] and 'hardware="gpu:H200"' in gpu[0] and gpu[0].endswith(" 9000.0")
-    loss = [ln for ln in text.splitlines() if ln.startswith("astraflow_trainer_loss{")]
-    assert len(loss) == 1 and loss[0].endswith(" 0.5") and "step" not in loss[0]
+    assert f'astraflow_region_version_lag{{experiment="{exp}",region="eu-west"}} 1.0' in text
+    assert f'astraflow_autoscale_task_lag{{experiment="{exp}"}} 6.0' in text
+    # The roles' own series come from their own endpoints (serve_role), not through the bridge.
+    assert "astraflow_tokens_per_s" not in text and "astraflow_trainer_loss" not in text
 
 
-def test_any_process_can_expose_its_own_metrics_on_an_opt_in_port() -> None:
-    from astraflow.metrics_export import ProcessMetrics, start_from_env, start_metrics_server
+def test_every_role_serves_its_own_metrics_under_one_naming_rule() -> None:
+    from astraflow.errors import ConfigError
+    from astraflow.metrics_export import serve_role
 
-    assert start_from_env({}) is None  # nothing listens unless asked
-    registry = CollectorRegistry()
-    mine = ProcessMetrics(experiment="e1")
-    registry.register(mine)
-    mine.observe(Metric("rollouts_per_s", 2.0, "raas", "n1", {"node_id": "n1", "step": "1"}, ts=1))
-    mine.observe(Metric("rollouts_per_s", 3.0, "raas", "n1", {"node_id": "n1", "step": "2"}, ts=2))
-    server = start_metrics_server(0, "127.0.0.1", registry)
+    assert serve_role("e1", "curate", "c1", env={}) is None  # nothing listens unless asked
+    with pytest.raises(ConfigError, match="port number"):
+        serve_role("e1", "curate", "c1", env={"ASTRAFLOW_METRICS_PORT": "nine"})
+    env = {"ASTRAFLOW_METRICS_PORT": "0"}  # port 0: the OS picks a free one
+    node, curate, reward = (serve_role("e1", c, p, env=env) for c, p in (("raas", "n1"), ("curate", "c1"), ("reward", "r1")))
+    assert node and curate and reward
     try:
-        text = _scrape(server.port)
+        assert {e.server.addr for e in (node, curate, reward)} == {"127.0.0.1"}  # loopback unless configured
+        node.observe(Metric("rollouts_per_s", 2.0, "raas", "n1", {"node_id": "n1", "step": "1"}, ts=1))
+        node.observe(Metric("rollouts_per_s", 3.0, "raas", "n1", {"node_id": "n1", "step": "2"}, ts=2))
+        curate.observe(Metric("records_in_total", 7.0, "curate", "c1", {"experiment": "e1"}))
+        reward.observe(Metric("records_in_total", 5.0, "reward", "r1", {"experiment": "e1"}))
+        texts = {e: _scrape(e.port) for e in (node, curate, reward)}
     finally:
-        server.close()
-    assert 'astraflow_raas_rollouts_per_s{component="raas",experiment="e1",node_id="n1",process="n1"} 3.0' in text
+        for e in (node, curate, reward):
+            e.close()
+    assert 'astraflow_rollouts_per_s{component="raas",experiment="e1",node_id="n1",process="n1"} 3.0' in texts[node]
+    # The same counter has one name in every role; the role is a label.
+    assert 'astraflow_records_in_total{component="curate",experiment="e1",process="c1"} 7.0' in texts[curate]
+    assert 'astraflow_records_in_total{component="reward",experiment="e1",process="r1"} 5.0' in texts[reward]
+    for e, (c, p) in ((node, ("raas", "n1")), (curate, ("curate", "c1")), (reward, ("reward", "r1"))):
+        assert f'astraflow_role_up{{component="{c}",experiment="e1",process="{p}"}} 1.0' in texts[e]
+        assert "process_resident_memory_bytes" in texts[e]  # the process' own CPU and memory
+    assert "records_in_total" not in texts[node]  # each endpoint serves its own process only

@@ -1,13 +1,16 @@
 """The commands as separate processes: `astraflow app run reward` feeding a user processor run with
-`astraflow process run` (the example in stream_apps/examples); both stop cleanly on SIGTERM."""
+`astraflow process run` (the example in stream_apps/examples); both serve their own Prometheus
+endpoint (ASTRAFLOW_METRICS_PORT) under the same metric names and stop cleanly on SIGTERM."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -33,8 +36,11 @@ def test_reward_app_and_example_processor_as_processes(kafka: KafkaSettings, exp
                  "stream_apps.examples.tool_errors:tool_errors", "-e", experiment],
     }
     logs = {name: (tmp_path / f"{name}.log").open("w") for name in commands}
-    procs = {name: subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=logs[name], stderr=subprocess.STDOUT)
+    ports = {name: _free_port() for name in commands}
+    procs = {name: subprocess.Popen(cmd, cwd=ROOT, env={**env, "ASTRAFLOW_METRICS_PORT": str(ports[name])},
+                                    stdout=logs[name], stderr=subprocess.STDOUT)
              for name, cmd in commands.items()}
+    scraped: dict[str, str] = {}
     try:
         producer = RecordProducer(kafka)
         for i in range(20):
@@ -57,6 +63,12 @@ def test_reward_app_and_example_processor_as_processes(kafka: KafkaSettings, exp
             assert all(p.poll() is None for p in procs.values()), "a process exited early"
             flagged += [serde.loads(m.value(), Trajectory) for m in c.consume(100, 0.5) if m.error() is None]
         c.close()
+        want = {"reward": 'astraflow_records_in_total{component="reward",', "proc": 'component="proc.tool-errors",'}
+        while time.monotonic() < deadline + 30 and not all(
+                any(ln.startswith("astraflow_records_in_total{") and want[n] in ln and ln.endswith(" 20.0")
+                    for ln in scraped.get(n, "").splitlines()) for n in commands):
+            time.sleep(0.5)
+            scraped = {name: _scrape(port) for name, port in ports.items()}
     finally:
         for p in procs.values():
             p.send_signal(signal.SIGTERM)
@@ -69,3 +81,25 @@ def test_reward_app_and_example_processor_as_processes(kafka: KafkaSettings, exp
     assert all(t.metadata["failed_tools"] == "python" for t in flagged)
     assert all(t.reward is not None and t.lineage[0].name == "exact_match" for t in flagged)  # scored by the reward app
     assert "stopped: 20 in, 20 out" in output["reward"] and "stopped: 20 in, 5 out" in output["proc"], output
+    # Each process's own endpoint: one name per counter, the role in a label; the reward app's 20
+    # in and 20 out, the processor's 20 in and 5 out (15 dropped on purpose).
+    for name, (component, out) in {"reward": ("reward", 20), "proc": ("proc.tool-errors", 5)}.items():
+        text = scraped[name]
+        assert f'astraflow_role_up{{component="{component}",experiment="{experiment}"' in text, text[-2000:]
+        for metric, value in (("records_in_total", 20), ("records_out_total", out)):
+            assert any(ln.startswith(f"astraflow_{metric}{{") and f'component="{component}"' in ln
+                       and ln.endswith(f" {value:.1f}") for ln in text.splitlines()), (metric, text[-3000:])
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _scrape(port: int) -> str:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            return resp.read().decode()
+    except OSError:  # not listening yet
+        return ""

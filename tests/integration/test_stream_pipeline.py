@@ -1,22 +1,21 @@
 """reward + curate (Faust apps, exactly-once) on a real broker: trajectories in, train samples out, poison to the DLQ.
 
 Two policies (solver, verifier): the verifier trains in three of the four samples of one group,
-so its advantages differ from the solver's. Poison records (undecodable bytes, a reference the
-reward cannot read, a group a curate filter raises on) land in the DLQ with the reason and the
+so its advantages differ from the solver's. Poison records (undecodable bytes, a record of another
+schema, a reference the reward strategy raises on, a group a curate filter raises on) land in the DLQ with the reason and the
 strategy's name, and every record after them is still processed.
 """
 
 from __future__ import annotations
 
+import json
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
-from confluent_kafka import Consumer
 
 from astraflow.config import KafkaSettings, TopicSettings
 from astraflow.control import ControlWriter
@@ -25,8 +24,7 @@ from astraflow.dataflow.registry import register
 from astraflow.kafka.clients import RecordProducer
 from astraflow.kafka.topics import TopicAdmin, Topics, topic_specs
 from astraflow.records import DeadLetter, Metric, PromptStats, Segment, TrainSample, Trajectory
-from astraflow.serde import AvroSerde
-from astraflow.testing import make_trajectory
+from astraflow.testing import make_trajectory, read_records
 from stream_apps.engine import EngineSettings, StreamEngine
 from stream_apps.launch import AppOptions, build_worker
 
@@ -69,23 +67,6 @@ def group(name: str, answers: list[str], verifier_in: int = 0, prompt: str | Non
     return out
 
 
-def drain(kafka: KafkaSettings, topics: list[str], until: Callable[[list[Any]], bool], timeout_s: float = 40.0) -> list[Any]:
-    """Decoded records of `topics` (from the start) until `until(records)` or the timeout."""
-    serde = AvroSerde()
-    c = Consumer({**kafka.client_config(), "group.id": f"read-{uuid.uuid4().hex}", "auto.offset.reset": "earliest"})
-    c.subscribe(topics)
-    out: list[Any] = []
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not until(out) and time.monotonic() < deadline:
-            for m in c.consume(500, 0.3):
-                if m.error() is None:
-                    out.append(serde.loads(m.value()))
-    finally:
-        c.close()
-    return out
-
-
 def start(*workers: StreamEngine) -> list[Any]:
     return [w.start_thread() for w in workers]
 
@@ -104,6 +85,9 @@ def test_trajectories_to_train_samples_per_policy_with_dlq_and_metrics(kafka: Ka
     ControlWriter(kafka, exp2).set("curate", "filter.explode", "it_explode")  # before start: read at startup
     producer = RecordProducer(kafka)
     producer.send_raw(topics.rollouts, b"garbage, not avro", key=b"poison")
+    other = DeadLetter(original=b"x", original_key=None, topic="t", partition=0, offset=0, error_class="E", error="e",
+                       component="c")
+    producer.send(topics.rollouts, other, key=b"other-schema")  # valid Avro, not a Trajectory
     bad = group("bad-ref", ["4"])[0]
     bad.reference = "this is not json"
     producer.send(topics.rollouts, bad, key=bad.group_id)
@@ -123,8 +107,8 @@ def test_trajectories_to_train_samples_per_policy_with_dlq_and_metrics(kafka: Ka
                build_worker("curate", EngineSettings(exp2, kafka, **settings), AppOptions(policies=POLICIES))]
     threads = start(*workers)
     try:
-        samples = drain(kafka, [topics.train(p) for p in POLICIES], lambda out: len(out) >= 11)
-        letters = drain(kafka, [topics.dlq], lambda out: len(out) >= 4, timeout_s=20)
+        samples = read_records(kafka, [topics.train(p) for p in POLICIES], lambda out: len(out) >= 11)
+        letters = read_records(kafka, [topics.dlq], lambda out: len(out) >= 5, timeout_s=20)
         time.sleep(1.0)  # one more metrics period after the last record
     finally:
         stop(workers, threads)
@@ -140,9 +124,9 @@ def test_trajectories_to_train_samples_per_policy_with_dlq_and_metrics(kafka: Ka
     }
     assert adv == pytest.approx(expected, abs=1e-4)
     v0 = next(s for s in samples if s.policy == "verifier" and s.trajectory_id == "g1/0")
-    assert v0.loss_mask.sum() == 8 and v0.min_version == 7 and len(v0.token_ids) == 96 + 8
+    assert v0.loss_mask.sum() == 8 and v0.min_version == 7 and len(v0.token_ids) == 8  # its own tokens only
     s0 = next(s for s in samples if s.policy == "solver" and s.trajectory_id == "g1/0")
-    assert s0.min_version == 4 and s0.loss_mask[-8:].sum() == 0  # the verifier's tokens are masked for the solver
+    assert s0.min_version == 4 and len(s0.token_ids) == 96  # the verifier's tokens are no part of the solver's sample
     lineage = [(r.app, r.slot, r.name) for r in s0.lineage]
     assert lineage[0] == ("reward", "reward", "exact_match") and lineage[-1] == ("curate", "advantage", "grpo")
     assert ("curate", "filter.explode", "it_explode") in lineage
@@ -154,12 +138,13 @@ def test_trajectories_to_train_samples_per_policy_with_dlq_and_metrics(kafka: Ka
         ("curate", "RuntimeError", "it_explode", True),
         ("reward", "CorruptRecordError", "", False),
         ("reward", "RewardError", "exact_match", False),
+        ("reward", "SchemaValidationError", "", False),
     ]
     assert any("not valid JSON" in d.error for d in letters if d.strategy == "exact_match")
     assert any("filter exploded" in d.error for d in letters if d.strategy == "it_explode")
     assert next(d for d in letters if d.error_class == "CorruptRecordError").original == b"garbage, not avro"
 
-    feedback = drain(kafka, [topics.feedback], lambda out: len(out) >= 5, timeout_s=10)
+    feedback = read_records(kafka, [topics.feedback], lambda out: len(out) >= 5, timeout_s=10)
     keys = {f"{s.policy}/{s.prompt_id}" for s in feedback if isinstance(s, PromptStats)}
     assert keys == {"solver/p-g1", "verifier/p-g1", "solver/p-g2", "solver/boom", "solver/p-flat"}  # boom's too
 
@@ -168,10 +153,10 @@ def test_trajectories_to_train_samples_per_policy_with_dlq_and_metrics(kafka: Ka
                 and all(m.labels.get(k) == v for k, v in labels.items())]
         return hits[-1].value if hits else None
 
-    metrics = drain(kafka, [topics.metrics], lambda out: final(out, "curate", "dropped_total", reason="zero_variance") == 3,
+    metrics = read_records(kafka, [topics.metrics], lambda out: final(out, "curate", "dropped_total", reason="zero_variance") == 3,
                     timeout_s=10)
     assert final(metrics, "curate", "dropped_total", reason="zero_variance") == 3
-    assert final(metrics, "reward", "records_in_total") == 2 + 13
+    assert final(metrics, "reward", "records_in_total") == 3 + 13
     assert final(metrics, "reward", "records_out_total") == 13
     assert final(metrics, "reward", "dead_lettered_total", reason="CorruptRecordError") == 1
 
@@ -197,7 +182,7 @@ def test_code_rewards_run_concurrently_in_the_sandbox_without_blocking(kafka: Ka
     worker = build_worker("reward", EngineSettings(exp2, kafka, max_inflight=8, metrics_interval_s=60))
     threads = start(worker)
     try:
-        scored = drain(kafka, [topics.scored], lambda out: len(out) >= 9, timeout_s=60)
+        scored = read_records(kafka, [topics.scored], lambda out: len(out) >= 9, timeout_s=60)
     finally:
         stop([worker], threads)
     assert {t.trajectory_id: t.reward for t in scored} == expected
@@ -222,8 +207,13 @@ def test_curate_restart_resumes_pending_groups_from_its_tables(kafka: KafkaSetti
     worker = build_worker("curate", EngineSettings(exp2, kafka, **settings), AppOptions(policies=["solver"]))
     threads = start(worker)
     try:
-        drain(kafka, [topics.train("solver")], lambda out: len(out) >= 2)
+        read_records(kafka, [topics.train("solver")], lambda out: len(out) >= 2)
         time.sleep(0.5)  # a commit period: the half group's two members are in the table's changelog
+        # Our transactional commits tell Faust's slow-processing check (no "Has not committed ... at
+        # all since worker start" for a partition that commits): the done group's partition did.
+        committed_at = worker.app.consumer._thread.tp_last_committed_at
+        emitted = {int(json.loads(v)["partition"]) for v in worker.tables["emitted"].values()}
+        assert emitted and emitted <= {tp.partition for tp in committed_at if tp.topic == topics.scored}
     finally:
         stop([worker], threads)
     assert worker.stats.records_in == 4 and worker.stats.records_out == 2
@@ -235,10 +225,15 @@ def test_curate_restart_resumes_pending_groups_from_its_tables(kafka: KafkaSetti
     again = build_worker("curate", EngineSettings(exp2, kafka, **settings), AppOptions(policies=["solver"]))
     threads = start(again)
     try:
-        samples = drain(kafka, [topics.train("solver")], lambda out: len(out) >= 6)
+        samples = read_records(kafka, [topics.train("solver")], lambda out: len(out) >= 6)
         time.sleep(0.5)
     finally:
         stop([again], threads)
-    assert again.stats.records_in == 2  # only the new records: the half group's first two came back from the changelog
+    # The new records, and maybe the half group's first two again: a restarted worker can be
+    # handed records again at startup (Faust seeks its partitions back after table recovery, or
+    # the last transactional offset commit is not visible yet). Those two are in the recovered
+    # table already, so they are dropped as redelivered, never trained twice.
+    reread = again.stats.records_in - 2
+    assert reread in (0, 2) and again.stats.dropped.get("redelivered_trajectory", 0) == reread, again.stats
     assert sorted(s.trajectory_id for s in samples) == ["done/0", "done/1", "half/0", "half/1", "half/2", "half/3"]
     assert sorted(s.advantage for s in samples if s.group_id == "half") == pytest.approx([-1, -1, 1, 1], abs=1e-5)

@@ -1,10 +1,7 @@
-"""The trainer and weight publication against a real Kafka broker.
-
-- training from a train topic: every record trained once, parameters changed, metrics sent, and
-  a follower reading the weights topic ends with the trainer's final weights bit for bit;
-- publisher and follower: a corrupted chunk and a version that never arrives lead to snapshot
-  fallbacks (and a snapshot request on the control topic), never to wrong weights; a late
-  joiner starts from the latest snapshot; claim-checked payloads via the store.
+"""The trainer against a real Kafka broker: training from a train topic (every record trained
+once, parameters changed, metrics sent, a follower reading the weights topic ends with the
+trainer's final weights bit for bit), poisoned samples, weights that are not finite, topics it
+does not create. Publisher and follower on their own: test_weights_publish_follow.py.
 """
 
 from __future__ import annotations
@@ -12,55 +9,28 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from confluent_kafka import Consumer, TopicPartition
+from weights_helpers import bits_equal, follow_until
 
 from astraflow.config import KafkaSettings
 from astraflow.kafka.clients import RecordProducer
 from astraflow.kafka.topics import Topics
 from astraflow.models.tiny import init_tiny, load_tiny
-from astraflow.records import Metric, WeightChunk, WeightKind
+from astraflow.records import Metric, TrainedSamples, WeightKind
 from astraflow.serde import AvroSerde
-from astraflow.weights.chain import ApplyStatus, WeightChain
-from astraflow.weights.publish import (
-    KafkaWeightFollower,
-    PublishSettings,
-    WeightFollower,
-    WeightPublisher,
-    latest_policy_version,
-    published_state,
-)
-from astraflow.weights.store import WeightStore
-from astraflow.weights.verify import FollowLimits
-from trainers.callbacks import SnapshotRequests
+from astraflow.weights.chain import ApplyStatus
+from astraflow.weights.follow import KafkaWeightFollower
+from astraflow.weights.publish import published_state
+from astraflow.weights.versions import latest_policy_version
 from trainers.config import TrainRunConfig
 from trainers.run import run_training
 from trainers.synthetic import make_samples
 
 torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # settles TORCHINDUCTOR_CACHE_DIR before the leak guard
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def _bits_equal(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a)
-
-
-def _follow(f: KafkaWeightFollower, until_version: int, timeout_s: float = 30.0) -> list:
-    events, deadline = [], time.monotonic() + timeout_s
-    while f.follower.version != until_version and time.monotonic() < deadline:
-        events += f.poll(0.5)
-    return events
 
 
 def _watermarks(kafka: KafkaSettings, topic: str, partitions: int) -> dict[int, int]:
@@ -72,16 +42,36 @@ def _watermarks(kafka: KafkaSettings, topic: str, partitions: int) -> dict[int, 
 
 
 def test_a_full_batch_trains_without_waiting_for_the_next_one(
-    kafka: KafkaSettings, experiment: str, tmp_path: Path, one_thread: None
+    kafka: KafkaSettings, experiment: str, tmp_path: Path, one_thread: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A curator one batch ahead writes batch N+1 only once batch N is trained (its version is out).
 
     So the trainer must train a full batch at once: neither wait for one more sample to close it,
     nor read batch N+1 before training batch N (Lightning prefetches one batch of an unsized
     loader). Either would stall here until max_wait_s (600 s) and the follower would not see
-    version 1 within its 60 s.
+    version 1 within its 60 s. Meanwhile the trainer serves its own Prometheus endpoint.
     """
+    import socket
     import threading
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("ASTRAFLOW_METRICS_PORT", str(port))
+    scraped: list[str] = []
+
+    def scrape_step_1() -> None:  # while the trainer waits for batch 2, its endpoint has step 1's loss
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            except OSError:
+                text = ""
+            if "astraflow_trainer_loss{" in text:
+                scraped.append(text)
+                return
+            time.sleep(0.3)
 
     topics = Topics(experiment)
     model_dir = init_tiny(tmp_path / "tiny", vocab_size=512, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
@@ -92,7 +82,7 @@ def test_a_full_batch_trains_without_waiting_for_the_next_one(
         "experiment": experiment, "run_dir": str(tmp_path / "runs"), "kafka": kafka.model_dump(),
         "topics": {"partitions": 2},
         "trainer": {"model_dir": str(model_dir), "batch_size": 8, "max_wait_s": 600, "max_steps": 2,
-                    "max_time_s": 150, "logger": "none", "progress_bar": False},
+                    "max_time_s": 150, "progress_bar": False},  # the default logger: TensorBoard and CSV
     })
     seen: list[int | None] = []
 
@@ -101,14 +91,16 @@ def test_a_full_batch_trains_without_waiting_for_the_next_one(
         follower.start(offset=0)
         try:
             for version, batch in enumerate(batches):
-                _follow(follower, version, timeout_s=60)
+                follow_until(follower, version, timeout_s=60)
                 seen.append(follower.follower.version)
                 if follower.follower.version != version:
                     return
+                if version == 1:
+                    scrape_step_1()
                 for s in batch:
                     producer.send(topics.train("policy"), s, key=s.group_id)
                 producer.flush()
-            _follow(follower, 2, timeout_s=60)
+            follow_until(follower, 2, timeout_s=60)
             seen.append(follower.follower.version)
         finally:
             follower.close()
@@ -119,11 +111,31 @@ def test_a_full_batch_trains_without_waiting_for_the_next_one(
     feeder.join(timeout=120)
     assert seen == [0, 1, 2]
     assert summary.stopped_by == "max_steps" and summary.trained_samples == 16
+    # Training curves in the run directory: TensorBoard scalars per step, and Lightning's CSV.
+    from trainers.tblog import read_scalars
+
+    [events] = (cfg.log_dir() / "tensorboard").glob("events.out.tfevents.*")
+    steps = read_scalars(events)
+    assert [s for s, _, _ in steps] == [0, 1]  # Lightning's step while the batch trains (before its optimizer step)
+    tags = set().union(*(v.keys() for _, _, v in steps))
+    assert {"train/loss", "train/reward", "train/approx_kl", "train/entropy", "train/staleness_mean",
+            "train/samples_per_s"} <= tags, tags
+    assert steps[0][2]["train/samples"] == 8.0
+    [csv] = (cfg.log_dir() / "lightning").glob("version_*/metrics.csv")
+    assert "train/loss" in csv.read_text().splitlines()[0]
+    assert scraped, "the trainer served no astraflow_trainer_loss"
+    lines = scraped[0].splitlines()
+    for name in ("trainer_loss", "trainer_reward", "trainer_staleness_mean", "role_up"):
+        assert any(ln.startswith(f"astraflow_{name}{{") and 'component="trainer"' in ln
+                   and f'experiment="{experiment}"' in ln and "step=" not in ln for ln in lines), name
 
 
+@pytest.mark.parametrize(("minibatches", "ppo_epochs"), [(1, 1), (2, 2)])
 def test_training_on_a_train_topic_publishes_versions_a_follower_reproduces(
-    kafka: KafkaSettings, experiment: str, tmp_path: Path, one_thread: None
+    kafka: KafkaSettings, experiment: str, tmp_path: Path, one_thread: None, minibatches: int, ppo_epochs: int
 ) -> None:
+    """One version per batch, whatever the optimizer steps per batch (minibatches x ppo_epochs)."""
+    steps = 3 * minibatches * ppo_epochs
     topics = Topics(experiment)
     model_dir = init_tiny(tmp_path / "tiny", vocab_size=512, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
     initial, _ = load_tiny(model_dir)
@@ -141,27 +153,27 @@ def test_training_on_a_train_topic_publishes_versions_a_follower_reproduces(
             "trainer": {
                 "model_dir": str(model_dir), "batch_size": 8, "max_wait_s": 0.3, "stop_when_idle_s": 1.5, "lr": 1e-3,
                 "publish_every_steps": 1, "snapshot_every_versions": 3, "checkpoint_every_steps": 1,
-                "logger": "none", "progress_bar": False,
+                "logger": "none", "progress_bar": False, "minibatches": minibatches, "ppo_epochs": ppo_epochs,
             },
         }
     )
     summary = run_training(cfg)
-    assert summary.stopped_by == "idle" and summary.steps == 3 and summary.trained_samples == 24
+    assert summary.stopped_by == "idle" and summary.steps == steps and summary.trained_samples == 24
     assert summary.offsets == _watermarks(kafka, topics.train("policy"), 2)
-    assert summary.version == 3  # v0 snapshot at start, one version per step
+    assert summary.version == 3  # v0 snapshot at start, one version per batch
 
-    ckpt = torch.load(cfg.checkpoint_dir() / "step-000000003.ckpt", weights_only=False)
+    ckpt = torch.load(cfg.checkpoint_dir() / f"step-{steps:09d}.ckpt", weights_only=False)
     trained = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()}
     assert any(not torch.equal(v, trained[k]) for k, v in initial.state_dict().items())
     assert ckpt["KafkaTrainData"]["offsets"] == summary.offsets
 
     follower = KafkaWeightFollower(kafka, experiment, "policy", request_snapshots=False)
     follower.start(offset=0)
-    events = _follow(follower, 3)
+    events = follow_until(follower, 3)
     follower.close()
     assert [e.result.status for e in events] == [ApplyStatus.APPLIED] * 4
     assert [e.kind for e in events] == [WeightKind.SNAPSHOT, WeightKind.DELTA, WeightKind.DELTA, WeightKind.SNAPSHOT]
-    assert _bits_equal(dict(follower.follower.state), published_state(trained, "bfloat16"))
+    assert bits_equal(dict(follower.follower.state), published_state(trained, "bfloat16"))
 
     latest = latest_policy_version(kafka, topics, "policy")
     assert latest is not None and latest.version == 3 and latest.trained_samples == 24
@@ -173,117 +185,18 @@ def test_training_on_a_train_topic_publishes_versions_a_follower_reproduces(
     c.close()
     assert {"trainer.loss", "trainer.reward", "trainer.clip_frac", "trainer.staleness", "trainer.tokens_per_s"} <= names
 
-
-class _Sabotage(RecordProducer):
-    """Corrupts a chunk of one version and diverts another version to a decoy topic."""
-
-    def __init__(self, kafka: KafkaSettings, corrupt: int, divert: int, decoy: str) -> None:
-        super().__init__(kafka)
-        self.corrupt, self.divert, self.decoy = corrupt, divert, decoy
-
-    def send(self, topic, record, key=None, headers=None, on_delivery=None) -> None:
-        version = getattr(record, "version", None)
-        if topic.endswith(".weights") and version == self.divert:
-            topic = self.decoy
-        if isinstance(record, WeightChunk) and version == self.corrupt and record.index == 0:
-            record = WeightChunk(record.policy, version, 0, record.count, b"\xff" + record.data[1:], record.crc32)
-        super().send(topic, record, key, headers, on_delivery)
-
-
-class _Model(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = torch.nn.Embedding(128, 32)
-        self.mid = torch.nn.Linear(32, 32)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.mid(self.emb(x)) @ self.emb.weight.T).logsumexp(-1).mean()
-
-
-def _publish_versions(publisher: WeightPublisher, n: int) -> list:
-    torch.manual_seed(0)
-    model = _Model()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    out = []
-    for step in range(n):
-        m = publisher.publish(model.state_dict(), trainer_step=step)
-        out.append((m, {k: v.clone() for k, v in publisher.encoder.state.items()}))
-        loss = model(torch.randint(0, 128, (8,)))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return out
-
-
-def test_follower_falls_back_to_snapshots_and_never_holds_wrong_weights(
-    kafka: KafkaSettings, experiment: str, topic_factory
-) -> None:
-    topics = Topics(experiment)
-    requests = SnapshotRequests(kafka, topics, "policy")
-    early = KafkaWeightFollower(kafka, experiment, "policy", requester="early")
-    early.start()  # nothing published yet: reads from the beginning
-    sabotage = _Sabotage(kafka, corrupt=2, divert=5, decoy=topic_factory("decoy"))
-    publisher = WeightPublisher(kafka, experiment, "policy", PublishSettings(snapshot_every=4, chunk_bytes=4096), producer=sabotage)
-    assert publisher.start() is None
-    published = _publish_versions(publisher, 10)
-    kinds = "".join("S" if m.kind == WeightKind.SNAPSHOT else "D" for m, _ in published)
-    assert kinds == "SDDDSDDDSD"
-    checksum = {m.version: m.state_checksum for m, _ in published}
-
-    events = _follow(early, 9)
-    status = {e.version: e.result.status for e in events}
-    assert status[2] == status[3] == ApplyStatus.SNAPSHOT_NEEDED  # corrupted chunk, then no base
-    assert status[4] == ApplyStatus.APPLIED  # the next snapshot
-    assert 5 not in status and status[6] == status[7] == ApplyStatus.SNAPSHOT_NEEDED  # v5 never arrived
-    assert status[8] == status[9] == ApplyStatus.APPLIED
-    for e in events:
-        if e.result.status == ApplyStatus.APPLIED:
-            assert e.result.version == e.version
-    assert early.follower.chain.checksum.hex() == checksum[9]
-    assert _bits_equal(dict(early.follower.state), published[9][1])
-    early.close()
-    deadline = time.monotonic() + 10
-    asked = False
-    while not asked and time.monotonic() < deadline:
-        asked = requests.pending()  # the stuck follower asked the trainer for a snapshot
-    requests.close()
-    assert asked
-
-    late = KafkaWeightFollower(kafka, experiment, "policy", request_snapshots=False)
-    late.start()  # at the latest snapshot (v8) named on the policies topic
-    events = _follow(late, 9)
-    late.close()
-    assert [(e.version, e.kind) for e in events] == [(8, WeightKind.SNAPSHOT), (9, WeightKind.DELTA)]
-    assert _bits_equal(dict(late.follower.state), published[9][1])
-
-    # A follower still at v1 that resumes at v9's manifest: seeks back to the v8 snapshot.
-    behind = WeightFollower("policy", chain=WeightChain.from_state(published[1][1], 1))
-    seeker = KafkaWeightFollower(kafka, experiment, "policy", follower=behind, request_snapshots=False)
-    seeker.start(offset=int(published[9][0].metadata["offset"]))
-    events = _follow(seeker, 9)
-    seeker.close()
-    assert [e.result.status for e in events] == [ApplyStatus.SNAPSHOT_NEEDED, ApplyStatus.APPLIED, ApplyStatus.APPLIED]
-    assert _bits_equal(dict(behind.state), published[9][1])
-
-    again = WeightPublisher(kafka, experiment, "policy")
-    assert again.start() == 9 and again.encoder.next_version == 10  # numbering continues after a restart
-
-
-def test_claim_checked_versions_through_the_store(kafka: KafkaSettings, experiment: str, tmp_path: Path) -> None:
-    store = WeightStore(tmp_path / "store")
-    settings = PublishSettings(snapshot_every=3, inband_max_bytes=2048)
-    publisher = WeightPublisher(kafka, experiment, "policy", settings, store=store)
-    published = _publish_versions(publisher, 4)
-    assert all(m.uri and m.uri.startswith("file://") and m.num_chunks == 0 for m, _ in published)
-    assert published[3][0].latest_snapshot == 3 and published[2][0].latest_snapshot_uri == published[0][0].uri
-    follower = KafkaWeightFollower(kafka, experiment, "policy", request_snapshots=False,
-                                   limits=FollowLimits(allowed_uri_prefixes=(store.root,)))
-    follower.start(offset=0)
-    events = _follow(follower, 3)
-    follower.close()
-    assert [e.result.status for e in events] == [ApplyStatus.APPLIED] * 4
-    assert _bits_equal(dict(follower.follower.state), published[3][1])
-
+    # Lineage, committed with each version: every sample once, under the version of the step that trained it.
+    c = Consumer({**kafka.client_config(), "group.id": uuid.uuid4().hex, "isolation.level": "read_committed"})
+    c.assign([TopicPartition(topics.lineage, 0, 0)])
+    records = [serde.loads(m.value(), TrainedSamples) for m in c.consume(100, 5.0) if m.error() is None]
+    c.close()
+    trained_at = {sid: (r.version, step, r.trainer_step) for r in records for sid, step in zip(r.sample_ids, r.steps, strict=True)}
+    assert sorted(trained_at) == sorted(s.sample_id for s in samples)
+    assert sum(len(r.sample_ids) for r in records) == 24  # none twice
+    assert sorted({v for v, _, _ in trained_at.values()}) == [1, 2, 3]
+    # A version per batch: each sample's step is the step that version was published at.
+    assert all(step == published_at for _, step, published_at in trained_at.values())
+    assert len({(v, step) for v, step, _ in trained_at.values()}) == 3
 
 
 def test_poisoned_samples_go_to_the_dlq_with_their_reason_and_training_goes_on(
@@ -352,25 +265,6 @@ def test_poisoned_samples_go_to_the_dlq_with_their_reason_and_training_goes_on(
         assert any(reason in d.error for d in dead), (reason, [d.error for d in dead])
     trained = [json.loads(x)["sample_id"] for x in cfg.trained_log().read_text().splitlines()]
     assert sorted(trained) == sorted(s.sample_id for s in good)
-
-
-def test_a_second_publisher_of_the_policy_fences_the_first(kafka: KafkaSettings, experiment: str) -> None:
-    """Same transactional id (a restarted trainer): the old one can no longer publish, and the
-    new one numbers after the last committed version."""
-    from astraflow.weights.publish import PublisherFencedError
-
-    tid = Topics(experiment).publisher_id("policy")
-    old = WeightPublisher(kafka, experiment, "policy", transactional_id=tid)
-    assert old.start() is None
-    weights = {"w": torch.ones(8)}
-    assert old.publish(weights).version == 0
-    new = WeightPublisher(kafka, experiment, "policy", transactional_id=tid)
-    assert new.start() == 0 and new.committed is not None and new.committed.version == 0
-    with pytest.raises(PublisherFencedError):
-        old.publish({"w": torch.full((8,), 2.0)})
-    assert new.publish({"w": torch.full((8,), 3.0)}).version == 1
-    latest = latest_policy_version(kafka, Topics(experiment), "policy")
-    assert latest is not None and latest.version == 1
 
 
 def test_weights_that_are_not_finite_are_neither_checkpointed_nor_published(

@@ -34,9 +34,9 @@ from astraflow.config import KafkaSettings
 from astraflow.kafka.clients import RecordProducer
 from astraflow.kafka.topics import Topics
 from astraflow.models.tiny import init_tiny
-from astraflow.records import DeadLetter, PolicyVersion, TrainSample
+from astraflow.records import DeadLetter, PolicyVersion, TrainedSamples, TrainSample
 from astraflow.serde import AvroSerde
-from astraflow.weights.publish import latest_policy_version
+from astraflow.weights.versions import latest_policy_version
 from trainers.callbacks import newest_checkpoint
 
 N_SAMPLES = 96  # 24 steps of 4
@@ -153,6 +153,10 @@ def test_kill_9_at_every_point_of_the_publish_cycle(kafka: KafkaSettings, experi
         assert v in step_of, f"log names version {v}, never committed"
         previous = max((step_of[u] for u in versions if u < v), default=0)
         assert previous < line["step"] <= step_of[v], (line, previous, step_of[v])
+    # The lineage topic (committed with each version) says exactly what the log says, each sample once.
+    on_topic = [(sid, step, r.version) for r in _read(kafka, topics.lineage, "read_committed") if isinstance(r, TrainedSamples)
+                for sid, step in zip(r.sample_ids, r.steps, strict=True)]
+    assert sorted(on_topic) == sorted((x["sample_id"], x["step"], x["version"]) for x in lines)
 
     dead = [r for r in _read(kafka, topics.dlq, "read_committed") if isinstance(r, DeadLetter)]
     duplicates = [d for d in dead if d.error_class == "DuplicateSampleError"]

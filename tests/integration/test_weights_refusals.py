@@ -15,7 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 from astraflow.config import AstraflowConfig, KafkaSettings
@@ -23,7 +22,7 @@ from astraflow.kafka.clients import RecordConsumer, RecordProducer
 from astraflow.kafka.topics import Topics
 from astraflow.raas.backends.base import GenerateRequest
 from astraflow.raas.backends.torch_backend import TorchBackend
-from astraflow.raas.weights import BackendWeightFollower
+from astraflow.raas.weight_follower import BackendWeightFollower
 from astraflow.records import DeadLetter, Metric, PolicyVersion, WeightKind
 from astraflow.weights.codec import zstd
 from astraflow.weights.delta import SparseDelta, encode
@@ -41,13 +40,6 @@ from astraflow.weights.snapshot import snapshot
 from astraflow.weights.store import sha256_hex
 
 EMB = "model.embed_tokens.weight"
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from astraflow.models.tiny import init_tiny
-
-    return Path(init_tiny(tmp_path_factory.mktemp("tiny"), seed=0))
 
 
 def _unique_state(backend: TorchBackend) -> dict[str, torch.Tensor]:
@@ -134,9 +126,9 @@ def _collect(kafka: KafkaSettings, topic: str, expect, until: Callable[[list], b
 
 
 def test_bad_versions_are_refused_dead_lettered_and_the_node_keeps_its_weights(
-        kafka: KafkaSettings, experiment: str, tiny_model: Path) -> None:
+        kafka: KafkaSettings, experiment: str, tiny_model_dir: Path) -> None:
     topics = Topics(experiment)
-    backend = TorchBackend("policy", str(tiny_model), seed=0, max_batch=2, threads=1)
+    backend = TorchBackend("policy", str(tiny_model_dir), seed=0, max_batch=2, threads=1)
     s0 = _unique_state(backend)
     s1, s2, s3 = _shifted(s0, 0.01), _shifted(s0, 0.02), _shifted(s0, 0.03)
     w = Writer(kafka, topics.weights("policy"))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
+import pytest
 
 from astraflow.dataflow.sequences import policy_sequences, sequence_sample_id
 from astraflow.raas.agent_api import AgentEndpoint
@@ -28,15 +29,17 @@ from astraflow.testing import make_task
 
 class CharBackend:
     """Returns each scripted text as one token id per character (not how the tokenizer would
-    split it), logprob -0.25 per token and the current version."""
+    split it), logprobs -0.25, -0.26, ... and the current version."""
 
     name = "scripted"
 
-    def __init__(self, policy: str, model_dir: Path, script: list[str], version: int = 5) -> None:
+    def __init__(self, policy: str, model_dir: Path, script: list[str], version: int = 5,
+                 context_length: int | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.policy, self.version, self.script = policy, version, list(script)
-        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.context_length = context_length
         self.requests: list[GenerateRequest] = []
         self.sampled: list[list[int]] = []
 
@@ -52,8 +55,8 @@ class CharBackend:
         ids = [t for ch in text for t in self.encode(ch)] + [self.tok.eos_token_id]
         self.sampled.append(ids)
         n = len(ids)
-        return Generation(np.asarray(ids, np.int32), np.full(n, -0.25, np.float32), np.full(n, self.version, np.int32),
-                          text, "stop")
+        logprobs = -0.25 - 0.01 * np.arange(n, dtype=np.float32)
+        return Generation(np.asarray(ids, np.int32), logprobs, np.full(n, self.version, np.int32), text, "stop")
 
     def hardware(self) -> str:
         return "test"
@@ -113,7 +116,8 @@ def test_chat_with_a_tool_records_exactly_the_sampled_ids(tiny_model_dir: Path) 
     # the ids the model sampled, not what re-tokenising their text gives
     for seg, sampled in zip([segs[1], segs[3]], backend.sampled, strict=True):
         assert seg.token_ids.tolist() == sampled
-        assert seg.loss_mask.all() and (seg.versions == 5).all() and np.allclose(seg.logprobs, -0.25)
+        assert seg.loss_mask.all() and (seg.versions == 5).all()
+        assert np.allclose(seg.logprobs, -0.25 - 0.01 * np.arange(len(sampled)))
         assert backend.encode(seg.text) != sampled[:-1]
     for seg in (segs[0], segs[2]):
         assert seg.loss_mask.sum() == 0 and (seg.versions == -1).all() and (seg.logprobs == 0).all()
@@ -273,3 +277,133 @@ def test_an_agent_in_a_separate_process_with_only_the_stdlib(tiny_model_dir: Pat
     assert [s.role for s in ctx.segments] == ["prompt", "assistant", "tool", "assistant"]
     assert ctx.segments[1].token_ids.tolist() == backend.sampled[0]
     assert ctx.tool_calls[0].name == "sql" and ctx.tool_calls[0].result == "7"
+
+
+def test_a_prompt_over_the_context_is_refused_before_anything_is_recorded(tiny_model_dir: Path) -> None:
+    backend = CharBackend("policy", tiny_model_dir, ["short", "fits"], context_length=60)
+    endpoint = AgentEndpoint()
+    ctx = _ctx(backend, endpoint)  # the task's max_tokens: 64
+    short = [{"role": "user", "content": "hi"}]
+
+    async def agent() -> list[tuple[int, dict]]:
+        async with ctx.openai_endpoint() as access:
+            chat, comp, key = f"{access.base_url}/chat/completions", f"{access.base_url}/completions", access.api_key
+            out = [await _post(chat, key, {"messages": [{"role": "user", "content": "word " * 300}]}),
+                   await _post(chat, key, {"messages": short, "max_tokens": 64}),  # prompt + 64 > 60
+                   await _post(comp, key, {"prompt": "word " * 300}),
+                   await _post(chat, key, {"messages": short}),  # no max_tokens: cut to what is left
+                   await _post(comp, key, {"prompt": "Q: hi\nA:", "max_tokens": 20})]
+        await endpoint.close()
+        return out
+
+    results = asyncio.run(agent())
+    assert [s for s, _ in results] == [400, 400, 400, 200, 200]
+    for _, body in results[:3]:
+        assert body["error"]["code"] == "context_length_exceeded" and "context of 60 tokens" in body["error"]["message"]
+    assert results[0][1]["error"]["param"] == "messages" and results[2][1]["error"]["param"] == "prompt"
+    assert "in the messages, 64 in the completion" in results[1][1]["error"]["message"]
+    prompt = len(backend.requests[0].prompt_ids)
+    assert backend.requests[0].max_tokens == 60 - prompt and backend.requests[1].max_tokens == 20
+    assert [s.role for s in ctx.segments] == ["prompt", "assistant", "prompt", "assistant"]  # the refused left nothing
+
+
+def test_logprobs_are_the_recorded_ones_and_absurd_values_are_refused(tiny_model_dir: Path) -> None:
+    backend = CharBackend("policy", tiny_model_dir, ["chat", "text"])
+    endpoint = AgentEndpoint()
+    ctx = _ctx(backend, endpoint)
+    msgs = [{"role": "user", "content": "hi"}]
+
+    async def agent() -> list[tuple[int, dict]]:
+        async with ctx.openai_endpoint() as access:
+            chat, comp, key = f"{access.base_url}/chat/completions", f"{access.base_url}/completions", access.api_key
+            bad = [await _post(chat, key, {"messages": msgs, **extra}) for extra in (
+                {"logprobs": "yes"}, {"logprobs": True, "top_logprobs": 50}, {"logprobs": True, "top_logprobs": 3},
+                {"top_logprobs": 0}, {"logprobs": True, "top_logprobs": 1.5})]
+            bad += [await _post(comp, key, {"prompt": "x", "logprobs": n}) for n in (3, -1, 99, True, "0")]
+            good = [await _post(chat, key, {"messages": msgs, "logprobs": True, "top_logprobs": 0}),
+                    await _post(comp, key, {"prompt": "Q: hi\nA:", "logprobs": 0, "max_tokens": 8})]
+        await endpoint.close()
+        return bad + good
+
+    results = asyncio.run(agent())
+    assert [s for s, _ in results] == [400] * 10 + [200, 200]
+    text = "\n".join(d["error"]["message"] for _, d in results[:10])
+    for phrase in ["logprobs='yes' must be true or false", "top_logprobs=50 must be between 0 and 20",
+                   "top_logprobs=3 is not served", "top_logprobs needs logprobs=true", "top_logprobs must be an integer",
+                   "logprobs=3 is not served", "logprobs=-1 must be between 0 and 5", "logprobs=99",
+                   "logprobs must be an integer, got 'True'"]:
+        assert phrase in text, phrase
+    chat_lp, comp_lp = results[10][1]["choices"][0]["logprobs"], results[11][1]["choices"][0]["logprobs"]
+    assistant = [s for s in ctx.segments if s.role == "assistant"]
+    entries = chat_lp["content"]
+    assert [e["logprob"] for e in entries] == pytest.approx(assistant[0].logprobs.tolist())
+    assert "".join(e["token"] for e in entries) == backend.tok.decode(backend.sampled[0], skip_special_tokens=False)
+    assert all(e["bytes"] == list(e["token"].encode()) and e["top_logprobs"] == [] for e in entries)
+    assert comp_lp["token_logprobs"] == pytest.approx(assistant[1].logprobs.tolist())
+    assert len(comp_lp["tokens"]) == len(backend.sampled[1]) and comp_lp["text_offset"][0] == len("Q: hi\nA:")
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{{ eos_token }}\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_chat_template_renders_messages_and_keeps_the_sampled_ids(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert not getattr(tok, "chat_template", None)  # the project's own format is the other case (tests above)
+    tok.chat_template = CHATML
+    tok.save_pretrained(tmp_path)  # a model directory whose tokenizer has a template (nothing downloaded)
+    backend = CharBackend("policy", tmp_path, ["<sql>SELECT 1</sql>", "Answer: 1"])
+    endpoint = AgentEndpoint()
+    ctx = _ctx(backend, endpoint)
+
+    async def agent() -> list[dict]:
+        async with ctx.openai_endpoint() as access:
+            url = f"{access.base_url}/chat/completions"
+            messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 1?"}]
+            _, first = await _post(url, access.api_key, {"messages": messages, "tools": [SQL_TOOL]})
+            message = first["choices"][0]["message"]
+            messages += [message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "1"}]
+            status, second = await _post(url, access.api_key, {"messages": messages, "tools": [SQL_TOOL]})
+            assert status == 200, second
+        await endpoint.close()
+        return messages
+
+    messages = asyncio.run(agent())
+    first_prompt = tok.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
+    assert backend.requests[0].prompt_ids == tok.encode(first_prompt, add_special_tokens=False)
+    # the second prompt is the template's text of the whole conversation, with the sampled ids in it
+    conv = [*messages[:2], {"role": "assistant", "content": "<sql>SELECT 1</sql>"}, {"role": "tool", "content": "1"}]
+    second_ids = backend.requests[1].prompt_ids
+    assert tok.decode(second_ids, skip_special_tokens=False) == tok.apply_chat_template(
+        conv, tokenize=False, add_generation_prompt=True)
+    assert second_ids != tok.encode(tok.decode(second_ids, skip_special_tokens=False), add_special_tokens=False)
+    segs = ctx.segments
+    assert [s.role for s in segs] == ["prompt", "assistant", "tool", "assistant"]  # one sequence
+    assert segs[1].token_ids.tolist() == backend.sampled[0] and segs[3].token_ids.tolist() == backend.sampled[1]
+    assert np.concatenate([s.token_ids for s in segs[:3]]).tolist() == second_ids
+
+
+def test_a_chat_template_that_fails_is_a_clear_400(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system role') }}" \
+                        "{% endif %}{{ m.content }}{% endfor %}"
+    tok.save_pretrained(tmp_path)
+    backend = CharBackend("policy", tmp_path, ["ok"])
+    endpoint = AgentEndpoint()
+    ctx = _ctx(backend, endpoint)
+
+    async def agent() -> list[tuple[int, dict]]:
+        async with ctx.openai_endpoint() as access:
+            url = f"{access.base_url}/chat/completions"
+            out = [await _post(url, access.api_key, {"messages": [{"role": "system", "content": "s"}]}),
+                   await _post(url, access.api_key, {"messages": [{"role": "user", "content": "u"}]})]
+        await endpoint.close()
+        return out
+
+    (s1, b1), (s2, _) = asyncio.run(agent())
+    assert (s1, s2) == (400, 200)
+    assert "chat template cannot render these messages" in b1["error"]["message"] and "no system role" in b1["error"]["message"]

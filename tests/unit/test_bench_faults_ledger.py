@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))  # last: its scripts shadow nothing
 from _ledger import IssuedTask, Step, expected_samples, lineage, parse_trained_log, tally, task_of
 
 pytestmark = pytest.mark.unit

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-import pytest
-
-sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))  # last: its scripts shadow nothing
 # At collection, not inside a test: importing `_rl` imports lightning, which sets an environment
 # variable, and the leak guard would blame the test.
 import _rl
+import pytest
 from vs_trl import ToolRollout
 
 pytestmark = pytest.mark.unit

@@ -22,6 +22,7 @@ import click
 import pytest
 import typer
 import yaml
+from cli_parse import parse_cli
 from typer.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -286,19 +287,32 @@ def test_host_ports_are_loopback_only() -> None:
             assert str(port).startswith("127.0.0.1:"), f"{name}: publish {port} on 127.0.0.1 only"
 
 
-def test_prometheus_scrapes_the_bridge_and_every_node() -> None:
+def test_prometheus_scrapes_every_role_itself_and_the_bridge() -> None:
     svcs = services()
     prom = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
-    bridge_target = jobs["astraflow"]["static_configs"][0]["targets"][0]
+    bridge_target = jobs["kafka"]["static_configs"][0]["targets"][0]
     host, port = bridge_target.split(":")
     assert host in svcs and f"--port {port}" in " ".join(argv_of(svcs[host]))
-    dns = jobs["raas"]["dns_sd_configs"][0]
-    assert dns["names"] == ["raas"] and dns["type"] == "A"
-    for node in ("raas", "raas-gpu"):
-        env = svcs[node]["environment"]
-        assert env["ASTRAFLOW_METRICS_PORT"] == str(dns["port"]) and env["ASTRAFLOW_METRICS_ADDR"] == "0.0.0.0"
+    dns = jobs["roles"]["dns_sd_configs"][0]
+    assert dns["type"] == "A"
+    # Every long-running astraflow role (not the bridge, not one-shots) is scraped, on the port it serves.
+    roles = {n for n, s in svcs.items() if argv_of(s)[:1] == ["astraflow"] and str(s.get("restart", "no")) != "no"
+             and n != host and "status" not in argv_of(s)}
+    assert roles == set(dns["names"]), roles ^ set(dns["names"])
+    for role in roles:
+        env = svcs[role]["environment"]
+        assert env["ASTRAFLOW_METRICS_PORT"] == str(dns["port"]) and env["ASTRAFLOW_METRICS_ADDR"] == "0.0.0.0", role
+    assert {"source_labels": ["__meta_dns_name"], "target_label": "job"} in jobs["roles"]["relabel_configs"]
     assert any("prometheus.yml" in v for v in svcs["prometheus"]["volumes"])
+
+
+def test_a_role_whose_process_dies_comes_back() -> None:
+    """A crashed role restarts (the docker test kills a node's process); one-shots never do."""
+    for name, svc in services().items():
+        argv = argv_of(svc)
+        if argv[:1] == ["astraflow"] and "status" not in argv and name != "topics":
+            assert svc.get("restart") in ("always", "unless-stopped"), name
 
 
 def test_every_role_stops_gracefully_as_a_child_of_init() -> None:
@@ -349,42 +363,18 @@ def test_configuration_by_environment_and_one_mounted_file() -> None:
 # --- every command exists in the CLI --------------------------------------------------------------
 
 LINES = astraflow_lines()
-HAVE_APPS = (ROOT / "astraflow" / "cli" / "apps_cmd.py").exists()
 
 
 # Recent typer vendors its own click: catch its usage errors as well as click's.
 USAGE_ERRORS: tuple[type[Exception], ...] = (click.ClickException, getattr(typer, "TyperException", click.ClickException))
 
 
-def _parse(argv: list[str]) -> list[str]:
-    """Parses argv with the real CLI, group by group, without running anything; returns the
-    command path. Raises a usage error (unknown command or option, missing required one, bad value)."""
-    from astraflow.cli.main import app
-
-    cmd: Any = typer.main.get_command(app)
-    ctx = cmd.make_context("astraflow", list(argv))
-    path: list[str] = []
-    while hasattr(cmd, "resolve_command"):  # a group: descend into the subcommand
-        args = [*getattr(ctx, "_protected_args", getattr(ctx, "protected_args", [])), *ctx.args]
-        name, sub, rest = cmd.resolve_command(ctx, args)
-        assert sub is not None, f"no command {name!r}"
-        path.append(name)
-        cmd, ctx = sub, sub.make_context(name, rest, parent=ctx)
-    return path
-
-
 @pytest.mark.parametrize(("where", "argv"), LINES, ids=[w for w, _ in LINES])
 def test_every_compose_command_exists_in_the_cli(where: str, argv: list[str]) -> None:
     from astraflow.cli.main import app
 
-    if argv[:1] == ["--config"]:
-        argv_sub = argv[2:]
-    else:
-        argv_sub = argv
-    if argv_sub[:1] == ["app"] and not HAVE_APPS:
-        pytest.skip(f"{where}: `astraflow app run` (astraflow/cli/apps_cmd.py) has not landed yet")
     try:
-        path = _parse(argv)
+        path, _ = parse_cli(argv)
     except USAGE_ERRORS as exc:
         pytest.fail(f"{where}: `astraflow {shlex.join(argv)}` does not parse: {exc.format_message()}")  # type: ignore[attr-defined]
     assert path, f"{where}: no subcommand"

@@ -16,7 +16,7 @@ from astraflow.errors import (
     DeltaFormatError,
     WeightsError,
 )
-from astraflow.weights import Manifest, SparseDelta, apply, apply_stream, encode, iter_encode
+from astraflow.weights import SparseDelta, StateManifest, apply, apply_stream, encode, iter_encode
 from astraflow.weights.format import (
     KIND_TENSOR,
     OP_DELTA,
@@ -207,13 +207,13 @@ def test_streaming_encode_yields_one_block_per_changed_tensor() -> None:
     new = {k: v.clone() for k, v in prev.items()}
     for name in ("t1", "t3"):
         new[name].view(torch.int16)[::10] += 1
-    manifest = Manifest()
+    manifest = StateManifest()
     blocks = iter_encode(prev, new, base_version=4, version=5, out_manifest=manifest)
     first = next(blocks)  # lazy: the header comes before any tensor is encoded
     rest = list(blocks)
     assert len(rest) == 3  # t1, t3, trailer
     assert_same(apply_stream(prev, iter([first, *rest])), new)
-    assert manifest.checksum() == Manifest.of(new).checksum()
+    assert manifest.checksum() == StateManifest.of(new).checksum()
 
 
 def test_apply_leaves_prev_untouched() -> None:

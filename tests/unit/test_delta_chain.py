@@ -12,8 +12,8 @@ import torch
 from astraflow.errors import DeltaBaseMismatchError, DeltaChecksumError, WeightsError
 from astraflow.weights import (
     ApplyStatus,
-    Manifest,
     SparseDelta,
+    StateManifest,
     WeightChain,
     encode,
     iter_encode,
@@ -70,7 +70,7 @@ def publish(trainer: Iterator[dict], n: int) -> tuple[list[dict], list[SparseDel
     """Versions 0..n and the deltas v-1 -> v, as a publisher with a cached manifest makes them."""
     versions = [next(trainer)]
     deltas: list[SparseDelta] = []
-    manifest = Manifest.of(versions[0])
+    manifest = StateManifest.of(versions[0])
     for v in range(1, n + 1):
         versions.append(next(trainer))
         delta = encode(versions[v - 1], versions[v], base_version=v - 1, version=v, base_manifest=manifest)
@@ -89,7 +89,7 @@ def test_chain_of_20_deltas_reproduces_the_trainer_bit_for_bit(trainer: Iterator
         assert result.status is ApplyStatus.APPLIED, result.reason
         assert chain.version == v
         assert_same(dict(chain.state), versions[v])
-        assert chain.checksum == Manifest.of(versions[v]).checksum()
+        assert chain.checksum == StateManifest.of(versions[v]).checksum()
 
 
 def test_stale_and_missing_versions(trainer: Iterator[dict]) -> None:
@@ -159,7 +159,7 @@ def test_a_bad_delta_never_leaves_wrong_weights(trainer: Iterator[dict], damage:
     assert result.status is ApplyStatus.SNAPSHOT_NEEDED, damage
     assert chain.version == 1
     assert_same(dict(chain.state), versions[1])  # rolled back exactly, in place
-    assert chain.checksum == Manifest.of(versions[1]).checksum()
+    assert chain.checksum == StateManifest.of(versions[1]).checksum()
     # The fallback path: a snapshot of version 2, then deltas again.
     assert chain.load_snapshot(snapshot(versions[2], 2)).status is ApplyStatus.APPLIED
     assert_same(dict(chain.state), versions[2])
@@ -215,7 +215,7 @@ def test_snapshot_round_trip_all_dtypes(compress: bool) -> None:
     snap = load_snapshot(data)
     assert snap.version == 7
     assert_same(snap.state, state)
-    assert snap.manifest.checksum() == Manifest.of(state).checksum()
+    assert snap.manifest.checksum() == StateManifest.of(state).checksum()
     if compress:
         assert len(data) < sum(t.numel() * t.element_size() for t in state.values())
 

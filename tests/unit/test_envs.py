@@ -189,3 +189,14 @@ def test_policy_sequences_split_at_prompts_and_keep_policies_apart() -> None:
     assert [[s.role for s in q] for q in b] == [["prompt", "assistant"]]
     ids = {sequence_sample_id(t.trajectory_id, p, i) for p, qs in (("a", a), ("b", b)) for i in range(len(qs))}
     assert ids == {"t/0#a", "t/0#a#1", "t/0#b"}
+
+
+def test_scenario_heldout_rows_are_neither_training_nor_demonstration_rows() -> None:
+    from astraflow.demo.env_eval import heldout_tasks
+
+    for scenario, expected in (("db", 48), ("os", 48), ("code", 0)):  # code: 25 tasks in all, every one trained on
+        held = heldout_tasks(scenario, 48, 0, 0.0, 96, 3, n_train=2000)
+        seen = {r["reference"] for seed, n in ((0, 2000), (1000, 1000)) for r in env_dataset(scenario, n, seed=seed)}
+        assert len(held) == expected and len({t.reference for t in held}) == expected
+        assert all(t.workflow == f"{scenario}_agent" and t.sampling.temperature == 0.0 for t in held)
+        assert not {t.reference for t in held} & seen

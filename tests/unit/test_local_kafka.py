@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import socket
 from pathlib import Path
 
@@ -93,6 +94,17 @@ def test_topic_durability_settings_are_checked_and_reach_every_topic() -> None:
     with pytest.raises(ValidationError, match="min_insync_replicas=4 must be between 1 and topics.replication_factor=3"):
         TopicSettings(replication_factor=3, min_insync_replicas=4)
     specs = topic_specs("e", ["p"], TopicSettings(replication_factor=3, min_insync_replicas=2))
-    assert {s.config["min.insync.replicas"] for s in specs} == {"2"} and len(specs) == 10
+    assert {s.config["min.insync.replicas"] for s in specs} == {"2"} and len(specs) == 11
     assert all("min.insync.replicas" not in s.config for s in topic_specs("e", ["p"], TopicSettings()))
     assert TopicSettings().replication_factor is None  # the cluster's default.replication.factor
+
+
+def test_a_new_cluster_id_never_starts_with_a_dash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import uuid
+
+    # The first uuid encodes to "-5smaXaeQNKseIuhjQQX6g" (a CI run's id: the storage tool read it as an option).
+    ids = iter([uuid.UUID(bytes=base64.urlsafe_b64decode("-5smaXaeQNKseIuhjQQX6g==")), uuid.UUID(int=7)])
+    monkeypatch.setattr(uuid, "uuid4", lambda: next(ids))
+    cid = LocalKafka(LocalKafkaSettings(data_dir=tmp_path))._cluster_id()
+    assert not cid.startswith("-") and cid == base64.urlsafe_b64encode(uuid.UUID(int=7).bytes).decode().rstrip("=")
+    assert (tmp_path / "cluster.id").read_text().strip() == cid

@@ -19,23 +19,16 @@ from astraflow.records import NodeInfo, SamplingParams, TrajectoryStatus
 from astraflow.testing import make_task
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from astraflow.models.tiny import init_tiny
-
-    return Path(init_tiny(tmp_path_factory.mktemp("tiny"), seed=0))
-
-
 class ScriptedBackend:
     """Replays `script` completions in order, with a real tokenizer and fake logprobs."""
 
     name = "scripted"
 
-    def __init__(self, policy: str, tokenizer_dir: Path, script: list[str], version: int = 3) -> None:
+    def __init__(self, policy: str, tiny_model_dir: Path, script: list[str], version: int = 3) -> None:
         from transformers import AutoTokenizer
 
         self.policy, self.version, self.script = policy, version, list(script)
-        self.tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.tok = AutoTokenizer.from_pretrained(tiny_model_dir)
         self.requests: list[GenerateRequest] = []
 
     def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
@@ -65,10 +58,10 @@ def _ctx(task, backends, tools=None) -> RolloutContext:
                           NodeInfo("n", "cpu", "local", "scripted"))
 
 
-def test_tool_use_runs_the_calculator_and_masks_its_output(tokenizer_dir: Path) -> None:
+def test_tool_use_runs_the_calculator_and_masks_its_output(tiny_model_dir: Path) -> None:
     task = make_task(1)
     task.workflow, task.sampling = "tool_use", SamplingParams(max_tokens=16, max_turns=3)
-    b = ScriptedBackend("policy", tokenizer_dir, ["<calc>37*12+5</calc>", "Answer: 449"])
+    b = ScriptedBackend("policy", tiny_model_dir, ["<calc>37*12+5</calc>", "Answer: 449"])
     traj = asyncio.run(resolve_workflow("tool_use")(_ctx(task, {"policy": b})))
     assert traj.final_answer == "449" and traj.status is TrajectoryStatus.OK
     (call,) = traj.tool_calls
@@ -82,10 +75,10 @@ def test_tool_use_runs_the_calculator_and_masks_its_output(tokenizer_dir: Path) 
     assert b.decode(b.requests[1].prompt_ids).endswith("<result>449</result>")
 
 
-def test_failing_and_unknown_tools_are_recorded_not_fatal(tokenizer_dir: Path) -> None:
+def test_failing_and_unknown_tools_are_recorded_not_fatal(tiny_model_dir: Path) -> None:
     task = make_task(2)
     task.sampling = SamplingParams(max_tokens=16, max_turns=3)
-    b = ScriptedBackend("policy", tokenizer_dir, ["<calc>1/0</calc>", "<search>x</search>", "Answer: 3"])
+    b = ScriptedBackend("policy", tiny_model_dir, ["<calc>1/0</calc>", "<search>x</search>", "Answer: 3"])
     traj = asyncio.run(resolve_workflow("tool_use")(_ctx(task, {"policy": b}, {"calc": default_tools()["calc"]})))
     assert traj.final_answer == "3"
     assert "CalculatorError" in traj.tool_calls[0].error
@@ -93,7 +86,7 @@ def test_failing_and_unknown_tools_are_recorded_not_fatal(tokenizer_dir: Path) -
     assert "error:" in traj.segments[2].text
 
 
-def test_slow_tool_times_out(tokenizer_dir: Path) -> None:
+def test_slow_tool_times_out(tiny_model_dir: Path) -> None:
     async def slow(_: str) -> str:
         await asyncio.sleep(5)
         return "late"
@@ -116,16 +109,41 @@ def test_local_search_ranks_by_relevance() -> None:
     assert asyncio.run(s("zzz")) == "no results"
 
 
-def test_solver_verifier_uses_two_policies(tokenizer_dir: Path) -> None:
+def test_solver_verifier_takes_any_number_of_verifiers_each_in_its_own_sequence(tiny_model_dir: Path) -> None:
+    from astraflow.dataflow.sequences import policy_sequences
+
     task = make_task(3)
-    task.workflow, task.policies = "solver_verifier", ["solver", "verifier"]
-    solver = ScriptedBackend("solver", tokenizer_dir, ["Answer: 6"], version=5)
-    verifier = ScriptedBackend("verifier", tokenizer_dir, ["yes"], version=9)
-    traj = asyncio.run(resolve_workflow("solver_verifier")(_ctx(task, {"solver": solver, "verifier": verifier})))
-    assert traj.final_answer == "6" and traj.metadata["verifier_verdict"] == "yes"
-    trained = {(s.policy, int(s.versions[0])) for s in traj.segments if s.loss_mask.any()}
-    assert trained == {("solver", 5), ("verifier", 9)}
-    assert "Proposed: 6" in verifier.decode(verifier.requests[0].prompt_ids)
+    task.workflow, task.policies = "solver_verifier", ["solver", "v1", "v2"]
+    task.prompt, task.sampling = "Q: What is 2*3?\nA:", SamplingParams(max_tokens=16, max_turns=2)
+    solver = ScriptedBackend("solver", tiny_model_dir, ["<calc>2*3</calc>", "Answer: 6"], version=5)
+    v1 = ScriptedBackend("v1", tiny_model_dir, ["<calc>2*3</calc>", "Answer: yes"], version=9)
+    v2 = ScriptedBackend("v2", tiny_model_dir, ["Answer: perhaps"], version=2)
+    traj = asyncio.run(resolve_workflow("solver_verifier")(_ctx(task, {"solver": solver, "v1": v1, "v2": v2})))
+    assert traj.final_answer == "6"
+    assert traj.metadata == {**task.metadata, "solver": "solver", "verdict.v1": "yes", "verdict.v2": "unclear"}
+    assert v1.decode(v1.requests[0].prompt_ids).endswith("Q: What is 2*3?\nProposed: 6\nA:")
+    assert "<result>6</result>" in v1.decode(v1.requests[1].prompt_ids)  # the verifier used the calculator
+    assert "Proposed" not in solver.decode(solver.requests[1].prompt_ids)
+    for policy, version in (("solver", 5), ("v1", 9), ("v2", 2)):
+        [seq] = policy_sequences(traj, policy)
+        assert seq[0].role == "prompt" and {int(v) for s in seq if s.loss_mask.any() for v in s.versions} == {version}
+    assert [c.name for c in traj.tool_calls] == ["calc", "calc"]
+
+
+def test_the_node_refuses_tasks_with_the_wrong_number_of_policies() -> None:
+    from astraflow.config import RaasSettings
+    from astraflow.raas.admission import InvalidTaskError, admit
+
+    served = {"a", "b", "c"}
+    for workflow, policies in (("solver_verifier", ["a"]), ("solver_verifier", ["a", "b", "b"]), ("tool_use", ["a", "b"]),
+                               ("rlvr", ["a", "b"])):
+        task = make_task(1)
+        task.workflow, task.policies = workflow, policies
+        with pytest.raises(InvalidTaskError, match="distinct policies"):
+            admit(task, RaasSettings(), served)
+    task = make_task(1)
+    task.workflow, task.policies = "solver_verifier", ["a", "b", "c"]
+    assert admit(task, RaasSettings(), served).task is task
 
 
 def test_tool_latency_option_parses_and_wraps_the_named_tool() -> None:

@@ -17,7 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from astraflow.sandbox import SandboxLimits, SandboxSettings, cgroups, run_python, unavailable_reason
+from astraflow.sandbox import (
+    SandboxLimits,
+    SandboxSettings,
+    cgroups,
+    isolation,
+    run_python,
+    unavailable_reason,
+)
 
 STRICT = SandboxSettings()
 BWRAP_MISSING = unavailable_reason(STRICT)
@@ -211,3 +218,44 @@ def _processes_with(marker: str) -> int:
             except OSError:
                 continue
     return n
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="as a non-root user bwrap maps the code to that user's own uid")
+def test_as_root_the_code_runs_as_an_unprivileged_host_uid() -> None:
+    """Seen from the host (/proc/<pid>/status of the run's interpreter, found by a marker in its
+    command line), the code is not host uid 0 behind its user namespace (the launcher shell that
+    moves itself into the run's cgroups and bwrap's own first process still are: they set the
+    view up, then drop to the run's uid; a scan that caught the shell failed 1 full unit run)."""
+    marker = f"uid-probe-{uuid.uuid4().hex}"
+    seen: list[tuple[int, int]] = []  # (pid, host uid) of the run's interpreter
+
+    def scan() -> None:
+        for proc in Path("/proc").iterdir():
+            try:
+                if (proc.name.isdigit() and marker.encode() in (proc / "cmdline").read_bytes()
+                        and (proc / "comm").read_text().strip() not in ("bwrap", "setpriv", "sh")):
+                    uid = int((proc / "status").read_text().split("\nUid:")[1].split()[0])
+                    seen.append((int(proc.name), uid))
+            except (OSError, IndexError):
+                continue
+
+    import threading
+
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set() and not seen:
+            scan()
+            time.sleep(0.05)
+
+    t = threading.Thread(target=poll)
+    t.start()
+    try:
+        res = run_python("import os, time; time.sleep(2); print(os.getuid())", args=[marker], limits=_with(SMALL, wall_s=20))
+    finally:
+        done.set()
+        t.join()
+    assert res.ok and res.stdout.strip() == "1000", res  # what the code sees
+    assert seen, "the run's interpreter was never seen from the host"
+    low, high = isolation.SANDBOX_UIDS
+    assert all(low <= uid < high for _, uid in seen), seen  # what the host sees: never 0

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from stream_fakes import FakeControl
 
 from astraflow.control import ControlState, parse_param_args
 from astraflow.errors import ConfigError, UnknownStrategyError
@@ -82,22 +83,8 @@ def test_param_and_default_parsing() -> None:
         parse_default("reward")
 
 
-class _Control:
-    """The part of ControlReader a Slot reads."""
-
-    def __init__(self) -> None:
-        self.state = ControlState()
-
-    @property
-    def generation(self) -> int:
-        return self.state.generation
-
-    def get_for(self, app: str, slot: str) -> Control | None:
-        return self.state.get(app, slot)
-
-
 def test_slot_follows_control_and_rejects_bad_records() -> None:
-    control = _Control()
+    control = FakeControl()
     slot = Slot(control, "reward", "reward", "reward", SlotDefault("exact_match"))
     first = slot.get()
     assert first.name == "exact_match" and slot.version == 0
@@ -115,7 +102,7 @@ def test_slot_follows_control_and_rejects_bad_records() -> None:
 
 
 def test_optional_slot_can_be_switched_off_and_unknown_defaults_fail_fast() -> None:
-    control = _Control()
+    control = FakeControl()
     slot = Slot(control, "curate", "filter.zero_variance", "filter", SlotDefault("zero_variance"), optional=True)
     control.state.apply("curate/filter.zero_variance", _c("curate", "filter.zero_variance", "off"))
     assert slot.get() is None and slot.ref() is None

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from stream_fakes import FakeControl
+
 from astraflow.config import KafkaSettings
-from astraflow.control import ControlState
 from astraflow.dataflow.registry import register
 from astraflow.dataflow.rewards import RewardResult
 from astraflow.kafka.topics import Topics
@@ -25,26 +26,6 @@ from stream_apps.engine import EngineSettings, StreamEngine
 from stream_apps.reward import RewardApp
 
 EXP = "unit"
-
-
-class _Control:
-    """The part of ControlReader the apps read (the control topic, minus Kafka)."""
-
-    def __init__(self) -> None:
-        self.state = ControlState()
-
-    @property
-    def generation(self) -> int:
-        return self.state.generation
-
-    def get_for(self, app: str, slot: str) -> Control | None:
-        return self.state.get(app, slot)
-
-    def refresh(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        pass
 
 
 @register("reward", "unit_slow", version=1)
@@ -72,7 +53,7 @@ class SlowReward:
 def engine_with_capture() -> tuple[StreamEngine, list[tuple[str, bytes | None, bytes | None]]]:
     engine = StreamEngine(RewardApp(), EngineSettings(EXP, KafkaSettings(), guarantee="at_least_once", source_partitions=1))
     engine.build()
-    engine.control = _Control()  # type: ignore[assignment]
+    engine.control = FakeControl()  # type: ignore[assignment]
     engine.handler.bind(engine)
     sent: list[tuple[str, bytes | None, bytes | None]] = []
 

@@ -9,7 +9,8 @@ import pytest
 
 from astraflow.records import NodeInfo, Segment, StrategyRef, Timings, Trajectory
 from astraflow.serde import AvroSerde
-from stream_apps.groups import GroupStore, forget_partitions, policy_reward, train_sample, trained_policies
+from astraflow.testing import make_trajectory
+from stream_apps.groups import GroupStore, forget_partitions, policy_reward, train_samples, trained_policies
 
 
 def gen(policy: str, ids: list[int], version: int, logp: float = -0.5) -> Segment:
@@ -44,7 +45,7 @@ def test_group_completes_when_all_distinct_members_arrived() -> None:
     assert done.status == "complete" and done.group.complete
     assert [t.sample_index for t in done.group.trajectories] == [0, 1, 2]
     assert sorted(m.offset for m in done.group.tokens) == [5, 7, 9]  # where each member came from, for the DLQ
-    assert add(st, traj("g", 1, 3), 0.4).status == "late"  # its group already left
+    assert add(st, traj("g", 1, 3), 0.4).status == "redelivered"  # its group already left, with it
     assert not st.groups and not st.members and list(st.emitted) == [b"g"]
 
 
@@ -58,7 +59,9 @@ def test_groups_expire_after_the_timeout_oldest_first() -> None:
     group = st.take(expired[0], 5.0)
     assert not group.complete and [t.trajectory_id for t in group.trajectories] == ["g1/0"]
     assert [p.group_id for p in st.expired(8.0)] == ["g2"]
-    assert add(st, traj("g1", 1, 4), 9.0).status == "late"
+    late = add(st, traj("g1", 1, 4), 9.0)  # its group left without it: curate dead-letters it
+    assert late.status == "late" and late.emitted["members"] == ["g1/0"] and not late.emitted["complete"]
+    assert add(st, traj("g1", 0, 4), 9.5).status == "redelivered"
 
 
 def test_state_is_plain_bytes_so_another_worker_resumes_it() -> None:
@@ -87,29 +90,68 @@ def test_revoked_partitions_are_forgotten_locally() -> None:
     assert list(st.groups) == [b"g1"] and len(st.members) == 1 and not st.emitted
 
 
-def test_train_sample_concatenates_segments_and_masks_other_policies() -> None:
+def test_each_policy_trains_on_its_own_segments_only() -> None:
     prompt = Segment.context("a", "prompt", [7, 8, 9])
     solver = gen("a", [10, 11], version=3, logp=-0.25)
+    seen = Segment.context("b", "prompt", [50, 51])  # the verifier's own prompt (the solver's answer, as text)
     verifier = gen("b", [20], version=5, logp=-1.0)
     tool = Segment.context("a", "tool", [30])
     answer = gen("a", [40, 41], version=4, logp=-0.75)
-    t = traj("g", 0, 1, [prompt, solver, verifier, tool, answer], reward=1.0, reward_components={"policy.b": 0.0})
-    a = train_sample(t, "a", lineage=[StrategyRef("reward", "reward", "exact_match", 1)])
+    t = traj("g", 0, 1, [prompt, solver, seen, verifier, tool, answer], reward=1.0, reward_components={"policy.b": 0.0})
+    [a] = train_samples(t, "a", lineage=[StrategyRef("reward", "reward", "exact_match", 1)])
     assert a.sample_id == "g/0#a" and a.policy == "a"
-    assert a.token_ids.tolist() == [7, 8, 9, 10, 11, 20, 30, 40, 41]
-    assert a.loss_mask.tolist() == [0, 0, 0, 1, 1, 0, 0, 1, 1]
-    assert a.behaviour_logprobs.tolist() == [0, 0, 0, -0.25, -0.25, 0, 0, -0.75, -0.75]
-    assert a.versions.tolist() == [-1, -1, -1, 3, 3, -1, -1, 4, 4]
+    assert a.token_ids.tolist() == [7, 8, 9, 10, 11, 30, 40, 41]  # no token of b: a never saw them
+    assert a.loss_mask.tolist() == [0, 0, 0, 1, 1, 0, 1, 1]
+    assert a.behaviour_logprobs.tolist() == [0, 0, 0, -0.25, -0.25, 0, -0.75, -0.75]
+    assert a.versions.tolist() == [-1, -1, -1, 3, 3, -1, 4, 4]
     assert a.min_version == 3 and a.reward == 1.0 and a.lineage[0].name == "exact_match"
-    b = train_sample(t, "b")
-    assert b.loss_mask.tolist() == [0, 0, 0, 0, 0, 1, 0, 0, 0]
-    assert b.versions.tolist() == [-1, -1, -1, -1, -1, 5, -1, -1, -1]
+    [b] = train_samples(t, "b")
+    assert b.sample_id == "g/0#b" and b.token_ids.tolist() == [50, 51, 20]
+    assert b.loss_mask.tolist() == [0, 0, 1] and b.versions.tolist() == [-1, -1, 5]
     assert b.min_version == 5 and b.reward == 0.0  # the per-policy reward component wins
-    assert train_sample(t, "c") is None  # c trained nothing here
+    assert train_samples(t, "c") == []  # c trained nothing here
     assert trained_policies([t]) == ["a", "b"]
+
+
+def test_a_rewritten_history_gives_one_sample_per_sequence_with_its_own_context() -> None:
+    first = [Segment.context("a", "prompt", [1, 2]), gen("a", [3], version=1), Segment.context("a", "tool", [4]),
+             gen("a", [5], version=2)]
+    summary = [Segment.context("a", "prompt", [9, 5]), gen("a", [6, 7], version=2)]  # the agent summarised
+    idle = [Segment.context("a", "prompt", [8])]  # a sequence that trains nothing: no sample, ids do not shift
+    last = [Segment.context("a", "prompt", [9]), gen("a", [10], version=3)]
+    t = traj("g", 1, 2, [*first, *summary, *idle, *last], reward=0.5, temperature=0.7)
+    samples = train_samples(t, "a", advantage=1.5)
+    assert [s.sample_id for s in samples] == ["g/1#a", "g/1#a#1", "g/1#a#3"]
+    assert [s.token_ids.tolist() for s in samples] == [[1, 2, 3, 4, 5], [9, 5, 6, 7], [9, 10]]
+    assert [s.loss_mask.tolist() for s in samples] == [[0, 0, 1, 0, 1], [0, 0, 1, 1], [0, 1]]
+    assert [s.min_version for s in samples] == [1, 2, 3]
+    assert {(s.reward, s.advantage, s.temperature, s.trajectory_id) for s in samples} == {(0.5, 1.5, 0.7, "g/1")}
+    assert len({s.sample_id for s in samples}) == len(samples)
+
+
+def test_a_segment_with_arrays_of_unequal_lengths_is_refused_by_name() -> None:
+    bad = Segment("a", "assistant", np.array([1, 2], np.int32), np.zeros(1, np.float32), np.ones(2, np.uint8),
+                  np.zeros(2, np.int32))
+    with pytest.raises(ValueError, match="unequal lengths"):
+        train_samples(traj("g", 0, 1, [bad]), "a")
 
 
 def test_policy_reward_needs_a_reward() -> None:
     t = traj("g", 0, 1, reward=None)
     with pytest.raises(ValueError):
         policy_reward(t, "a")
+
+
+def test_trained_versions_are_the_oldest_and_newest_of_trained_tokens_per_policy() -> None:
+    t = make_trajectory(8, task_id="g")
+    t.segments = [
+        Segment.context("a", "prompt", [1, 2]),
+        Segment("a", "assistant", np.array([3, 4], np.int32), np.zeros(2, np.float32), np.array([1, 0], np.uint8),
+                np.array([5, 2], np.int32)),  # the untrained token's version does not count
+        Segment("b", "assistant", np.array([5], np.int32), np.zeros(1, np.float32), np.ones(1, np.uint8), np.array([9], np.int32)),
+        Segment("a", "assistant", np.array([6], np.int32), np.zeros(1, np.float32), np.ones(1, np.uint8), np.array([7], np.int32)),
+    ]
+    assert t.trained_versions() == {"a": (5, 7), "b": (9, 9)}
+    assert trained_policies([t]) == ["a", "b"]
+    t.segments = t.segments[:1]
+    assert t.trained_versions() == {}

@@ -25,7 +25,7 @@ from astraflow.rl import sequence_logprobs
 from astraflow.rl.samples import SampleLimits, sample_problem
 from astraflow.schema_catalog import SchemaCatalog, default_schemas_dir
 from astraflow.serde import AvroSerde
-from trainers.data import collate
+from trainers.batching import collate
 from trainers.module import PolicyTrainer
 
 pytestmark = pytest.mark.unit

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import lightning as L
@@ -18,9 +17,9 @@ from astraflow.models.tiny import init_tiny
 from astraflow.records import TrainSample
 from astraflow.rl.samples import SampleLimits, SampleWindow, sample_problem
 from astraflow.weights.publish import NonFiniteWeightsError, PublishSettings, VersionEncoder
+from trainers.batching import collate
 from trainers.config import LossSettings
 from trainers.crash import CrashPoints
-from trainers.data import collate
 from trainers.module import PolicyTrainer
 from trainers.publishing import TrainedSampleLog
 
@@ -94,13 +93,6 @@ def test_sample_window_is_bounded_and_round_trips() -> None:
         SampleWindow(0)
 
 
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def test_a_step_with_a_non_finite_loss_is_skipped_and_training_goes_on(tmp_path: Path, one_thread: None) -> None:
     tiny = init_tiny(tmp_path / "tiny", vocab_size=512, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64)
@@ -120,7 +112,7 @@ def test_a_step_with_a_non_finite_loss_is_skipped_and_training_goes_on(tmp_path:
 
     trainer = L.Trainer(
         max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, accelerator="cpu", gradient_clip_val=1.0, callbacks=[Watch()],
+        enable_model_summary=False, accelerator="cpu", callbacks=[Watch()],
     )
     trainer.fit(module, DataLoader([good, poisoned, good], batch_size=None))
     assert seen == [(1, None, False), (2, "loss is not finite", True), (3, None, False)]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import lightning as L
@@ -22,8 +21,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from astraflow.config import load_config
 from astraflow.models.tiny import init_tiny
 from astraflow.records import TrainSample
+from trainers.batching import BatchLimits, collate
 from trainers.config import LossSettings, TrainRunConfig
-from trainers.data import BatchLimits, collate
 from trainers.module import PolicyTrainer, staleness_histogram
 from trainers.synthetic import make_samples, mean_reward
 
@@ -52,7 +51,7 @@ def _sample(n: int, gen: int, adv: float = 1.0, version: int = 0) -> TrainSample
 def _trainer(steps: int) -> L.Trainer:
     return L.Trainer(
         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, accelerator="cpu", gradient_clip_val=1.0,
+        enable_model_summary=False, accelerator="cpu",
     )
 
 
@@ -119,14 +118,6 @@ class _OnPolicy(IterableDataset):
         for i in range(10_000):
             yield collate(make_samples(self.module.model, prompts=4, group_size=8, seed=i + 1))
 
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """Tiny matrices on a shared 2-core machine: one intra-op thread is much faster."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_learning_mean_reward_rises_on_a_fixed_reward_task(tiny: Path, one_thread: None) -> None:

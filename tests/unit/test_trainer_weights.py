@@ -14,16 +14,11 @@ import torch
 
 from astraflow.records import PolicyVersion, WeightChunk, WeightKind
 from astraflow.weights.chain import ApplyStatus
-from astraflow.weights.publish import (
-    SNAPSHOT_OFFSET,
-    PublishSettings,
-    VersionEncoder,
-    WeightFollower,
-    published_state,
-    split_chunks,
-)
+from astraflow.weights.follow import WeightFollower
+from astraflow.weights.publish import PublishSettings, VersionEncoder, published_state, split_chunks
 from astraflow.weights.store import WeightStore, WeightStoreError, fetch_blob, sha256_hex
 from astraflow.weights.verify import FollowLimits
+from astraflow.weights.versions import SNAPSHOT_OFFSET
 
 pytestmark = pytest.mark.unit
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from astraflow.records import PolicyVersion, WeightKind
-from astraflow.weights.bits import Manifest
+from astraflow.weights.bits import StateManifest
 from astraflow.weights.chain import ApplyStatus
 from astraflow.weights.codec import zstd
 from astraflow.weights.delta import SparseDelta, encode
@@ -252,4 +252,4 @@ def test_ledger_tells_replays_from_reuse() -> None:
         ledger.check(_manifest(3, snapshot(S1, 3)), 150)
     with pytest.raises(WeightRefusedError, match="same weights"):
         ledger.check(_manifest(4, snapshot(S1, 4)), 300)
-    assert Manifest.of(S0).checksum().hex() == m.state_checksum
+    assert StateManifest.of(S0).checksum().hex() == m.state_checksum

@@ -2,7 +2,8 @@
 
 `server.AgentEndpoint` listens on 127.0.0.1 for the node; `RolloutContext.openai_endpoint()`
 gives a workflow a base URL and a key scoped to its rollout; `session.AgentSession` serves and
-records each call; `protocol` checks requests; `render` is the chat format. See docs/raas.md.
+records each call; `protocol` checks requests; `render` is the chat format (the model's chat
+template, else the project's own). See docs/raas.md.
 """
 
 from astraflow.raas.agent_api.protocol import ApiError

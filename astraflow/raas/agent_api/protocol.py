@@ -4,14 +4,14 @@ The agent is untrusted code (or a model driving code), so every field of a reque
 before any work: types, sizes and ranges, with an OpenAI-style error (`ApiError`: HTTP status,
 `type`, `param`, message) naming the field, the value and the limit. Fields this endpoint does
 not use are ignored, as OpenAI servers ignore unknown ones; fields it cannot honour (`n` > 1,
-`logit_bias`, ...) are refused rather than silently dropped.
+`logit_bias`, top-k logprob alternatives, ...) are refused rather than silently dropped.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from astraflow.errors import AstraflowError
@@ -27,14 +27,15 @@ class ApiError(AstraflowError):
     """Raised for a request the endpoint refuses; becomes an OpenAI-style JSON error response."""
 
     def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.type = type
         self.param = param
+        self.code = code  # OpenAI's machine-readable reason, e.g. context_length_exceeded
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": None}}
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +65,7 @@ class Sampling:
     max_tokens: int | None  # new tokens at most (None: the task's sampling.max_tokens)
     stop: list[str] = field(default_factory=list)  # the agent's stop strings
     stream: bool = False  # server-sent events instead of one JSON body
+    logprobs: bool = False  # return the sampled tokens' logprobs with the answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,9 +249,45 @@ def _sampling(body: dict[str, Any], limits: Limits) -> Sampling:
     return Sampling(model, max_tokens, list(stops), stream)
 
 
+NO_ALTERNATIVES = ("the backends return each sampled token's own logprob, not the most likely alternatives; "
+                   "ask for 0")
+
+
+def _chat_logprobs(body: dict[str, Any]) -> bool:
+    """Chat: `logprobs` true/false; `top_logprobs` an integer 0-20 that needs `logprobs` (only 0 is served)."""
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise ApiError(f"logprobs={str(wanted)[:40]!r} must be true or false", param="logprobs")
+    top = body.get("top_logprobs")
+    if top is not None:
+        top = _int(top, "top_logprobs")
+        if not 0 <= top <= 20:
+            raise ApiError(f"top_logprobs={top} must be between 0 and 20", param="top_logprobs")
+        if not wanted:
+            raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if top > 0:
+            raise ApiError(f"top_logprobs={top} is not served: {NO_ALTERNATIVES}", param="top_logprobs")
+    return bool(wanted)
+
+
+def _completion_logprobs(body: dict[str, Any]) -> bool:
+    """Completions: `logprobs` an integer 0-5 (the alternatives per token); only 0 is served."""
+    n = body.get("logprobs")
+    if n is None:
+        return False
+    n = _int(n, "logprobs")
+    if not 0 <= n <= 5:
+        raise ApiError(f"logprobs={n} must be between 0 and 5", param="logprobs")
+    if n > 0:
+        raise ApiError(f"logprobs={n} is not served: {NO_ALTERNATIVES} (logprobs=0 returns them)", param="logprobs")
+    return True
+
+
 def parse_chat(body: dict[str, Any], limits: Limits) -> ChatRequest:
     """A checked chat request, or `ApiError` naming the first bad field."""
-    return ChatRequest(_messages(body.get("messages"), limits), _tools(body.get("tools")), _sampling(body, limits))
+    messages, tools = _messages(body.get("messages"), limits), _tools(body.get("tools"))
+    sampling = replace(_sampling(body, limits), logprobs=_chat_logprobs(body))
+    return ChatRequest(messages, tools, sampling)
 
 
 def parse_completion(body: dict[str, Any], limits: Limits) -> CompletionRequest:
@@ -259,7 +297,8 @@ def parse_completion(body: dict[str, Any], limits: Limits) -> CompletionRequest:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise ApiError("prompt must be one string (token-id prompts and batches are not served)", param="prompt")
-    return CompletionRequest(_str(prompt, "prompt", limit=limits.max_chars) or "", _sampling(body, limits))
+    sampling = replace(_sampling(body, limits), logprobs=_completion_logprobs(body))
+    return CompletionRequest(_str(prompt, "prompt", limit=limits.max_chars) or "", sampling)
 
 
 __all__ = ["ApiError", "ChatRequest", "CompletionRequest", "Limits", "Message", "Sampling", "ToolCallSpec",

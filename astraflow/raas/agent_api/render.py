@@ -1,6 +1,15 @@
-"""Chat messages to token ids and back: the endpoint's chat format and OpenAI tool calls.
+"""Chat messages to token ids and back: the model's chat template or the endpoint's own format.
 
-The chat format is the plain-text protocol of `astraflow.models.protocol`, message by message:
+When the policy's tokenizer has a chat template (`tokenizer.chat_template`, as transformers
+models ship it), messages are rendered through `apply_chat_template` (`template_pieces`). Each
+assistant message the model sampled is put in as a random placeholder; the text between
+placeholders is encoded, and each placeholder is replaced by the ids the model sampled, exactly
+(an end-of-turn special token the template writes after a message that already ends with it is
+not repeated). A template that drops or rewrites earlier assistant messages renders them as text
+instead, which starts a new sequence (see `session`).
+
+Without a template, the chat format is the plain-text protocol of `astraflow.models.protocol`,
+message by message:
 
 | message | text |
 |---|---|
@@ -22,9 +31,11 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from dataclasses import dataclass
+from typing import Any
 
-from astraflow.raas.agent_api.protocol import Message, ToolCallSpec
+from astraflow.raas.agent_api.protocol import ApiError, Message, ToolCallSpec
 
 _CALL = re.compile(r"<([A-Za-z0-9_-]{1,64})>(.*?)</\1>\s*$", re.S)
 
@@ -77,4 +88,66 @@ def split_tool_call(text: str, tools: dict[str, str]) -> tuple[str, list[tuple[s
     return text[: m.start()], [(name, json.dumps({tools[name]: m.group(2).strip()}))]
 
 
-__all__ = ["Piece", "assistant_key", "call_argument", "message_text", "split_tool_call"]
+def chat_template(backend: Any) -> Any | None:
+    """The backend's tokenizer when it has a chat template, else None."""
+    tok = getattr(backend, "tokenizer", None)
+    return tok if tok is not None and getattr(tok, "chat_template", None) else None
+
+
+def _template_text(tok: Any, conv: list[dict[str, Any]]) -> str:
+    try:
+        text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # the template's own checks (jinja raise_exception, unknown roles, ...)
+        raise ApiError(f"the model's chat template cannot render these messages: {type(exc).__name__}: "
+                       f"{str(exc)[:300]}", param="messages") from None
+    if not isinstance(text, str):
+        raise ApiError("the model's chat template did not render text", status=500, type="server_error")
+    return text
+
+
+def template_pieces(tok: Any, encode: Any, messages: list[Message], sampled: list[list[int] | None]) -> list[Piece]:
+    """The prompt of `messages` through the tokenizer's chat template, as pieces: encoded text
+    between the assistant messages the model sampled (`sampled[i]`: their ids, else None), and
+    those ids exactly. `encode(text)` encodes without adding special tokens."""
+    marks = {i: f"<<af-{secrets.token_hex(8)}-{i}>>" for i, ids in enumerate(sampled) if ids is not None}
+    conv: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if i in marks:
+            conv.append({"role": "assistant", "content": marks[i]})
+        elif m.role == "tool":
+            conv.append({"role": "tool", "content": m.content, "tool_call_id": m.tool_call_id or ""})
+        else:
+            role = "system" if m.role == "developer" else m.role
+            conv.append({"role": role, "content": message_text(m) if m.role == "assistant" else m.content})
+    text = _template_text(tok, conv)
+    order = sorted(marks)
+    where = [text.find(marks[i]) for i in order]
+    if any(w < 0 or text.count(marks[i]) != 1 for w, i in zip(where, order, strict=True)) or where != sorted(where):
+        # the template drops or rewrites earlier assistant turns: render them as text
+        conv = [{**c, "content": message_text(messages[i])} if i in marks else c for i, c in enumerate(conv)]
+        text = _template_text(tok, conv)
+        return [Piece("prompt", encode(text), text)]
+    specials = set(getattr(tok, "all_special_ids", []) or [])
+    pieces, at, covered = [], 0, 0  # `covered`: messages before the current chunk
+    for i, w in zip(order, where, strict=True):
+        chunk = text[at:w]
+        pieces.append(Piece(_chunk_role(messages, covered, i), encode(chunk), chunk))
+        ids = sampled[i] or []
+        pieces.append(Piece("assistant", list(ids), ""))
+        at, covered = w + len(marks[i]), i + 1
+        if ids and ids[-1] in specials:  # the sampled end-of-turn token: not written twice
+            end = tok.decode([ids[-1]], skip_special_tokens=False)
+            if end and text.startswith(end, at):
+                at += len(end)
+    chunk = text[at:]
+    pieces.append(Piece(_chunk_role(messages, covered, len(messages)), encode(chunk), chunk))
+    return [p for p in pieces if p.ids]
+
+
+def _chunk_role(messages: list[Message], lo: int, hi: int) -> str:
+    """The role a chunk of template text is recorded under: its last message's, else `template`."""
+    return messages[hi - 1].role if hi > lo else "template"
+
+
+__all__ = ["Piece", "assistant_key", "call_argument", "chat_template", "message_text", "split_tool_call",
+           "template_pieces"]

@@ -15,6 +15,10 @@ task's first policy when absent or `default`) and recorded in the rollout's cont
   becomes a `ToolCall` of the trajectory (name, arguments, result, latency from the call to
   the answer); calls never answered are recorded with an error when the rollout ends.
 
+A prompt that, with the agent's `max_tokens`, does not fit the policy's context is refused with
+a 400 `context_length_exceeded` before any segment is recorded (tool results it carries are). `logprobs` returns the sampled
+tokens' logprobs, the very values recorded in the segment.
+
 Sampling temperature and top_p are the task's (the trainer needs the behaviour distribution
 the experiment chose); an agent's values are checked and not used. Calls are served one at a
 time per rollout, at most `sampling.max_turns` of them.
@@ -38,7 +42,14 @@ from astraflow.raas.agent_api.protocol import (
     Sampling,
     ToolCallSpec,
 )
-from astraflow.raas.agent_api.render import Piece, assistant_key, message_text, split_tool_call
+from astraflow.raas.agent_api.render import (
+    Piece,
+    assistant_key,
+    chat_template,
+    message_text,
+    split_tool_call,
+    template_pieces,
+)
 from astraflow.raas.backends.base import GenerateRequest, Generation
 from astraflow.raas.workflows.base import RolloutContext
 from astraflow.records import Segment, ToolCall
@@ -81,13 +92,14 @@ class AgentSession:
         async with self._lock:
             self._check_turns()
             policy = self._policy(req.sampling.model)
-            self._record_tool_results(req)
+            self._record_tool_results(req)  # the tools ran, whatever happens to this call
             pieces = self._render(policy, req)
             ids = [t for p in pieces for t in p.ids]
+            max_tokens = self._budget(policy, len(ids), req.sampling, "messages")
             self._extend(policy, ids, pieces, "chat")
             stops = req.sampling.stop or list(self.ctx.task.sampling.stop)
             stops = stops + [f"</{name}>" for name in req.tools]
-            gen = await self._generate(policy, ids, req.sampling, stops)
+            gen = await self._generate(policy, ids, max_tokens, stops)
             content, calls = split_tool_call(gen.text, req.tools)
             specs = [ToolCallSpec(f"call_{uuid.uuid4().hex[:20]}", n, a) for n, a in calls]
             self._sampled[(policy, assistant_key(content, specs))] = [int(t) for t in gen.token_ids]
@@ -98,8 +110,9 @@ class AgentSession:
                 message["tool_calls"] = [{"id": s.id, "type": "function",
                                           "function": {"name": s.name, "arguments": s.arguments}} for s in specs]
             reason = "tool_calls" if specs else gen.finish_reason
+            logprobs = chat_logprobs(self._token_texts(policy, gen)) if req.sampling.logprobs else None
             return self._response("chat.completion", policy, len(ids), gen,
-                                  {"index": 0, "message": message, "finish_reason": reason, "logprobs": None})
+                                  {"index": 0, "message": message, "finish_reason": reason, "logprobs": logprobs})
 
     async def complete(self, req: CompletionRequest) -> dict[str, Any]:
         async with self._lock:
@@ -113,11 +126,15 @@ class AgentSession:
             else:
                 ids = self.ctx.backend(policy).encode(req.prompt, add_bos=True)
                 pieces = [Piece("prompt", ids, req.prompt)]
+            max_tokens = self._budget(policy, len(ids), req.sampling, "prompt")
             self._extend(policy, ids, pieces, "completion")
-            gen = await self._generate(policy, ids, req.sampling, req.sampling.stop or list(self.ctx.task.sampling.stop))
+            gen = await self._generate(policy, ids, max_tokens, req.sampling.stop or list(self.ctx.task.sampling.stop))
             self._seqs[policy].text = req.prompt + gen.text
+            logprobs = (completion_logprobs(self._token_texts(policy, gen), len(req.prompt))
+                        if req.sampling.logprobs else None)
             return self._response("text_completion", policy, len(ids), gen,
-                                  {"index": 0, "text": gen.text, "finish_reason": gen.finish_reason, "logprobs": None})
+                                  {"index": 0, "text": gen.text, "finish_reason": gen.finish_reason,
+                                   "logprobs": logprobs})
 
     def close(self) -> None:
         """The rollout is over: tool calls never answered are recorded with an error."""
@@ -146,14 +163,41 @@ class AgentSession:
                            "(or 'default' for the first)", status=404, type="not_found_error", param="model")
         return model
 
+    def _budget(self, policy: str, prompt_tokens: int, s: Sampling, param: str) -> int:
+        """New tokens this call may sample; `ApiError` (400, `context_length_exceeded`) when the
+        prompt plus the agent's `max_tokens` does not fit the policy's context. Without an explicit
+        `max_tokens` the task's is used, cut to what the context leaves (finish_reason `length`)."""
+        p = self.ctx.task.sampling
+        asked = min(s.max_tokens or p.max_tokens, p.max_tokens, self.limits.max_tokens)
+        context = context_length(self.ctx.backend(policy))
+        if context is None:
+            return asked
+        if prompt_tokens + (asked if s.max_tokens else 1) > context:
+            wanted = f"{prompt_tokens + asked} tokens ({prompt_tokens} in the {param}, {asked} in the completion)" \
+                if s.max_tokens else f"{prompt_tokens} tokens in the {param} and at least 1 new one"
+            raise ApiError(f"policy {policy!r} has a context of {context} tokens; this request needs {wanted}. "
+                           f"Shorten the {param} or lower max_tokens.", param=param, code="context_length_exceeded")
+        return min(asked, context - prompt_tokens)
+
+    def _token_texts(self, policy: str, gen: Generation) -> list[tuple[str, float]]:
+        """(text, logprob) of each sampled token, special tokens written out."""
+        backend = self.ctx.backend(policy)
+        tok = getattr(backend, "tokenizer", None)
+        texts = [tok.decode([int(t)], skip_special_tokens=False) if tok is not None else backend.decode([int(t)])
+                 for t in gen.token_ids]
+        return list(zip(texts, (float(x) for x in gen.logprobs), strict=True))
+
     def _render(self, policy: str, req: ChatRequest) -> list[Piece]:
         backend = self.ctx.backend(policy)
+        sampled = [self._sampled.get((policy, assistant_key(m.content, m.tool_calls))) if m.role == "assistant"
+                   else None for m in req.messages]
+        tok = chat_template(backend)
+        if tok is not None:
+            return template_pieces(tok, backend.encode, req.messages, sampled)
         pieces = []
         for i, m in enumerate(req.messages):
-            key = (policy, assistant_key(m.content, m.tool_calls))
-            sampled = self._sampled.get(key) if m.role == "assistant" else None
-            if sampled is not None:
-                pieces.append(Piece("assistant", sampled, message_text(m)))
+            if sampled[i] is not None:
+                pieces.append(Piece("assistant", sampled[i] or [], message_text(m)))
             else:
                 text = message_text(m)
                 pieces.append(Piece(m.role, backend.encode(text, add_bos=i == 0), text))
@@ -175,10 +219,9 @@ class AgentSession:
         self.ctx.segments.append(Segment.context(policy, "prompt", ids, text))  # a new sequence
         self._seqs[policy] = _Sequence(list(ids), kind)
 
-    async def _generate(self, policy: str, ids: list[int], s: Sampling, stops: list[str]) -> Generation:
+    async def _generate(self, policy: str, ids: list[int], max_tokens: int, stops: list[str]) -> Generation:
         p = self.ctx.task.sampling
         self.calls += 1
-        max_tokens = min(s.max_tokens or p.max_tokens, p.max_tokens, self.limits.max_tokens)
         request = GenerateRequest(list(ids), max_tokens, p.temperature, p.top_p, stops[: self.limits.max_stop_strings * 2])
         t0 = time.perf_counter()
         gen = await self.ctx.backend(policy).generate(request)
@@ -206,4 +249,30 @@ class AgentSession:
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}}
 
 
-__all__ = ["AgentSession"]
+def context_length(backend: Any) -> int | None:
+    """The most tokens (prompt + new) the backend's model takes: its `context_length`, else its
+    tokenizer's `model_max_length` when that is a real bound; None when unknown."""
+    n = getattr(backend, "context_length", None)
+    if n is None:
+        n = getattr(getattr(backend, "tokenizer", None), "model_max_length", None)
+        n = n if isinstance(n, int) and n < 10**8 else None  # transformers' "no limit" is ~1e30
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def chat_logprobs(tokens: list[tuple[str, float]]) -> dict[str, Any]:
+    """OpenAI's `choices[0].logprobs` of a chat completion (no alternatives: `top_logprobs` is [])."""
+    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                        for t, lp in tokens], "refusal": None}
+
+
+def completion_logprobs(tokens: list[tuple[str, float]], offset: int) -> dict[str, Any]:
+    """OpenAI's `choices[0].logprobs` of a text completion; `text_offset` counts from the prompt's start."""
+    offsets, at = [], offset
+    for t, _ in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": [t for t, _ in tokens], "token_logprobs": [lp for _, lp in tokens], "top_logprobs": None,
+            "text_offset": offsets}
+
+
+__all__ = ["AgentSession", "chat_logprobs", "completion_logprobs", "context_length"]

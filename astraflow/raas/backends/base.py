@@ -7,7 +7,9 @@ decoding steps, and every generated token records the policy version that produc
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -35,12 +37,29 @@ class Generation:
     finish_reason: str  # "stop" (eos or stop string) | "length"
 
 
+def model_context_length(model_dir: str | Path) -> int | None:
+    """The longest sequence (prompt + new tokens) the model in `model_dir` takes, from its
+    `config.json` (`max_position_embeddings`, `n_positions` or `max_sequence_length`); None when
+    the directory says nothing."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = cfg.get(key) if isinstance(cfg, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 class InferenceBackend(Protocol):
     """A policy's model behind a batching, weight-updatable generation service."""
 
     name: str  # torch | vllm | openai
     policy: str  # policy it serves
     version: int  # current weights version
+    # Optional: `context_length` (int | None), the most tokens of prompt + generation; when a
+    # backend has none, its `tokenizer.model_max_length` is used (see `agent_api.session`).
 
     def encode(self, text: str, *, add_bos: bool = False) -> list[int]: ...
 

@@ -1,46 +1,49 @@
-"""`torch` backend: a transformers causal LM from a local directory, batched decoding with a KV cache.
+"""`torch` backend: a transformers causal LM from a local directory, continuous batching.
 
-One engine thread owns the model. Concurrent requests are grouped into waves (up to
-`max_batch`), left-padded, prefilled together and decoded step by step with the KV cache.
-Weight updates are applied between two decoding steps, so rollouts in flight continue with the
-new weights (their earlier tokens keep the version that produced them).
+The model runs in a `SlotEngine` (`slots.py`): every decoding step admits new requests into free
+rows and releases finished ones, each row with its own sampling parameters, stop conditions and
+KV cache; the n samples of a group prefill their shared prompt once, and the next turn of a
+multi-turn rollout continues from its cached conversation. Weight updates are applied between
+two decoding steps, so rollouts in flight continue with the new weights (their earlier tokens
+keep the version that produced them).
+
+Where the engine runs: `process=True` (what `astraflow raas serve` uses) puts it in a child
+process (`engine_proc.py`) so the node's workflows, serde and Kafka work never take the
+interpreter lock from decoding; `process=False` (the default) runs it in a thread of this
+process, and then `.model` is the served model itself (tests and in-process benchmarks use it).
+
+A child that dies (a crash, the OOM killer) is started again, up to `engine_restarts` times: the
+requests it was running fail (one of them may be what killed it, so none is retried), the newest
+weights handed to the backend are applied to the new child before it takes a request (a version
+number keeps meaning one set of weights), and requests that arrive meanwhile wait for it.
 
 The logprob recorded for each token is its log-probability under the distribution it was
-sampled from (`sample_tokens`): `log_softmax(logits / temperature)` renormalised over the top-p
-nucleus, i.e. minus the log of the kept mass (plain `log_softmax(logits)` for greedy
-decoding). That is the behaviour policy a trainer corrects for; the trainer scores the same
-tokens with `log_softmax(logits / temperature)`, the temperature coming with each sample.
+sampled from (`sample_tokens`, see `sampling.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures as cf
+import itertools
 import logging
-import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from astraflow.errors import AstraflowError
-from astraflow.raas.backends.base import GenerateRequest, Generation
+from astraflow.raas.backends.base import GenerateRequest, Generation, model_context_length
+from astraflow.raas.backends.engine_loop import EngineLoop
+from astraflow.raas.backends.sampling import sample_tokens
+from astraflow.raas.backends.slots import BackendError, Finished, load_engine
 from astraflow.weights.layout import ModelLayout
 
-log = logging.getLogger("astraflow.raas.torch")
+__all__ = ["BackendError", "TorchBackend", "sample_tokens"]
 
-
-class BackendError(AstraflowError):
-    """Raised when a backend cannot load its model or fails while generating."""
-
-
-@dataclass
-class _Pending:
-    request: GenerateRequest
-    future: cf.Future
+log = logging.getLogger("astraflow.raas.engine")
 
 
 class TorchBackend:
@@ -50,32 +53,53 @@ class TorchBackend:
 
     def __init__(self, policy: str, model_dir: str, *, max_batch: int = 16, device: str | None = None,
                  version: int = 0, seed: int | None = None, threads: int | None = None,
-                 batch_wait_s: float = 0.005) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
+                 batch_wait_s: float = 0.002, process: bool = False, cache_slots: int | None = None,
+                 max_cache_lag: int = 0, engine_restarts: int = 3) -> None:
         self.policy = policy
         self.version = version
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if threads:
-            torch.set_num_threads(threads)
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-            self.model = AutoModelForCausalLM.from_pretrained(model_dir).to(self.device).eval()
-        except (OSError, ValueError) as exc:
-            raise BackendError(f"cannot load a causal LM and tokenizer from {model_dir}: {exc}") from exc
         self.max_batch = max_batch
-        self.batch_wait_s = batch_wait_s  # how long a wave waits for more requests to batch
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.eos_id = self.tokenizer.eos_token_id
-        self._gen = torch.Generator(device="cpu")
-        self._gen.manual_seed(seed if seed is not None else int(time.time_ns() % 2**31))
-        self._queue: queue.Queue[_Pending | None] = queue.Queue()
-        self._update: tuple[dict[str, Any], int] | None = None
-        self._update_lock = threading.Lock()
-        self.tokens_generated = 0  # tokens of finished requests
-        self.decode_steps = 0  # decoding steps run (all waves)
-        self._thread = threading.Thread(target=self._engine, name=f"torch-backend-{policy}", daemon=True)
-        self._thread.start()
+        self.process = process
+        self.context_length = model_context_length(model_dir)  # prompt + new tokens at most, or None
+        self._futures: dict[int, cf.Future] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._applied = threading.Condition()
+        self.ttft_s: collections.deque[float] = collections.deque(maxlen=100_000)  # submit -> first token, recent
+        opts = {"max_batch": max_batch, "cache_slots": cache_slots, "device": device, "version": version, "seed": seed,
+                "threads": threads, "max_cache_lag": max_cache_lag}
+        self.model: Any = None
+        self.restarts = 0  # engine processes started again after one died
+        self._restarts_left = engine_restarts
+        self._closing = False
+        self._restarting = False
+        self._parked: list[tuple[int, GenerateRequest]] = []  # requests that wait for a restarted engine
+        self._newest: tuple[dict[str, Any], int] | None = None  # the last weights handed over (kept for a restart)
+        if process:
+            from astraflow.raas.backends.engine_proc import EngineProcess
+
+            self._engine_args: dict[str, Any] = {"batch_wait_s": batch_wait_s, **opts}
+            self._model_dir = model_dir
+            # Started first: the child imports and loads its model while this process loads the tokenizer.
+            self._proc: EngineProcess | None = EngineProcess(model_dir, on_result=self._resolve,
+                                                            on_version=self._on_version, on_exit=self._engine_exited,
+                                                            **self._engine_args)
+            try:
+                from transformers import AutoTokenizer
+
+                self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            except (OSError, ValueError) as exc:
+                self._proc.close()
+                raise BackendError(f"cannot load a tokenizer from {model_dir}: {exc}") from exc
+            self._proc.wait_ready()
+            self._hardware = self._proc.hardware
+            self._layout = self._proc.layout
+        else:
+            self._proc = None
+            self.engine, self._hardware = load_engine(model_dir, **opts)
+            self.model, self.tokenizer = self.engine.model, self.engine.tokenizer
+            self._loop = EngineLoop(self.engine, self._emit, self._on_version, batch_wait_s=batch_wait_s)
+            self._thread = threading.Thread(target=self._loop.run, name=f"torch-backend-{policy}", daemon=True)
+            self._thread.start()
 
     # ---- public API ----------------------------------------------------------------------------
 
@@ -86,177 +110,214 @@ class TorchBackend:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
     async def generate(self, request: GenerateRequest) -> Generation:
-        fut: cf.Future = cf.Future()
-        self._queue.put(_Pending(request, fut))
-        return await asyncio.wrap_future(fut)
+        return await asyncio.wrap_future(self._submit(request))
 
     def generate_sync(self, request: GenerateRequest) -> Generation:
-        fut: cf.Future = cf.Future()
-        self._queue.put(_Pending(request, fut))
-        return fut.result()
+        return self._submit(request).result()
 
     def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
-        with self._update_lock:
-            self._update = (state_dict, version)
-        if self._queue.empty():  # idle engine: apply now so the next request uses it
-            self._queue.put(None)
+        """Queues new weights (the newest replaces one not applied yet); applied between two steps."""
+        if self._proc is not None:
+            with self._lock:
+                self._newest = (state_dict, version)
+                if self._restarting:
+                    return  # the restart applies the newest weights before it takes requests
+                proc = self._proc
+            proc.offer_weights(state_dict, version)
+        else:
+            self._loop.offer_weights(state_dict, version)
+
+    def wait_version(self, version: int, timeout_s: float) -> bool:
+        """Waits until `version` (or a later one) is served; False on timeout."""
+        with self._applied:
+            return self._applied.wait_for(lambda: self.version >= version, timeout_s)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        if self.model is None:
+            raise BackendError("the engine runs in its own process: its weights are not readable here; "
+                               "use TorchBackend(..., process=False) to read them")
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def weight_layout(self) -> ModelLayout:
         """Names, shapes and dtypes of the model's tensors: what a weight follower checks payloads against."""
+        if self._proc is not None:
+            return self._layout
         return ModelLayout.of(self.model.state_dict())
 
     def hardware(self) -> str:
-        if self.device.type == "cuda":
-            return f"cuda:{torch.cuda.get_device_name(self.device)}"
-        return f"cpu:{torch.get_num_threads()}"
+        return self._hardware
+
+    def stats(self) -> dict[str, int]:
+        """Engine counters: forward steps, generated / prefilled / reused-from-cache tokens, version."""
+        if self._proc is not None:
+            return dict(self._proc.stats)
+        e = self.engine
+        return {"steps": e.steps, "tokens_generated": e.tokens_generated, "prefill_tokens": e.prefill_tokens,
+                "reused_tokens": e.reused_tokens, "version": e.version}
+
+    def refresh_stats(self) -> None:
+        """Process engine: asks the child for its counters (they arrive with its answer)."""
+        if self._proc is not None:
+            self._proc.ask_stats()
+
+    @property
+    def tokens_generated(self) -> int:
+        return self.stats().get("tokens_generated", 0)
+
+    @property
+    def decode_steps(self) -> int:
+        return self.stats().get("steps", 0)
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._closed = True
+        if self._proc is not None:
+            with self._lock:
+                self._closing = True
+                parked, self._parked = self._parked, []
+            for rid, _ in parked:
+                self._resolve(rid, None, "the backend is closing", 0.0)
+            self._proc.close()
+        else:
+            self._loop.put("close")
+            self._thread.join(timeout=10)
 
-    # ---- engine --------------------------------------------------------------------------------
+    # ---- plumbing ------------------------------------------------------------------------------
 
-    _closed = False
+    def _submit(self, request: GenerateRequest) -> cf.Future:
+        rid = next(self._ids)
+        fut: cf.Future = cf.Future()
+        with self._lock:
+            self._futures[rid] = fut
+        fut.add_done_callback(lambda f, rid=rid: self._cancelled(rid) if f.cancelled() else None)
+        try:
+            if self._proc is not None:
+                with self._lock:
+                    if self._restarting:
+                        self._parked.append((rid, request))
+                        return fut
+                    proc = self._proc
+                proc.submit(rid, request)
+            else:
+                self._loop.put("gen", rid, request)
+        except BackendError as exc:
+            self._resolve(rid, None, str(exc), 0.0)
+        return fut
 
-    def _apply_update(self) -> None:
-        with self._update_lock:
-            upd, self._update = self._update, None
-        if upd is None:
-            return
-        sd, version = upd
-        params = dict(self.model.named_parameters())
-        params.update(dict(self.model.named_buffers()))
-        wrong = [n for n, v in sd.items() if n in params and tuple(v.shape) != tuple(params[n].shape)]
-        if wrong:  # followers check the layout first; never let a bad update stop the engine
-            log.error("version %d not applied: tensors %s do not have the model's shapes", version, wrong[:3])
-            return
-        with torch.no_grad():
-            for name, value in sd.items():
-                if name in params:
-                    params[name].copy_(torch.as_tensor(value).to(params[name].dtype))
-        self.version = version
+    def _cancelled(self, rid: int) -> None:
+        with self._lock:
+            self._futures.pop(rid, None)
+            self._parked = [p for p in self._parked if p[0] != rid]
+        if self._proc is not None:
+            self._proc.cancel(rid)
+        else:
+            self._loop.put("cancel", rid)
 
-    def _engine(self) -> None:
-        while not self._closed:
-            item = self._queue.get()
-            self._apply_update()
-            if item is None:
+    def _emit(self, f: Finished) -> None:
+        self._resolve(f.rid, f.generation, f.error, f.ttft_s)
+
+    def _resolve(self, rid: int, gen: Generation | None, error: str | None, ttft_s: float) -> None:
+        with self._lock:
+            futs = list(self._futures.values()) if rid < 0 else [self._futures.pop(rid, None)]
+            if rid < 0:
+                self._futures.clear()
+        if gen is not None:
+            self.ttft_s.append(ttft_s)
+        for fut in futs:
+            if fut is None or fut.done():
                 continue
-            wave = [item]
-            # Rollouts started together reach the queue a few hundred microseconds apart: wait a
-            # moment for them so they decode as one batch instead of as a wave of one.
-            deadline = time.monotonic() + self.batch_wait_s
-            while len(wave) < self.max_batch:
-                try:
-                    nxt = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    break
-                if nxt is not None:
-                    wave.append(nxt)
             try:
-                self._run_wave(wave)
-            except Exception as exc:  # one bad wave must not kill the engine thread; callers get the error
-                for p in wave:
-                    if not p.future.done():
-                        p.future.set_exception(BackendError(f"generation failed: {exc!r}"))
+                if gen is not None:
+                    fut.set_result(gen)
+                else:
+                    fut.set_exception(BackendError(error or "generation failed"))
+            except cf.InvalidStateError:  # cancelled meanwhile by its caller
+                pass
 
-    @torch.no_grad()
-    def _run_wave(self, wave: list[_Pending]) -> None:
-        n = len(wave)
-        reqs = [p.request for p in wave]
-        width = max(len(r.prompt_ids) for r in reqs)
-        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for i, r in enumerate(reqs):
-            ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids, dtype=torch.long)
-            mask[i, width - len(r.prompt_ids) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-        logits, past = out.logits[:, -1, :].float(), out.past_key_values
-        new_ids: list[list[int]] = [[] for _ in range(n)]
-        new_lp: list[list[float]] = [[] for _ in range(n)]
-        new_ver: list[list[int]] = [[] for _ in range(n)]
-        done = [False] * n
-        reason = ["length"] * n
-        max_steps = max(r.max_tokens for r in reqs)
-        next_pos = pos[:, -1] + 1
-        temps = torch.tensor([r.temperature for r in reqs], device=self.device)
-        top_ps = torch.tensor([r.top_p for r in reqs], device=self.device)
-        for _step in range(max_steps):
-            tokens, lps = self._sample(logits, temps, top_ps)
-            version = self.version
-            for i in range(n):
-                if done[i]:
-                    continue
-                t = int(tokens[i])
-                new_ids[i].append(t)
-                new_lp[i].append(float(lps[i]))
-                new_ver[i].append(version)
-                if t == self.eos_id or self._hit_stop(new_ids[i], reqs[i].stop):
-                    done[i], reason[i] = True, "stop"
-                elif len(new_ids[i]) >= reqs[i].max_tokens:
-                    done[i] = True
-                if done[i]:
-                    self._finish(wave[i], new_ids[i], new_lp[i], new_ver[i], reason[i])
-            self.decode_steps += 1
-            if all(done):
-                break
-            self._apply_update()  # between decoding steps: later tokens use the new version
-            step_ids = torch.tensor([[new_ids[i][-1] if not done[i] else self.pad_id] for i in range(n)], device=self.device)
-            mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=self.device)], dim=1)
-            out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=next_pos[:, None],
-                             past_key_values=past, use_cache=True)
-            logits, past = out.logits[:, -1, :].float(), out.past_key_values
-            next_pos = next_pos + 1
+    def _on_version(self, version: int, error: str | None) -> None:
+        if error is None:
+            with self._applied:
+                self.version = version
+                self._applied.notify_all()
 
-    def _sample(self, logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return sample_tokens(logits, temps, top_ps, self._gen)
+    # ---- engine restarts (process=True) --------------------------------------------------------
 
-    def _hit_stop(self, ids: list[int], stops: list[str]) -> bool:
-        if not stops:
-            return False
-        tail = self.tokenizer.decode(ids[-16:], skip_special_tokens=False)
-        return any(tail.endswith(s) for s in stops)
+    def _engine_exited(self) -> None:
+        """Called by the dead child's reader thread, after its pending requests failed."""
+        with self._lock:
+            if self._closing or self._restarting:
+                return
+            if self._restarts_left <= 0:
+                log.error("the engine process of %s has exited and no restart is left (raas.engine_restarts): "
+                          "every request fails until the node is restarted", self.policy)
+                return
+            self._restarts_left -= 1
+            self._restarting = True
+        log.error("the engine process of %s has exited (code %s); starting a new one", self.policy,
+                  self._proc.proc.poll() if self._proc else None)
+        threading.Thread(target=self._restart, name=f"engine-restart-{self.policy}", daemon=True).start()
 
-    def _finish(self, p: _Pending, ids: list[int], lps: list[float], vers: list[int], reason: str) -> None:
-        self.tokens_generated += len(ids)
-        gen = Generation(
-            np.asarray(ids, dtype=np.int32),
-            np.asarray(lps, dtype=np.float32),
-            np.asarray(vers, dtype=np.int32),
-            self.tokenizer.decode(ids, skip_special_tokens=True),
-            reason,
-        )
-        if not p.future.done():
-            p.future.set_result(gen)
+    def _restart(self) -> None:
+        from astraflow.raas.backends.engine_proc import EngineProcess
+
+        applied = threading.Condition()
+        served: list[int] = []
+
+        def on_version(version: int, error: str | None) -> None:
+            with applied:
+                served.append(version if error is None else -1)
+                applied.notify_all()
+            if error is not None:
+                log.error("restarted engine of %s refused version %d: %s", self.policy, version, error)
+
+        proc = None
+        try:
+            proc = EngineProcess(self._model_dir, on_result=self._resolve, on_version=on_version,
+                                 on_exit=self._engine_exited, **self._engine_args)
+            proc.wait_ready()
+            while True:  # the newest weights first (a newer version may arrive meanwhile: apply that one)
+                with self._lock:
+                    newest = self._newest
+                if newest is not None:
+                    proc.offer_weights(*newest)
+                    _wait_applied(proc, applied, served, newest[1])
+                with self._lock:
+                    if self._newest is not newest:
+                        continue
+                    proc.on_version = self._on_version
+                    self._proc, self._restarting = proc, False
+                    parked, self._parked = self._parked, []
+                    self.restarts += 1
+                    break
+        except BackendError as exc:
+            log.error("could not restart the engine process of %s: %s", self.policy, exc)
+            if proc is not None:
+                proc.on_exit = None
+                proc.close()
+            with self._lock:
+                self._restarting = False  # later requests fail on the dead process
+                parked, self._parked = self._parked, []
+            for rid, _ in parked:
+                self._resolve(rid, None, f"the engine process could not be restarted: {exc}", 0.0)
+            return
+        if newest is not None:
+            self._on_version(newest[1], None)
+        log.info("engine process of %s restarted (serving version %s); %d waiting requests submitted",
+                 self.policy, self.version, len(parked))
+        for rid, request in parked:
+            try:
+                proc.submit(rid, request)
+            except BackendError as exc:
+                self._resolve(rid, None, str(exc), 0.0)
 
 
-def sample_tokens(
-    logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor, generator: torch.Generator | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row of `logits` [B, V] and its behaviour logprob, both on the CPU.
-
-    Row b samples from ``softmax(logits / temps[b])`` truncated to its top-p nucleus (the
-    smallest set of most likely tokens whose mass reaches top_ps[b]) and renormalised; the
-    logprob returned is of that distribution (``log_softmax(logits / T) - log(kept mass)``).
-    A temperature <= 0 decodes greedily and returns ``log_softmax(logits)`` of the argmax.
-    """
-    greedy = temps <= 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-    logp = torch.log_softmax(scaled, dim=-1)
-    probs = logp.exp()
-    if bool((top_ps < 1.0).any()):
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        keep = (sorted_p.cumsum(-1) - sorted_p) < top_ps[:, None]
-        kept_mass = (sorted_p * keep).sum(-1)
-        sorted_p = sorted_p * keep
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-        nucleus = (top_ps < 1.0) & ~greedy
-        logp = logp - torch.where(nucleus, kept_mass.clamp(min=1e-30).log(), torch.zeros_like(kept_mass))[:, None]
-    sampled = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
-    tokens = torch.where(greedy, logits.argmax(-1), sampled)
-    return tokens.cpu(), logp.gather(-1, tokens[:, None].to(logp.device)).squeeze(-1).cpu()
+def _wait_applied(proc: Any, applied: threading.Condition, served: list[int], version: int,
+                  timeout_s: float = 600.0) -> None:
+    """Until the restarted engine `proc` reports `version` applied; BackendError if it refuses it,
+    dies or takes longer than `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    with applied:
+        while not served or served[-1] not in (version, -1):
+            if not proc.alive or time.monotonic() > deadline:
+                raise BackendError(f"the restarted engine process did not apply version {version}")
+            applied.wait(1.0)
+        if served[-1] != version:
+            raise BackendError(f"the restarted engine process refused version {version}")

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from astraflow.errors import AstraflowError
-from astraflow.raas.backends.base import GenerateRequest, Generation
+from astraflow.raas.backends.base import GenerateRequest, Generation, model_context_length
 
 
 class VllmBackendError(AstraflowError):
@@ -47,6 +47,7 @@ class VllmBackend:
         self.version = version
         self.model_dir = model_dir
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.context_length = max_model_len or model_context_length(model_dir)  # prompt + new tokens at most
         try:
             args = AsyncEngineArgs(**engine_kwargs(model_dir, gpu_memory_utilization, max_model_len, seed))
         except TypeError as exc:  # an AsyncEngineArgs without logprobs_mode

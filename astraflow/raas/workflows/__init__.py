@@ -13,24 +13,36 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from astraflow.errors import AstraflowError
 from astraflow.raas.workflows.base import RolloutContext
-from astraflow.raas.workflows.builtin import extract_answer, rlvr, solver_verifier, tool_use
+from astraflow.raas.workflows.builtin import POLICY_COUNTS, extract_answer, rlvr, solver_verifier, tool_use
+from astraflow.raas.workflows.code_pair import coder_tester
 from astraflow.raas.workflows.envs import ENV_WORKFLOWS
 from astraflow.records import Trajectory
 
 Workflow = Callable[[RolloutContext], Awaitable[Trajectory]]
 
 WORKFLOWS: dict[str, Workflow] = {"rlvr": rlvr, "tool_use": tool_use, "solver_verifier": solver_verifier,
-                                  **ENV_WORKFLOWS}
+                                  "coder_tester": coder_tester, **ENV_WORKFLOWS}
 
 
-def register_workflow(name: str) -> Callable[[Workflow], Workflow]:
-    """Decorator: makes a workflow available by `name` in tasks."""
+POLICIES: dict[str, tuple[int, int | None]] = {**POLICY_COUNTS, "coder_tester": (2, 2), **dict.fromkeys(ENV_WORKFLOWS, (1, 1))}
+
+
+def register_workflow(name: str, policies: tuple[int, int | None] = (1, None)) -> Callable[[Workflow], Workflow]:
+    """Decorator: makes a workflow available by `name` in tasks; `policies` = (fewest, most) policies
+    a task of it may name (None: no upper bound), distinct ones; the node refuses other tasks."""
 
     def deco(fn: Workflow) -> Workflow:
         WORKFLOWS[name] = fn
+        POLICIES[name] = policies
         return fn
 
     return deco
+
+
+def policy_count(name: str, workflow: Workflow) -> tuple[int, int | None]:
+    """(fewest, most) policies a task of this workflow may name: what it was registered with, else
+    the function's `policies` attribute, else (1, None)."""
+    return POLICIES.get(name) or getattr(workflow, "policies", (1, None))
 
 
 class WorkflowNotAllowedError(AstraflowError):
@@ -80,6 +92,7 @@ __all__ = [
     "Workflow",
     "WorkflowNotAllowedError",
     "extract_answer",
+    "policy_count",
     "register_workflow",
     "resolve_workflow",
 ]

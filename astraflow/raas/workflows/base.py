@@ -3,7 +3,9 @@
 A workflow is `async def wf(ctx: RolloutContext) -> Trajectory`. It calls the policies'
 backends through `ctx.generate(policy, ...)`, which appends a trained segment, and adds context
 it did not sample (prompt, tool results) with `ctx.add_context(...)`, which is masked out of the
-loss. `ctx.finish(...)` returns the Trajectory. `ctx.openai_endpoint()` hands an agent program an
+loss. Each policy has its own context: its segments, cut into sequences at its `prompt`
+segments (`astraflow.dataflow.sequences`); a workflow with several policies passes one's
+output to another as text. `ctx.finish(...)` returns the Trajectory. `ctx.openai_endpoint()` hands an agent program an
 OpenAI-compatible base URL and key whose calls are recorded the same way.
 """
 
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from astraflow.dataflow.sequences import segment_sequences
 from astraflow.errors import ConfigError
 from astraflow.raas.backends.base import GenerateRequest, Generation, InferenceBackend
 from astraflow.raas.tools import ToolBox
@@ -63,11 +66,11 @@ class RolloutContext:
         return ids
 
     def context_ids(self, policy: str) -> list[int]:
-        """Every token so far, as the given policy's next prompt."""
-        out: list[int] = []
-        for s in self.segments:
-            out.extend(int(t) for t in s.token_ids)
-        return out
+        """The policy's next prompt: its current sequence (`policy_sequences(..)[-1]`), exactly what it
+        is trained on. Other policies' tokens are not in it: a workflow hands a policy another's
+        output as text, with `add_context` (each policy has its own tokenizer)."""
+        seqs = segment_sequences(self.segments, policy)
+        return [int(t) for s in (seqs[-1] if seqs else []) for t in s.token_ids]
 
     async def generate(self, policy: str, *, stop: list[str] | None = None, max_tokens: int | None = None,
                        prompt_ids: list[int] | None = None) -> Generation:

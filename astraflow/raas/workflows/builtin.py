@@ -1,4 +1,5 @@
-"""Built-in workflows: `rlvr` (single turn), `tool_use` (multi-turn with tools), `solver_verifier`.
+"""Built-in workflows: `rlvr` (single turn), `tool_use` (multi-turn with tools), `solver_verifier`
+(one solver, any number of verifiers).
 
 They speak the plain-text protocol of `astraflow.models.protocol`: the prompt is the task text,
 a tool call is `<NAME>ARGS</NAME>` for a tool the node offers (`calc`, `python`, `search`), the
@@ -8,8 +9,10 @@ is the text after the last `Answer:`.
 
 from __future__ import annotations
 
+import asyncio
 import re
 
+from astraflow.models.protocol import parse_verdict, verification_prompt
 from astraflow.raas.workflows.base import RolloutContext
 from astraflow.records import Trajectory, TrajectoryStatus
 
@@ -37,8 +40,14 @@ async def rlvr(ctx: RolloutContext) -> Trajectory:
 
 async def tool_use(ctx: RolloutContext) -> Trajectory:
     """Multi-turn: the model may call tools; each result is appended (masked) and it continues."""
-    policy = ctx.task.policies[0]
-    ctx.add_context(policy, "prompt", ctx.task.prompt, add_bos=True)
+    answer, status = await solve_with_tools(ctx, ctx.task.policies[0], ctx.task.prompt)
+    return ctx.finish(answer, status)
+
+
+async def solve_with_tools(ctx: RolloutContext, policy: str, prompt: str) -> tuple[str | None, TrajectoryStatus]:
+    """One sequence of `policy`: `prompt` (a new `prompt` segment), then turns of generation and
+    tool calls until it answers; returns (its answer or None, how it ended)."""
+    ctx.add_context(policy, "prompt", prompt, add_bos=True)
     stops = [f"</{name}>" for name in ctx.tools.tools]
     text = ""
     status = TrajectoryStatus.OK
@@ -56,24 +65,26 @@ async def tool_use(ctx: RolloutContext) -> Trajectory:
     else:
         status = TrajectoryStatus.TRUNCATED  # used every turn without answering
     answer = extract_answer(text)
-    return ctx.finish(answer, status if answer is not None or status is not TrajectoryStatus.OK else TrajectoryStatus.OK)
+    return answer, status if answer is not None or status is not TrajectoryStatus.OK else TrajectoryStatus.OK
 
 
 async def solver_verifier(ctx: RolloutContext) -> Trajectory:
-    """Two policies: the solver answers, the verifier judges the answer ('yes'/'no').
+    """The first policy solves (with the node's tools); every other policy verifies its answer.
 
-    Both generations are trained segments of their own policy; the curate app routes each to its
-    policy's train topic. The verdict is stored in metadata for a reward that scores the verifier.
+    Any number of verifiers (a panel), each judging on its own and concurrently: it gets the
+    question and the proposed answer as text in a sequence of its own, so every policy trains
+    on exactly what it saw. Metadata: `solver` (its policy) and `verdict.<policy>` (`yes`, `no`
+    or `unclear`) per verifier, which the `solver_verifier` reward scores.
     """
-    solver, verifier = ctx.task.policies[0], ctx.task.policies[-1]
-    ctx.add_context(solver, "prompt", ctx.task.prompt, add_bos=True)
-    sol = await ctx.generate(solver)
-    answer = extract_answer(sol.text) or sol.text.strip()
-    question = f"{ctx.task.prompt}\nProposed: {answer}\nCorrect (yes/no)?"
-    ids = ctx.backend(verifier).encode(question, add_bos=True)
-    from astraflow.records import Segment
+    solver, verifiers = ctx.task.policies[0], ctx.task.policies[1:]
+    answer, status = await solve_with_tools(ctx, solver, ctx.task.prompt)
+    proposed = answer if answer is not None else ""
+    question = verification_prompt(ctx.task.prompt, proposed)
+    verdicts = await asyncio.gather(*(solve_with_tools(ctx, v, question) for v in verifiers))
+    metadata = {"solver": solver, **{f"verdict.{v}": parse_verdict(f"Answer: {a}" if a is not None else None)
+                                     for v, (a, _) in zip(verifiers, verdicts, strict=True)}}
+    return ctx.finish(answer, status, metadata=metadata)
 
-    ctx.segments.append(Segment.context(verifier, "user", ids, question))
-    verdict = await ctx.generate(verifier, prompt_ids=ids, max_tokens=8)
-    said = "yes" if "yes" in verdict.text.lower() else ("no" if "no" in verdict.text.lower() else "unclear")
-    return ctx.finish(answer, metadata={"verifier_verdict": said})
+
+# How many policies each built-in takes (min, max; None: any number); the node refuses other tasks.
+POLICY_COUNTS = {"rlvr": (1, 1), "tool_use": (1, 1), "solver_verifier": (2, None)}

@@ -18,8 +18,8 @@ from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from astraflow.config import KafkaSettings
 from astraflow.errors import KafkaLayerError
-
-TP = tuple[str, int]  # (topic, partition)
+from astraflow.kafka.clients import reader_config
+from astraflow.kafka.offsets import TP
 
 
 @dataclass
@@ -169,13 +169,8 @@ def read_ranges(kafka: KafkaSettings, ranges: dict[TP, tuple[int, int]], timeout
     todo = {tp: r for tp, r in ranges.items() if r[1] > r[0]}
     if not todo:
         return []
-    consumer = Consumer({
-        **kafka.client_config(),
-        "group.id": f"af-status-{uuid.uuid4().hex[:8]}",  # assign() only: never joins, never commits
-        "enable.auto.commit": False,
-        "enable.partition.eof": True,
-        "auto.offset.reset": "earliest",
-    })
+    # assign() only: never joins, never commits
+    consumer = Consumer(reader_config(kafka, f"af-status-{uuid.uuid4().hex[:8]}", **{"enable.partition.eof": True}))
     out: list[tuple[TP, int, bytes | None]] = []
     try:
         consumer.assign([TopicPartition(t, p, start) for (t, p), (start, _end) in todo.items()])

@@ -14,7 +14,7 @@ from confluent_kafka.admin import OffsetSpec
 
 from astraflow.config import KafkaSettings
 from astraflow.errors import AstraflowError
-from astraflow.ops.offsets import OffsetReader
+from astraflow.ops.cluster_offsets import OffsetReader
 
 
 class _SilentAdmin:

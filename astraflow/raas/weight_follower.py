@@ -7,21 +7,29 @@ snapshot on a gap or a failed check; only verified versions reach the backend. I
 payload against the backend's model (`weight_layout()`: tensor names, shapes, dtypes) and the
 `weights` section of the config (allowed store locations, size bounds); a refused version is
 dead-lettered and counted, and the backend keeps serving the last good one.
+
+`wait_caught_up` holds a starting node back until its backends serve the newest version that
+was published when it started (rule 3 and the staleness bound: a node does not answer tasks
+with the weights it booted with while the trainer is far ahead).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from astraflow.config import AstraflowConfig
+from astraflow.errors import KafkaLayerError
+from astraflow.kafka.topics import Topics
 from astraflow.raas.backends.base import InferenceBackend
 from astraflow.weights.chain import ApplyStatus
 from astraflow.weights.follow import KafkaWeightFollower
 from astraflow.weights.layout import ModelLayout
 from astraflow.weights.verify import FollowLimits
+from astraflow.weights.versions import latest_policy_version
 
-log = logging.getLogger("astraflow.raas.weights")
+log = logging.getLogger("astraflow.raas.weight_follower")
 
 
 class BackendWeightFollower:
@@ -79,3 +87,35 @@ class BackendWeightFollower:
 
 def start_weight_followers(cfg: AstraflowConfig, experiment: str, backends: dict[str, InferenceBackend]) -> list[BackendWeightFollower]:
     return [BackendWeightFollower(cfg, experiment, policy, b).start() for policy, b in backends.items()]
+
+
+def wait_caught_up(cfg: AstraflowConfig, experiment: str, backends: dict[str, InferenceBackend], timeout_s: float,
+                   poll_s: float = 0.2) -> dict[str, tuple[int, int]]:
+    """Waits until every backend serves at least the newest version of its policy named on the
+    ``policies`` topic now (the followers apply it meanwhile). Returns the policies still behind
+    after `timeout_s` as policy -> (served, newest); empty once caught up (or nothing published)."""
+    topics = Topics(experiment)
+    newest: dict[str, int] = {}
+    for policy in backends:
+        try:
+            latest = latest_policy_version(cfg.kafka, topics, policy, timeout_s=min(30.0, max(timeout_s, 1.0)))
+        except KafkaLayerError as exc:
+            log.warning("cannot read the newest version of %s (%s); serving without waiting for it", policy, exc)
+            continue
+        if latest is not None:
+            newest[policy] = int(latest.version)
+    deadline = time.monotonic() + timeout_s
+    t0 = time.monotonic()
+    while True:
+        behind = {p: (int(backends[p].version), v) for p, v in newest.items() if backends[p].version < v}
+        if not behind:
+            if newest:
+                log.info("caught up in %.1f s: %s", time.monotonic() - t0,
+                         ", ".join(f"{p} at version {backends[p].version}" for p in newest))
+            return {}
+        if time.monotonic() >= deadline:
+            log.warning("still behind after %.0f s (%s); serving anyway, every token tagged with its version "
+                        "(raise raas.catch_up_timeout_s to wait longer)", timeout_s,
+                        ", ".join(f"{p}: {s} of {v}" for p, (s, v) in behind.items()))
+            return behind
+        time.sleep(poll_s)

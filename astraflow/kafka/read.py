@@ -1,0 +1,61 @@
+"""Reading a partition from a given offset to its end, outside any consumer group.
+
+`assigned_consumer` is the consumer of every such reader (assign() only: it never joins a group
+or commits; read_committed, so a transaction's records are visible once it commits; fetches as
+large as the largest record). `read_range` reads partition 0 of a topic from an offset to the
+end it had when the read started, decoding each record; the compacted `policies` topic and the
+tail of a weights topic are read this way (`astraflow.weights.versions`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+from astraflow.config import KafkaSettings
+from astraflow.errors import KafkaLayerError, SerdeError
+from astraflow.kafka.clients import reader_config, watermarks
+from astraflow.serde import AvroSerde
+
+
+def assigned_consumer(kafka: KafkaSettings, serde: AvroSerde, group_id: str = "astraflow-weights-reader") -> Consumer:
+    """A consumer for assign() only (`group_id` names it to the broker; it never joins or commits)
+    that reports end-of-partition and reads committed records up to `serde`'s largest record."""
+    # read_committed: a version is visible once its transaction commits
+    return Consumer(reader_config(kafka, group_id, serde.max_record_bytes, **{"enable.partition.eof": True}))
+
+
+def read_range(
+    kafka: KafkaSettings, topic: str, start: int | None, serde: AvroSerde, timeout_s: float, strict: bool = False
+) -> list[Any]:
+    """Decoded committed records of partition 0 of `topic` from `start` (None: the last 64
+    offsets) to its end; records that do not decode are skipped (not ours to judge here).
+    `strict`: raise KafkaLayerError instead of returning what was read by the timeout."""
+    consumer = assigned_consumer(kafka, serde)
+    try:
+        low, high = watermarks(consumer, topic, 0, timeout_s)
+        if high <= low:
+            return []
+        first = max(high - 64, low) if start is None else max(start, low)
+        consumer.assign([TopicPartition(topic, 0, first)])
+        out: list[Any] = []
+        deadline = time.monotonic() + timeout_s
+        pos = first
+        while pos < high and time.monotonic() < deadline:
+            for msg in consumer.consume(500, 0.5):
+                if msg.error() is not None:
+                    if msg.error().code() == KafkaError._PARTITION_EOF:
+                        pos = high
+                    continue
+                pos = msg.offset() + 1
+                try:
+                    out.append(serde.loads(msg.value()))
+                except SerdeError:
+                    continue
+        if strict and pos < high:
+            raise KafkaLayerError(f"could not read {topic} to its end ({pos} of {high}) in {timeout_s:.0f} s")
+        return out
+    finally:
+        consumer.close()

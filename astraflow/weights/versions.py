@@ -1,0 +1,78 @@
+"""What has been published, as the topics say, and asking a trainer for a snapshot.
+
+Both sides read these: the publisher (`astraflow.weights.publish`) continues numbering after the
+last version used; the follower (`astraflow.weights.follow`) starts from the newest version on
+the compacted ``policies`` topic and, when deltas cannot bring it up to date, asks the trainer
+for a full snapshot over the control topic. The metadata keys a manifest carries are named here.
+"""
+
+from __future__ import annotations
+
+import time
+
+from astraflow.config import KafkaSettings
+from astraflow.kafka.clients import RecordProducer
+from astraflow.kafka.read import read_range
+from astraflow.kafka.topics import Topics
+from astraflow.records import Control, PolicyVersion, WeightChunk
+from astraflow.serde import AvroSerde
+
+SNAPSHOT_OFFSET = "latest_snapshot_offset"  # metadata: weights-topic offset of the latest snapshot's manifest
+OFFSET = "offset"  # metadata (policies topic only): weights-topic offset of this version's manifest
+CONTROL_APP = "trainer"  # Control records asking a trainer for a snapshot: app, slot "<policy>.snapshot"
+
+
+def latest_policy_version(
+    kafka: KafkaSettings,
+    topics: Topics,
+    policy: str,
+    timeout_s: float = 10.0,
+    serde: AvroSerde | None = None,
+    strict: bool = False,
+) -> PolicyVersion | None:
+    """The newest PolicyVersion of `policy` on the compacted ``policies`` topic (None if none);
+    `strict`: KafkaLayerError rather than an answer from a partial read."""
+    records = read_range(kafka, topics.policies, 0, serde or AvroSerde(), timeout_s, strict)
+    found = [r for r in records if isinstance(r, PolicyVersion) and r.policy == policy]
+    return max(found, key=lambda r: r.version) if found else None
+
+
+def last_published_version(
+    kafka: KafkaSettings,
+    topics: Topics,
+    policy: str,
+    timeout_s: float = 10.0,
+    latest: PolicyVersion | None = None,
+) -> int | None:
+    """Highest version number already used for `policy`: on ``policies`` (`latest`, when the
+    caller read it already) or, after a crash between the two sends of a publisher without
+    transactions, among the last records of the weights topic. Raises KafkaLayerError when
+    Kafka cannot be read to the end."""
+    serde = AvroSerde()
+    if latest is None:
+        latest = latest_policy_version(kafka, topics, policy, timeout_s, serde, strict=True)
+    tail = read_range(kafka, topics.weights(policy), None, serde, timeout_s, strict=True)
+    versions = [r.version for r in tail if isinstance(r, PolicyVersion | WeightChunk)]
+    versions += [latest.version] if latest else []
+    return max(versions) if versions else None
+
+
+def ask_trainer_for_snapshot(
+    producer: RecordProducer, topics: Topics, policy: str, requester: str, reason: str = ""
+) -> None:
+    """Ask the trainer of `policy` to publish a full snapshot next (a Control record on the
+    control topic; the trainer's `WeightPublisher.request_snapshot` then makes its next
+    publication one)."""
+    producer.send(
+        topics.control,
+        Control(
+            CONTROL_APP,
+            f"{policy}.snapshot",
+            "snapshot",
+            int(time.time() * 1000),
+            {"reason": reason},
+            requester,
+        ),
+        key=f"{CONTROL_APP}/{policy}.snapshot",
+    )
+    producer.flush()

@@ -1,0 +1,71 @@
+"""Slower hardware, simulated: a cgroup v1 CPU quota on one process (root only).
+
+`CpuQuota(name, cpus)` creates `/sys/fs/cgroup/cpu/astraflow-<name>` with
+`cpu.cfs_quota_us = cpus * cpu.cfs_period_us` (0.3: at most 30% of one core, however idle the
+machine is), `add(pid)` moves a process into it (children it starts later inherit it; `add_group` moves a
+whole process group, children already started included), and
+`remove()` moves whatever is left back to the root group and deletes the group. The benchmark
+calls `remove()` in a `finally`, so no group outlives its run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from astraflow.errors import AstraflowError
+
+CPU_ROOT = Path("/sys/fs/cgroup/cpu")
+
+
+class CpuQuotaError(AstraflowError):
+    """Raised when the cgroup v1 cpu controller is missing or not writable (run as root)."""
+
+
+class CpuQuota:
+    """One cgroup with a CPU quota; see the module doc."""
+
+    def __init__(self, name: str, cpus: float) -> None:
+        if not (CPU_ROOT / "cpu.cfs_quota_us").exists():
+            raise CpuQuotaError(f"no cgroup v1 cpu controller at {CPU_ROOT}: slowed nodes need it (and root)")
+        if not 0.01 <= cpus <= 64:
+            raise CpuQuotaError(f"a CPU quota of {cpus} cores is out of range (0.01..64)")
+        self.path = CPU_ROOT / f"astraflow-{name}"
+        try:
+            self.path.mkdir(exist_ok=True)
+            period = int((self.path / "cpu.cfs_period_us").read_text())
+            (self.path / "cpu.cfs_quota_us").write_text(str(int(cpus * period)))
+        except OSError as exc:
+            raise CpuQuotaError(f"cannot set up {self.path} ({exc}); run the benchmark as root") from exc
+        self.cpus = cpus
+
+    def add(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def add_group(self, pgid: int) -> int:
+        """Moves every process of process group `pgid` (a role and the processes it started, such
+        as a node's engine process) into the group; returns how many."""
+        moved = 0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid:  # after the name: state, ppid, pgrp
+                    self.add(int(stat.parent.name))
+                    moved += 1
+        return moved
+
+    def throttled_s(self) -> float:
+        """Time the group's processes were held back by the quota so far."""
+        for line in (self.path / "cpu.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "throttled_time":
+                return int(value) / 1e9
+        return 0.0
+
+    def remove(self) -> None:
+        if not self.path.exists():
+            return
+        for pid in (self.path / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):  # exited meanwhile
+                (CPU_ROOT / "cgroup.procs").write_text(pid)
+        self.path.rmdir()

@@ -1,0 +1,111 @@
+"""The figures of bench/regions.py from what its run read back (see regions.py's module doc)."""
+
+from __future__ import annotations
+
+import bisect
+import os
+import statistics
+from typing import Any
+
+from _fault_report import longest_task_wait
+from _regions_run import NODES, RegionsRun, rate_windows
+
+from astraflow.records import WeightKind
+
+
+def _r(x: float | None, nd: int = 2) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+def build(run: RegionsRun) -> dict[str, Any]:
+    seen, m, a = run.seen, run.marks, run.a
+    t0, t1 = m["mixed_start"], m["mixed_end"]
+    alone = {n: c[1] / c[2] for n, c in run.calib.items()}
+    total_alone = sum(alone.values()) or 1.0
+    fastest = max(alone.values(), default=0.0) or 1.0
+    mixed_total = run.count(None, t0, t1) or 1
+    issued_at = {t.task_id: t.ts_ms / 1000 for t in run.ledger.tasks.values()}
+    first_rollout: dict[str, float] = {}
+    for _, ts, tid, _ in seen.rollouts:
+        first_rollout[tid] = min(ts, first_rollout.get(tid, float("inf")))
+    issued_sorted = sorted(issued_at.items(), key=lambda kv: kv[1])
+
+    def waiting(t: float) -> int:
+        """Tasks issued by t whose first trajectory came after t (waiting or in flight)."""
+        return sum(1 for tid, at in issued_sorted if at <= t and first_rollout.get(tid, float("inf")) > t)
+
+    nodes = []
+    for name, region, slowed in NODES:
+        n = run.count(name, t0, t1)
+        share = n / mixed_total
+        expected = alone[name] / total_alone if name in alone else None  # None: not calibrated (--no-calibrate)
+        samples = [(ts, v) for node, ts, v in seen.inflight if node == name and t0 <= ts < t1]
+        idle = [ts for ts, v in samples if v == 0 and waiting(ts) > 0]
+        nodes.append({"node": name, "region": region, "slowed_cpus": a.slow_cpus if slowed else None,
+                      "alone_rps": _r(alone.get(name)), "rel_speed": _r(alone[name] / fastest) if name in alone else None,
+                      "mixed_rps": _r(n / (t1 - t0)), "share": _r(share), "expected_share": _r(expected),
+                      "share_dev": None if expected is None else _r((share - expected) / expected if expected else 0.0),
+                      "idle_while_waiting": _r(len(idle) / len(samples) if samples else 0.0),
+                      "error_trajectories": seen.errors.get(name, 0)})
+
+    # Weights: payload per version by kind; the WAN's bytes over the mixed phase per version.
+    manifests = sorted(seen.manifests.values(), key=lambda p: p.version)
+    deltas = [p.payload_bytes for p in manifests if p.kind == WeightKind.DELTA]
+    snaps = [p.payload_bytes for p in manifests if p.kind == WeightKind.SNAPSHOT]
+    # The link's counters over the whole run (Toxiproxy counts a connection when it closes):
+    # region B is the node raas-b1 and this benchmark's WAN follower, both pulling every version.
+    end = run.wan_bytes.get("end", {})
+    down, up = end.get("downstream", 0), end.get("upstream", 0)
+    n_versions = max(1, len(manifests) - 1)
+    # Region B: its node's applied version against the newest published one; the WAN follower's delay.
+    created = [(p.created_at / 1000, p.version) for p in manifests]
+    ctimes = [c[0] for c in created]
+    lags = []
+    for node, ts, v in seen.node_version:
+        if node == "raas-b1" and t0 <= ts < t1:
+            i = bisect.bisect_right(ctimes, ts) - 1
+            if i >= 0:
+                lags.append(max(0, created[i][1] - v))
+    live = [seen.live_b[p.version] - p.created_at / 1000 for p in manifests if p.version in seen.live_b and p.version > 0]
+    live_d = [seen.live_b[p.version] - p.created_at / 1000 for p in manifests
+              if p.version in seen.live_b and p.kind == WeightKind.DELTA]
+    live_s = [seen.live_b[p.version] - p.created_at / 1000 for p in manifests
+              if p.version in seen.live_b and p.kind == WeightKind.SNAPSHOT and p.version > 0]
+
+    figs: dict[str, Any] = {
+        "mixed_rollouts_per_s": _r(mixed_total / (t1 - t0)),
+        "sum_alone_rollouts_per_s": _r(total_alone),
+        "weights_delta_bytes_mean": int(statistics.mean(deltas)) if deltas else None,
+        "weights_snapshot_bytes_mean": int(statistics.mean(snaps)) if snaps else None,
+        "delta_over_snapshot": _r(statistics.mean(deltas) / statistics.mean(snaps), 3) if deltas and snaps else None,
+        "versions": len(manifests),
+        "wan_bytes_to_b_total": down,
+        "wan_bytes_from_b_total": up,
+        "wan_bytes_to_b_per_version": int(down / n_versions),
+        "weights_bytes_per_version": int(sum(p.payload_bytes for p in manifests) / max(1, len(manifests))),
+        "weights_bytes_per_version_if_all_snapshots": int(statistics.mean(snaps)) if snaps else None,
+        "region_b_version_lag_mean": _r(statistics.mean(lags)) if lags else None,
+        "region_b_version_lag_max": max(lags) if lags else None,
+        "publish_to_live_b_s_median": _r(statistics.median(live)) if live else None,
+        "publish_to_live_b_s_delta_median": _r(statistics.median(live_d)) if live_d else None,
+        "publish_to_live_b_s_snapshot_median": _r(statistics.median(live_s)) if live_s else None,
+    }
+    if "leave_sigterm" in m:
+        base = mixed_total / (t1 - t0)
+        for key, node in (("join_a1", "raas-a1"), ("join_b1", "raas-b1")):
+            t = m[key]
+            firsts = [ts for n, ts, _, _ in seen.rollouts if n == node and ts > t]
+            figs[f"{key}_first_rollout_s"] = _r(min(firsts) - t if firsts else None, 1)
+            end = m["kill9_b1"] if key == "join_a1" else m["elastic_end"]
+            wins = rate_windows([ts for _, ts, _, _ in seen.rollouts], t, end)
+            back = next((w for w, rps in wins if rps >= 0.9 * base), None)
+            figs[f"{key}_throughput_back_s"] = _r(back - t if back else None, 1)
+        figs["kill9_b1_longest_task_wait_s"] = _r(longest_task_wait(first_rollout, issued_at, m["kill9_b1"]), 1)
+        figs["sigterm_a1_longest_task_wait_s"] = _r(longest_task_wait(first_rollout, issued_at, m["leave_sigterm"]), 1)
+    tally = run.ledger.tally(list(run.ledger.tasks.values()))
+    figs.update(tasks_issued=tally.tasks_issued, tasks_trained=tally.tasks_trained, samples_lost=tally.lost,
+                samples_dead_lettered=tally.accounted, samples_trained_twice=tally.trained_twice)
+    return {"experiment": run.exp, "load_avg": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+            "wan": f"{2 * a.latency_ms} ms RTT, {a.rate_kb_s} KB/s per connection",
+            "settings": {k: v for k, v in vars(a).items()}, "nodes": nodes, "figures": figs,
+            "marks": {k: round(v - m.get("mixed_start", v), 1) for k, v in m.items()}}

@@ -1,0 +1,310 @@
+"""The run of bench/regions.py (its module doc says what is measured): brokers with a WAN listener,
+the proxy, the roles, the phases and the figures."""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from _cpuquota import CpuQuota
+from _ledger import Ledger, TopicReader
+from _pipeline import PipelineSpec, create_experiment, pipeline_roles, wait_ready, write_dataset
+
+from astraflow.config import KafkaSettings, LocalKafkaSettings, WanSettings, load_config
+from astraflow.demo.common import PY, role_env
+from astraflow.demo.supervisor import Role, Supervisor
+from astraflow.kafka.local import LocalKafka
+from astraflow.kafka.topics import Topics
+from astraflow.kafka.wan import Link, Wan
+from astraflow.records import Metric, PolicyVersion, Trajectory, TrajectoryStatus
+
+FILTERS_OFF = ("filter.zero_variance", "filter.length", "filter.staleness")
+NODES = (("raas-a1", "a", False), ("raas-a2", "a", True), ("raas-b1", "b", False))  # name, region, slowed
+
+
+@dataclass
+class Seen:
+    """What the run has read back from Kafka so far."""
+
+    rollouts: list[tuple[str, float, str, int]] = field(default_factory=list)  # node, ts s, task id, version
+    inflight: list[tuple[str, float, float]] = field(default_factory=list)  # node, ts s, rollouts in flight
+    node_version: list[tuple[str, float, int]] = field(default_factory=list)  # node, ts s, applied version
+    manifests: dict[int, PolicyVersion] = field(default_factory=dict)
+    live_b: dict[int, float] = field(default_factory=dict)  # version -> applied by the WAN follower (epoch s)
+    errors: dict[str, int] = field(default_factory=dict)  # node -> ERROR trajectories (not counted as rollouts)
+
+
+class RegionsRun:
+    def __init__(self, args: argparse.Namespace, exp: str) -> None:
+        self.a, self.exp = args, exp
+        self.work = Path(args.work_dir) / exp
+        self.work.mkdir(parents=True, exist_ok=True)
+        p = args.port
+        self.kafka = LocalKafka(LocalKafkaSettings(data_dir=self.work / "kafka", port=p, controller_port=p + 1,
+                                                   wan_proxy_port=p + 2, wan_port=p + 3, start_timeout_s=300.0))
+        self.wan = Wan(WanSettings(data_dir=self.work / "wan", api_port=args.api_port, latency_ms=args.latency_ms,
+                                   rate_kb_s=args.rate_kb_s))
+        self.cfg = load_config(env={}, overrides=[f"kafka.bootstrap_servers={self.kafka.bootstrap}"])
+        self.wan_kafka = KafkaSettings(bootstrap_servers=f"127.0.0.1:{p + 2}")
+        self.topics = Topics(exp)
+        self.sup = Supervisor(self.work / "logs")
+        self.nodes: dict[str, Role] = {}
+        self.quota: CpuQuota | None = None
+        self.seen = Seen()
+        self.marks: dict[str, float] = {}  # event -> epoch s
+        self.calib: dict[str, tuple[float, int, float]] = {}  # node -> (start, rollouts, seconds)
+        self.wan_bytes: dict[str, dict] = {}
+        self.trained_log = self.work / "trained.jsonl"
+        self.readers: list[TopicReader] = []
+
+    # ---- setup -----------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        import _rl
+
+        a = self.a
+        self.kafka.up(echo=lambda *_: None)
+        self.wan.up([Link("kafka-1", a.port + 2, a.port + 3)], echo=print)
+        model = _rl.tiny_model_dir()
+        tasks, _ = _rl.make_tasks(a.prompts, a.seed, "a")
+        self.spec = PipelineSpec(
+            model, write_dataset(tasks, self.work / "train.jsonl"), self.work / "run", "rlvr", a.group, a.max_ahead,
+            a.max_tokens, 1, a.batch, 3.0, a.inflight, a.prefetch, a.seed,
+            trainer_sets=(f"trainer.trained_log={self.trained_log}", "trainer.publish_dtype=bfloat16",
+                          f"trainer.snapshot_every_versions={a.snapshot_every}", "trainer.max_staleness=null"))
+        _, self.control = create_experiment(self.cfg, self.exp, filters_off=FILTERS_OFF)
+        for role in pipeline_roles(self.exp, self.spec, role_env(self.kafka.bootstrap), nodes=0):
+            self.sup.start(role)
+        from confluent_kafka import Consumer
+        from confluent_kafka.admin import AdminClient
+
+        self.probe = Consumer({**self.cfg.kafka.client_config(), "group.id": f"{self.exp}-probe", "log_level": 2})
+        wait_ready(AdminClient(self.cfg.kafka.client_config()), [f"af.{self.exp}.reward", f"af.{self.exp}.curate"],
+                   self.probe, self.topics.weights("policy"), self.sup, 300.0)
+        self.ledger = Ledger(self.cfg.kafka, self.topics.tasks, self.topics.dlq, self.trained_log)
+        self.r_roll = TopicReader(self.cfg.kafka, self.topics.rollouts)
+        self.r_metrics = TopicReader(self.cfg.kafka, self.topics.metrics)
+        self.r_weights = TopicReader(self.cfg.kafka, self.topics.weights("policy"))
+        self.readers = [self.r_roll, self.r_metrics, self.r_weights]
+        self.quota = CpuQuota(self.exp, a.slow_cpus)
+        self.control.set("curator", "pause", "off", issued_by="bench-regions")
+        print(f"experiment {self.exp}: Kafka {self.kafka.bootstrap}, region B via {self.kafka.wan_bootstrap}", flush=True)
+
+    def node_role(self, name: str, region: str) -> Role:
+        s, i = self.spec, [n for n, _, _ in NODES].index(name)
+        boot = self.kafka.bootstrap if region == "a" else self.kafka.wan_bootstrap
+        return Role(name, [*PY, "raas", "serve", "-e", self.exp, "-p", f"policy={s.model_dir}", "--max-inflight",
+                           str(s.node_inflight), "--max-batch", str(s.node_inflight), "--prefetch", str(s.node_prefetch),
+                           "--threads", "1", "--seed", str(s.seed + i), "--node-id", name, "--region", region],
+                    role_env(boot or ""))
+
+    def stop_node(self, name: str) -> None:
+        """SIGTERM to the node's process only, as `docker stop` or Kubernetes send it (its engine
+        process is its child and must live until the node has drained), then wait for the exit."""
+        role = self.nodes[name]
+        if role.proc is not None and role.proc.poll() is None:
+            role.proc.send_signal(signal.SIGTERM)
+            try:
+                role.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.sup.kill(role)
+        self.sup.kill(role)  # anything of its process group left behind
+        if role in self.sup.roles:
+            self.sup.roles.remove(role)
+
+    def kill_node(self, name: str) -> None:
+        """kill -9 of the node's process group (the host dies)."""
+        role = self.nodes[name]
+        self.sup.kill(role)
+        if role in self.sup.roles:
+            self.sup.roles.remove(role)
+
+    def start_node(self, name: str) -> float:
+        region = next(n[1] for n in NODES if n[0] == name)
+        role = self.nodes.get(name)
+        if role is None:
+            role = self.nodes[name] = self.node_role(name, region)
+        self.sup.start(role)  # supervised again (stop and kill_node drop it)
+        return time.time()
+
+    def slow_down(self, name: str) -> None:
+        """The slowed node's CPU quota, applied once it serves (slower hardware, not a slower start-up:
+        at a few percent of a core, loading torch alone would take minutes)."""
+        _, _, slowed = next(n for n in NODES if n[0] == name)
+        role = self.nodes[name]
+        if slowed and self.quota is not None and role.proc is not None:
+            self.quota.add_group(role.proc.pid)
+
+    # ---- reading back ----------------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        for rec, ts in self.r_roll.read(10.0):
+            if isinstance(rec, Trajectory) and rec.status == TrajectoryStatus.ERROR:
+                self.seen.errors[rec.node.node_id] = self.seen.errors.get(rec.node.node_id, 0) + 1
+            elif isinstance(rec, Trajectory):
+                v = max((int(seg.versions.max()) for seg in rec.segments if len(seg.versions)), default=-1)
+                self.seen.rollouts.append((rec.node.node_id, ts / 1000, rec.task_id, v))
+        for rec, _ in self.r_metrics.read(10.0):
+            if isinstance(rec, Metric) and rec.component == "raas":
+                if rec.name == "inflight":
+                    self.seen.inflight.append((rec.instance, rec.ts / 1000, rec.value))
+                elif rec.name == "policy_version":
+                    self.seen.node_version.append((rec.instance, rec.ts / 1000, int(rec.value)))
+        for rec, _ in self.r_weights.read(10.0):
+            if isinstance(rec, PolicyVersion):
+                self.seen.manifests.setdefault(rec.version, rec)
+        self.sup.check()
+
+    def wait(self, seconds: float) -> None:
+        end = time.time() + seconds
+        while time.time() < end:
+            self.refresh()
+            time.sleep(min(1.0, max(0.0, end - time.time())))
+
+    def first_after(self, node: str, t: float, timeout_s: float = 180.0) -> float | None:
+        """The first trajectory of `node` after `t` (waits for it)."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            self.refresh()
+            ts = [r[1] for r in self.seen.rollouts if r[0] == node and r[1] > t]
+            if ts:
+                return min(ts)
+            time.sleep(1.0)
+        return None
+
+    def count(self, node: str | None, t0: float, t1: float) -> int:
+        return sum(1 for r in self.seen.rollouts if (node is None or r[0] == node) and t0 <= r[1] < t1)
+
+    def follow_wan(self, stop) -> None:
+        """Region B's view of the weights (runs in a thread): when each version is applied there."""
+        from astraflow.weights.follow import KafkaWeightFollower
+
+        f = KafkaWeightFollower(self.wan_kafka, self.exp, "policy", request_snapshots=False,
+                                requester="bench-regions", report_refusals=False)
+        try:
+            f.start(timeout_s=60.0)
+            while not stop.is_set():
+                f.poll(timeout_s=0.5)
+                v = f.follower.version
+                if v is not None and v not in self.seen.live_b:
+                    self.seen.live_b[v] = time.time()
+        finally:
+            f.close()
+
+    # ---- phases ----------------------------------------------------------------------------------
+
+    def calibrate(self) -> None:
+        for name, _, _ in NODES:
+            t = self.start_node(name)
+            first = self.first_after(name, t)
+            if first is None:
+                raise RuntimeError(f"{name} wrote no trajectory within 180 s; see {self.work / 'logs'}")
+            self.slow_down(name)
+            first = time.time()
+            self.wait(self.a.calib_s)
+            n = self.count(name, first, first + self.a.calib_s)
+            self.calib[name] = (first, n, self.a.calib_s)
+            print(f"calibrate {name}: {n / self.a.calib_s:.2f} rollouts/s alone (first after {first - t:.0f}s)", flush=True)
+            self.stop_node(name)
+
+    def mixed(self) -> None:
+        t = time.time()
+        for name, _, _ in NODES:
+            self.start_node(name)
+        for name, _, _ in NODES:
+            self.first_after(name, t)
+            self.slow_down(name)
+        self.refresh()
+        self.marks["mixed_start"] = time.time()
+        self.wait(self.a.mixed_s)
+        self.marks["mixed_end"] = time.time()
+        print(f"mixed: {self.count(None, self.marks['mixed_start'], self.marks['mixed_end']) / self.a.mixed_s:.2f} rollouts/s",
+              flush=True)
+
+    def elastic(self) -> None:
+        h = self.a.hold_s
+        self.marks["leave_sigterm"] = time.time()
+        self.stop_node("raas-a1")
+        self.wait(h)
+        self.marks["join_a1"] = self.start_node("raas-a1")
+        self.wait(h)
+        self.marks["kill9_b1"] = time.time()
+        self.kill_node("raas-b1")
+        self.wait(h)
+        self.marks["join_b1"] = self.start_node("raas-b1")
+        self.first_after("raas-b1", self.marks["join_b1"])
+        self.wait(10.0)
+        self.marks["elastic_end"] = time.time()
+
+    def drain(self, idle_s: float = 60.0, timeout_s: float = 180.0) -> None:
+        self.control.set("curator", "pause", "on", issued_by="bench-regions")
+        last, moved, deadline = None, time.time(), time.time() + timeout_s
+        while time.time() < deadline:
+            self.ledger.refresh()
+            left = self.ledger.outstanding()
+            if left == 0:
+                break
+            if left != last:
+                last, moved = left, time.time()
+            elif time.time() - moved > idle_s:
+                break
+            self.wait(2.0)
+        self.refresh()
+        self.ledger.refresh()
+
+    # ---- figures ---------------------------------------------------------------------------------
+
+    def report(self) -> dict:
+        from _regions_report import build
+
+        return build(self)
+
+    def close_links(self) -> None:
+        """Stops every role, so that every region-B connection closes: Toxiproxy 2.5 adds a
+        connection's bytes to its counters only when the connection ends."""
+        self.sup.stop_all()
+        self.wan_bytes["end"] = self.wan.bytes().get("kafka-1", {})
+
+    def close(self) -> None:
+        self.sup.stop_all()
+        for r in self.readers:
+            r.consumer.close()
+        if getattr(self, "ledger", None) is not None:
+            self.ledger.close()
+        if getattr(self, "probe", None) is not None:
+            self.probe.close()
+        if self.quota is not None:
+            self.quota.remove()
+        self.wan.down(echo=lambda *_: None)
+        self.kafka.down(echo=lambda *_: None)
+
+
+def rate_windows(times: list[float], t0: float, t1: float, width: float = 5.0) -> list[tuple[float, float]]:
+    """(window end, rollouts/s) of consecutive windows of `width` s from t0 to t1."""
+    times = sorted(times)
+    out, t = [], t0
+    while t + width <= t1:
+        n = bisect.bisect_left(times, t + width) - bisect.bisect_left(times, t)
+        out.append((t + width, n / width))
+        t += width
+    return out
+
+
+def print_table(r: dict) -> None:
+    print(f"\nregions ({r['experiment']}; load average {r['load_avg']}; WAN {r['wan']})")
+    print(f"{'node':10} {'region':6} {'alone r/s':>9} {'rel.speed':>9} {'mixed r/s':>9} {'share':>6} "
+          f"{'expected':>8} {'dev':>6} {'idle':>5}")
+    def f(x: float | None, spec: str, width: int) -> str:
+        return f"{'n/a':>{width}}" if x is None else format(x, f"{width}{spec}")
+
+    for n in r["nodes"]:
+        print(f"{n['node']:10} {n['region']:6} {f(n['alone_rps'], '.2f', 9)} {f(n['rel_speed'], '.2f', 9)} "
+              f"{n['mixed_rps']:9.2f} {n['share']:6.2f} {f(n['expected_share'], '.2f', 8)} {f(n['share_dev'], '+.0%', 6)} "
+              f"{n['idle_while_waiting']:5.0%}")
+    for k, v in r["figures"].items():
+        print(f"  {k}: {v}")

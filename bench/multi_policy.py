@@ -1,0 +1,338 @@
+"""Two policies trained together (issue 16): the dataflow schedule against a trainer-centred loop.
+
+The job: the `solver-verifier` demo's (`astraflow/demo/pair.py`): its two warm-started tiny
+models, its arithmetic prompts (difficulty 1), the `solver_verifier` workflow (the solver
+answers with the calculator, the verifier judges the answer and may use the calculator too),
+the `solver_verifier` reward (each policy its own), GRPO, the trainer's PPO-clip loss, lr 3e-4,
+8 samples per prompt and 64 samples per optimizer step for each policy. The calculator sits
+behind a log-normal delay (median `--median-s`, log-space std sigma; `bench/_rl.py` says why).
+
+Both schedules run in ONE process with its engines (no Kafka, no serde: they isolate the scheduling, as the
+in-process modes of `bench/async_vs_sync.py`), with one `TorchBackend` per policy (64 slots
+each) and one learner per policy, for the same number of optimizer steps per policy:
+
+* **trainer-centred** (one controller, as a verl-based multi-agent loop): take 8 prompts, roll
+  out their 64 samples with both policies, wait for all, reward, train the solver, then the
+  verifier, publish both, next batch.
+* **dataflow** (AstraFlow's): slots are refilled as soon as a rollout ends; a group is rewarded
+  when its 8 samples are in; each policy's learner takes 8 complete groups as soon as they are
+  there, in its own thread, and publishes its own weights, never waiting for the other; new
+  groups start only while at most `--staleness` batches ahead of the slower learner (the
+  curator's per-policy max-ahead).
+
+Weights of both policies are snapshotted every `--eval-every` steps and scored after the run:
+solver success on 128 held-out problems, verifier accuracy on the fixed balanced held-out set
+of the demo (sampled at T=1, 2 episodes each, tool instant). Figures per run and policy:
+trained samples/s, time to target (warm start + `--target-gain`), final figure.
+
+Usage: python bench/multi_policy.py [--quick] [--sigmas 0.5,1.5] [--steps N] [--staleness K] [--seed S] [--json OUT]
+
+Each rollout engine runs in a process of its own, as on a RaaS node (`--in-process-engines`: in
+this one, where its decode loop takes turns with the learners for the interpreter lock). Each run
+also reports the CPU time of the process and its engine processes during its schedule (`cores`: CPU
+seconds per wall second) and the load average around it: on a shared 2-core machine a
+schedule that already keeps the cores busy cannot be sped up by scheduling alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import _common
+import _rl
+import torch
+
+from astraflow.dataflow.judge_rewards import SolverVerifier
+from astraflow.raas.backends.torch_backend import TorchBackend
+from astraflow.raas.tools import ToolBox, calculator, slow_tool
+from astraflow.raas.workflows import RolloutContext
+from astraflow.raas.workflows.builtin import solver_verifier
+from astraflow.records import NodeInfo, SamplingParams, Task, Trajectory
+
+POLICIES = ("solver", "verifier")
+MODES = ("trainer-centred", "dataflow")
+G, P = _rl.GROUP, _rl.PROMPTS_PER_STEP
+
+
+@dataclass
+class PolicyRun:
+    """What one run measured for one policy."""
+
+    trained: int = 0
+    train_s: float = 0.0
+    snapshots: list[tuple[int, float, dict[str, torch.Tensor]]] = field(default_factory=list)
+    score: list[tuple[int, float, float]] = field(default_factory=list)  # step, t, held-out figure
+
+
+@dataclass
+class Run:
+    mode: str
+    sigma: float
+    wall_s: float = 0.0
+    cpu_s: float = 0.0  # CPU time of this process (all its threads) during the schedule
+    load: tuple[float, float] = (0.0, 0.0)  # 1-min load average at the schedule's start and end
+    trajectories: int = 0
+    policies: dict[str, PolicyRun] = field(default_factory=lambda: {p: PolicyRun() for p in POLICIES})
+
+    def summary(self, targets: dict[str, float]) -> dict[str, Any]:
+        out: dict[str, Any] = {"mode": self.mode, "sigma": self.sigma, "wall_s": round(self.wall_s, 1),
+                               "trajectories": self.trajectories, "cpu_s": round(self.cpu_s, 1),
+                               "cores_used": round(self.cpu_s / self.wall_s, 2) if self.wall_s else 0.0,
+                               "load_average": list(self.load)}
+        for p, r in self.policies.items():
+            reach = next((t for _, t, s in r.score if s >= targets[p]), None)
+            out[p] = {"trained": r.trained, "trained_per_s": r.trained / self.wall_s if self.wall_s else 0.0,
+                      "trainer_busy": r.train_s / self.wall_s if self.wall_s else 0.0, "score": r.score,
+                      "start": r.score[0][2] if r.score else None, "final": r.score[-1][2] if r.score else None,
+                      "target": targets[p], "time_to_target_s": reach}
+        return out
+
+
+def make_tasks(n: int, seed: int, n_heldout: int = _rl.N_HELDOUT) -> tuple[list[Task], dict[str, list[tuple[str, str]]]]:
+    """Training tasks and the held-out items of each policy, as the demo builds them."""
+    from astraflow.demo.pair import PairSettings
+    from astraflow.models.tasks import arithmetic_dataset, split_heldout
+    from astraflow.models.verifier import heldout_items
+
+    s = PairSettings(seed=seed)
+    train, heldout = split_heldout(arithmetic_dataset(max(4000, n * 3), seed=seed + 1, difficulty=s.difficulty), 0.2)
+    sampling = SamplingParams(temperature=1.0, max_tokens=24, max_turns=2)
+    tasks = [Task(task_id=f"t{i}", group_id=f"g{i}", prompt_id=p.prompt_id, dataset="arith", workflow="solver_verifier",
+                  prompt=p.prompt, reference=p.reference, policies=list(POLICIES), n_samples=G, sampling=sampling)
+             for i, p in enumerate(train[:n])]
+    held = heldout[:n_heldout]
+    return tasks, {"solver": [(p.prompt, p.answer) for p in held], "verifier": heldout_items(held)}
+
+
+class Job:
+    """Backends, learners, tools and the reward of one run."""
+
+    def __init__(self, models: dict[str, str], sigma: float, median_s: float, seed: int,
+                 engine_process: bool = True) -> None:
+        torch.manual_seed(seed)
+        # Each engine in its own process, as a RaaS node runs it (`astraflow/raas/serve.py`): in this
+        # process its decode loop would take turns with the learners for the interpreter lock.
+        self.backends = {p: TorchBackend(p, models[p], seed=seed + i, max_batch=_rl.SLOTS, threads=1, device="cpu",
+                                         process=engine_process)
+                         for i, p in enumerate(POLICIES)}
+        self.learners = {p: _rl.Learner(models[p], policy=p) for p in POLICIES}
+        self.tools = ToolBox({"calc": slow_tool(calculator, median_s, sigma, seed=seed)}, timeout_s=120.0)
+        self.reward = SolverVerifier()
+        self.node = NodeInfo("bench", "cpu", "local", "torch")
+
+    async def rollout(self, task: Task, k: int, run: Run) -> Trajectory:
+        traj = await solver_verifier(RolloutContext(task, k, dict(self.backends), self.tools, self.node))
+        result = self.reward(traj)
+        traj.reward, traj.reward_components = result.reward, dict(result.components)
+        run.trajectories += 1
+        return traj
+
+    def train(self, policy: str, groups: list[list[Trajectory]], run: Run, t0: float, eval_every: int) -> None:
+        """One optimizer step of `policy` on `groups` with its own rewards, then publish its weights."""
+        learner, r = self.learners[policy], run.policies[policy]
+        ts = time.monotonic()
+        learner.step([[(t, t.reward_components[f"policy.{policy}"]) for t in g] for g in groups])
+        weights = learner.weights()
+        self.backends[policy].update_weights(weights, learner.version)
+        r.train_s += time.monotonic() - ts
+        r.trained += sum(len(g) for g in groups)
+        if learner.version % eval_every == 0:
+            r.snapshots.append((learner.version, time.monotonic() - t0, weights))
+
+    def close(self) -> None:
+        for b in self.backends.values():
+            b.close()
+
+
+async def trainer_centred(job: Job, tasks: list[Task], steps: int, eval_every: int, run: Run) -> None:
+    t0 = time.monotonic()
+    for step in range(steps):
+        batch = tasks[step * P:(step + 1) * P]
+        outs = await asyncio.gather(*(job.rollout(t, k, run) for t in batch for k in range(G)))
+        groups = [list(outs[i * G:(i + 1) * G]) for i in range(len(batch))]
+        for policy in POLICIES:  # the solver, then the verifier; nothing else runs meanwhile
+            job.train(policy, groups, run, t0, eval_every)
+    run.wall_s = time.monotonic() - t0
+
+
+async def dataflow(job: Job, tasks: list[Task], steps: int, eval_every: int, staleness: int, run: Run) -> None:
+    t0 = time.monotonic()
+    pending: dict[int, list[Trajectory]] = {}
+    ready: dict[str, list[list[Trajectory]]] = {p: [] for p in POLICIES}
+    done = {p: 0 for p in POLICIES}
+    wake = asyncio.Event()
+    busy = 0
+    samples = ((i, k) for i in range(len(tasks)) for k in range(G))
+    next_task = 0
+
+    async def one(i: int, k: int) -> None:
+        nonlocal busy
+        pending.setdefault(i, []).append(await job.rollout(tasks[i], k, run))
+        if len(pending[i]) == G:
+            group = pending.pop(i)
+            for p in POLICIES:
+                ready[p].append(group)
+        busy -= 1
+        wake.set()
+
+    async def trainer(policy: str) -> None:
+        while done[policy] < steps:
+            while len(ready[policy]) < P:
+                wake.clear()
+                await wake.wait()
+            groups, ready[policy][:] = ready[policy][:P], ready[policy][P:]
+            await asyncio.to_thread(job.train, policy, groups, run, t0, eval_every)  # rollouts and the other trainer go on
+            done[policy] += 1
+            wake.set()
+
+    trainers = [asyncio.create_task(trainer(p)) for p in POLICIES]
+    running: set[asyncio.Task] = set()
+    while not all(t.done() for t in trainers):
+        limit = min(len(tasks), (min(done.values()) + 1 + staleness) * P)  # the slower learner bounds staleness
+        while busy < _rl.SLOTS and next_task < limit:
+            i, k = next(samples)
+            busy += 1
+            t = asyncio.create_task(one(i, k))
+            running.add(t)
+            t.add_done_callback(running.discard)
+            if k == G - 1:
+                next_task = i + 1
+        wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), 1.0)
+    run.wall_s = time.monotonic() - t0
+    for t in list(running):
+        t.cancel()
+    await asyncio.gather(*running, return_exceptions=True)
+    await asyncio.gather(*trainers)
+
+
+def score(run: Run, job: Job, heldout: dict[str, list[tuple[str, str]]]) -> None:
+    """Held-out figure of every snapshot (same seed per step in every run); frees the snapshots."""
+    from astraflow.demo.evaluator import evaluate
+
+    for policy, r in run.policies.items():
+        model, tok = job.learners[policy].model, job.learners[policy].tokenizer
+        model.eval()
+        for step, t, w in r.snapshots:
+            model.load_state_dict(w, strict=False)
+            torch.manual_seed(1000 + step)
+            with torch.no_grad():
+                r.score.append((step, t, evaluate(model, tok, heldout[policy], temperature=1.0, repeats=2)))
+        r.snapshots.clear()
+
+
+def one_run(mode: str, sigma: float, args: argparse.Namespace, models: dict[str, str]) -> Run:
+    tasks, heldout = make_tasks(args.steps * P * (2 + args.staleness), args.seed, args.heldout)
+    job = Job(models, sigma, args.median_s, args.seed, engine_process=not args.in_process_engines)
+    run = Run(mode, sigma)
+    for p in POLICIES:
+        run.policies[p].snapshots.append((0, 0.0, job.learners[p].weights()))
+    load0, cpu0 = os.getloadavg()[0], _cpu_s(job)
+    try:
+        if mode == "trainer-centred":
+            asyncio.run(trainer_centred(job, tasks, args.steps, args.eval_every, run))
+        else:
+            asyncio.run(dataflow(job, tasks, args.steps, args.eval_every, args.staleness, run))
+    finally:
+        run.cpu_s, run.load = _cpu_s(job) - cpu0, (round(load0, 2), round(os.getloadavg()[0], 2))
+        job.close()
+    score(run, job, heldout)
+    return run
+
+
+def models() -> dict[str, str]:
+    from rich.console import Console
+
+    from astraflow.demo.pair import PairSettings, solver_model, verifier_model
+
+    s, console = PairSettings(), Console()
+    solver = solver_model(s, console)
+    return {"solver": str(solver), "verifier": str(verifier_model(s, solver, console))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="both sigmas, 4 steps, 32 held-out items (about 2 min)")
+    ap.add_argument("--json", default=None, help="default bench/results/multi_policy.json")
+    ap.add_argument("--sigmas", default=None, help="log-normal sigmas of the tool delay (default 0.5,1.5)")
+    ap.add_argument("--median-s", type=float, default=0.2, help="median tool delay (s)")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps of 64 samples per policy (default 10, quick 4)")
+    ap.add_argument("--eval-every", type=int, default=None, help="steps between snapshots (default 2)")
+    ap.add_argument("--staleness", type=int, default=1, help="dataflow: batches a group may start ahead of the slower learner")
+    ap.add_argument("--target-gain", type=float, default=0.05, help="target = warm-start figure + this, per policy")
+    ap.add_argument("--heldout", type=int, default=None, help=f"held-out problems (and judgements) (default {_rl.N_HELDOUT}, quick 32)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--in-process-engines", action="store_true",
+                    help="run the rollout engines in this process (before: they share its interpreter lock with the learners)")
+    args = ap.parse_args()
+    args.steps = args.steps or (4 if args.quick else 10)
+    args.eval_every = args.eval_every or 2
+    args.heldout = args.heldout or (32 if args.quick else _rl.N_HELDOUT)
+    sigmas = [float(x) for x in (args.sigmas or "0.5,1.5").split(",")]
+    torch.set_num_threads(1)
+    paths = models()
+    rows: list[dict[str, Any]] = []
+    for sigma in sigmas:
+        runs = {}
+        for mode in MODES:
+            print(f"sigma {sigma}: {mode} ({args.steps} steps x {_rl.SLOTS} samples per policy) ...", flush=True)
+            runs[mode] = r = one_run(mode, sigma, args, paths)
+            print(f"  {r.wall_s:.1f}s, {r.cpu_s / r.wall_s:.2f} cores busy, load {r.load[0]}->{r.load[1]}, {r.trajectories} rollouts; " + "; ".join(
+                f"{p} {x.trained / r.wall_s:.1f} samples/s, " + " ".join(f"{s:.3f}@{t:.0f}s" for _, t, s in x.score)
+                for p, x in r.policies.items()), flush=True)
+        base = runs["trainer-centred"]
+        targets = {p: base.policies[p].score[0][2] + args.target_gain for p in POLICIES}
+        rows += [r.summary(targets) for r in runs.values()]
+    print()
+    print(f"{'sigma':>5} {'mode':<16} {'wall s':>7} {'cores':>5} {'policy':<9} {'samples/s':>9} {'busy':>5} {'start->final':>13} {'to target':>10}")
+    headline = []
+    for x in rows:
+        for p in POLICIES:
+            y = x[p]
+            tt = f"{y['time_to_target_s']:.0f}s" if y["time_to_target_s"] is not None else "not reached"
+            print(f"{x['sigma']:>5} {x['mode']:<16} {x['wall_s']:>7.1f} {x['cores_used']:>5.2f} {p:<9} {y['trained_per_s']:>9.1f} "
+                  f"{y['trainer_busy']:>5.0%} {y['start']:>6.3f}->{y['final']:.3f} {tt:>10}")
+    for sigma in sigmas:
+        d, s = (next(x for x in rows if x["sigma"] == sigma and x["mode"] == m) for m in ("dataflow", "trainer-centred"))
+        parts = []
+        for p in POLICIES:
+            a, b = d[p]["time_to_target_s"], s[p]["time_to_target_s"]
+            tt = f"time to target {b / a:.2f}x" if a and b else "time to target: not reached by both"
+            parts.append(f"{p} samples/s {d[p]['trained_per_s'] / s[p]['trained_per_s']:.2f}x, {tt}")
+        headline.append(f"sigma {sigma}: " + "; ".join(parts))
+    print("dataflow vs trainer-centred: " + " | ".join(headline))
+    _common.write_json(args.json, "multi_policy", {
+        "median_s": args.median_s, "steps_per_policy": args.steps, "samples_per_step": _rl.SLOTS, "lr": _rl.LR,
+        "staleness": args.staleness, "rows": rows, "headline": headline, "load_average": _loadavg(),
+    })
+
+
+def _cpu_s(job: Job) -> float:
+    """User + system CPU seconds so far of this process (every thread) and of its engine processes."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    total = ru.ru_utime + ru.ru_stime
+    tick = os.sysconf("SC_CLK_TCK")
+    for backend in job.backends.values():
+        proc = getattr(backend, "_proc", None)
+        if proc is not None:
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = Path(f"/proc/{proc.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
+def _loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Across regions and mixed hardware: the learning pipeline with local nodes, a region-B node behind
+a simulated WAN, and a node slowed by a CPU quota; nodes leaving and joining.
+
+Setup (all real, on this machine): our own one-node Kafka (`--port`, default 27092) with a second
+listener advertised through Toxiproxy (`astraflow.kafka.wan`: `--latency-ms` each way,
+`--rate-kb-s` per connection and direction), the demo's roles (curator, reward, curate, trainer
+publishing bf16 weights, a snapshot every `--snapshot-every` versions, deltas in between) and
+three RaaS nodes with the same settings and no per-node share: `raas-a1` (region A),
+`raas-a2` (region A, in a cgroup with `--slow-cpus` of one core) and `raas-b1` (region B: it
+bootstraps at the proxy, so tasks, weights and rollouts all cross the WAN).
+
+Phases:
+1. **calibrate**: each node alone (the others not running), `--calib-s` from its first
+   trajectory: its rollouts/s alone is its relative speed.
+2. **mixed**: all three, `--mixed-s`: rollouts/s and share per node, against the share its
+   calibrated speed predicts; idle: the fraction of its metric samples (every 5 s) with nothing
+   in flight while the raas group had tasks waiting.
+3. **elastic**: SIGTERM raas-a1, then start it again (join); kill -9 raas-b1, then start it again.
+   Join: time from the start of the process to its first trajectory, and until the total rate
+   (5 s windows) is back to 90% of the mixed phase. Kill: longest task wait after it
+   (`_fault_report.longest_task_wait`, the fault harness's measure).
+4. **drain**: the curator paused until every issued task is trained or dead-lettered; tasks lost.
+
+Weights: per version, the payload bytes from its manifest (what every follower pulls, over the
+WAN in region B), deltas against snapshots; the WAN link's byte counters over the mixed phase
+divided by the versions published meanwhile; a `KafkaWeightFollower` in this process, through the
+WAN, gives the time from a version's manifest to its being applied in region B; the region-B
+node's own `policy_version` metric against the newest published version gives its version lag.
+
+    flock /work/notes/bench.lock python bench/regions.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import tempfile
+import threading
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _regions_run import RegionsRun, print_table
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="short phases (the test's settings)")
+    ap.add_argument("--port", type=int, default=27092, help="our Kafka's port (controller +1, WAN proxy +2, WAN listener +3)")
+    ap.add_argument("--api-port", type=int, default=27474, help="Toxiproxy's API")
+    ap.add_argument("--latency-ms", type=int, default=150, help="WAN latency each way (RTT: twice)")
+    ap.add_argument("--rate-kb-s", type=int, default=256, help="WAN bandwidth per connection and direction")
+    ap.add_argument("--slow-cpus", type=float, default=0.1, help="CPU quota of raas-a2, in cores (from its first trajectory)")
+    ap.add_argument("--calib-s", type=float, default=None, help="each node alone (default 40; quick 20)")
+    ap.add_argument("--mixed-s", type=float, default=None, help="all nodes (default 90; quick 40)")
+    ap.add_argument("--hold-s", type=float, default=None, help="between elastic events (default 30; quick 20)")
+    ap.add_argument("--snapshot-every", type=int, default=5, help="trainer: a snapshot every N versions")
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--max-ahead", type=int, default=24, help="curator: tasks ahead of the trainer")
+    ap.add_argument("--inflight", type=int, default=8, help="node: rollouts in flight")
+    ap.add_argument("--prefetch", type=int, default=4, help="node: tasks fetched ahead")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--prompts", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-calibrate", action="store_true",
+                    help="skip phase 1 (no alone speeds, no expected shares: the test suite's short run)")
+    ap.add_argument("--no-elastic", action="store_true")
+    ap.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "astraflow-regions"))
+    ap.add_argument("--json", default=None, help="where to write the figures (default bench/results/regions.json)")
+    a = ap.parse_args(argv)
+    a.calib_s = a.calib_s or (20.0 if a.quick else 40.0)
+    a.mixed_s = a.mixed_s or (40.0 if a.quick else 90.0)
+    a.hold_s = a.hold_s or (20.0 if a.quick else 30.0)
+    return a
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = parse(argv)
+    # SIGTERM (a deadline, a test's timeout) ends the run through the `finally` below: roles,
+    # the proxy, the brokers and the CPU group are removed, not left behind.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    run = RegionsRun(a, f"regions-{uuid.uuid4().hex[:8]}")
+    stop = threading.Event()
+    try:
+        run.setup()
+        follower = threading.Thread(target=run.follow_wan, args=(stop,), daemon=True)
+        follower.start()
+        if not a.no_calibrate:
+            run.calibrate()
+        run.mixed()
+        if not a.no_elastic:
+            run.elastic()
+        run.drain()
+        stop.set()
+        follower.join(timeout=10)
+        run.close_links()
+        report = run.report()
+    finally:
+        stop.set()
+        run.close()
+    print_table(report)
+    out = Path(a.json or Path(__file__).parent / "results" / "regions.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"figures in {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

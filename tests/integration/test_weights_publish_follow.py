@@ -1,0 +1,158 @@
+"""Weight publication and following against a real Kafka broker: a corrupted chunk and a version
+that never arrives lead to snapshot fallbacks (and a snapshot request on the control topic),
+never to wrong weights; a late joiner starts from the latest snapshot; claim-checked payloads via
+the store; a second publisher of the policy fences the first.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from weights_helpers import bits_equal, follow_until
+
+from astraflow.config import KafkaSettings
+from astraflow.kafka.clients import RecordProducer
+from astraflow.kafka.topics import Topics
+from astraflow.records import WeightChunk, WeightKind
+from astraflow.weights.chain import ApplyStatus, WeightChain
+from astraflow.weights.follow import KafkaWeightFollower, WeightFollower
+from astraflow.weights.publish import PublishSettings, WeightPublisher
+from astraflow.weights.store import WeightStore
+from astraflow.weights.verify import FollowLimits
+from astraflow.weights.versions import latest_policy_version
+from trainers.callbacks import SnapshotRequests
+
+torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # settles TORCHINDUCTOR_CACHE_DIR before the leak guard
+
+
+class _Sabotage(RecordProducer):
+    """Corrupts a chunk of one version and diverts another version to a decoy topic."""
+
+    def __init__(self, kafka: KafkaSettings, corrupt: int, divert: int, decoy: str) -> None:
+        super().__init__(kafka)
+        self.corrupt, self.divert, self.decoy = corrupt, divert, decoy
+
+    def send(self, topic, record, key=None, headers=None, on_delivery=None) -> None:
+        version = getattr(record, "version", None)
+        if topic.endswith(".weights") and version == self.divert:
+            topic = self.decoy
+        if isinstance(record, WeightChunk) and version == self.corrupt and record.index == 0:
+            record = WeightChunk(record.policy, version, 0, record.count, b"\xff" + record.data[1:], record.crc32)
+        super().send(topic, record, key, headers, on_delivery)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(128, 32)
+        self.mid = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.mid(self.emb(x)) @ self.emb.weight.T).logsumexp(-1).mean()
+
+
+def _publish_versions(publisher: WeightPublisher, n: int) -> list:
+    torch.manual_seed(0)
+    model = _Model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    out = []
+    for step in range(n):
+        m = publisher.publish(model.state_dict(), trainer_step=step)
+        out.append((m, {k: v.clone() for k, v in publisher.encoder.state.items()}))
+        loss = model(torch.randint(0, 128, (8,)))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return out
+
+
+def test_follower_falls_back_to_snapshots_and_never_holds_wrong_weights(
+    kafka: KafkaSettings, experiment: str, topic_factory
+) -> None:
+    topics = Topics(experiment)
+    requests = SnapshotRequests(kafka, topics, "policy")
+    early = KafkaWeightFollower(kafka, experiment, "policy", requester="early")
+    early.start()  # nothing published yet: reads from the beginning
+    sabotage = _Sabotage(kafka, corrupt=2, divert=5, decoy=topic_factory("decoy"))
+    publisher = WeightPublisher(kafka, experiment, "policy", PublishSettings(snapshot_every=4, chunk_bytes=4096), producer=sabotage)
+    assert publisher.start() is None
+    published = _publish_versions(publisher, 10)
+    kinds = "".join("S" if m.kind == WeightKind.SNAPSHOT else "D" for m, _ in published)
+    assert kinds == "SDDDSDDDSD"
+    checksum = {m.version: m.state_checksum for m, _ in published}
+
+    events = follow_until(early, 9)
+    status = {e.version: e.result.status for e in events}
+    assert status[2] == status[3] == ApplyStatus.SNAPSHOT_NEEDED  # corrupted chunk, then no base
+    assert status[4] == ApplyStatus.APPLIED  # the next snapshot
+    assert 5 not in status and status[6] == status[7] == ApplyStatus.SNAPSHOT_NEEDED  # v5 never arrived
+    assert status[8] == status[9] == ApplyStatus.APPLIED
+    for e in events:
+        if e.result.status == ApplyStatus.APPLIED:
+            assert e.result.version == e.version
+    assert early.follower.chain.checksum.hex() == checksum[9]
+    assert bits_equal(dict(early.follower.state), published[9][1])
+    early.close()
+    deadline = time.monotonic() + 10
+    asked = False
+    while not asked and time.monotonic() < deadline:
+        asked = requests.pending()  # the stuck follower asked the trainer for a snapshot
+    requests.close()
+    assert asked
+
+    late = KafkaWeightFollower(kafka, experiment, "policy", request_snapshots=False)
+    late.start()  # at the latest snapshot (v8) named on the policies topic
+    events = follow_until(late, 9)
+    late.close()
+    assert [(e.version, e.kind) for e in events] == [(8, WeightKind.SNAPSHOT), (9, WeightKind.DELTA)]
+    assert bits_equal(dict(late.follower.state), published[9][1])
+
+    # A follower still at v1 that resumes at v9's manifest: seeks back to the v8 snapshot.
+    behind = WeightFollower("policy", chain=WeightChain.from_state(published[1][1], 1))
+    seeker = KafkaWeightFollower(kafka, experiment, "policy", follower=behind, request_snapshots=False)
+    seeker.start(offset=int(published[9][0].metadata["offset"]))
+    events = follow_until(seeker, 9)
+    seeker.close()
+    assert [e.result.status for e in events] == [ApplyStatus.SNAPSHOT_NEEDED, ApplyStatus.APPLIED, ApplyStatus.APPLIED]
+    assert bits_equal(dict(behind.state), published[9][1])
+
+    again = WeightPublisher(kafka, experiment, "policy")
+    assert again.start() == 9 and again.encoder.next_version == 10  # numbering continues after a restart
+
+
+def test_claim_checked_versions_through_the_store(kafka: KafkaSettings, experiment: str, tmp_path: Path) -> None:
+    store = WeightStore(tmp_path / "store")
+    settings = PublishSettings(snapshot_every=3, inband_max_bytes=2048)
+    publisher = WeightPublisher(kafka, experiment, "policy", settings, store=store)
+    published = _publish_versions(publisher, 4)
+    assert all(m.uri and m.uri.startswith("file://") and m.num_chunks == 0 for m, _ in published)
+    assert published[3][0].latest_snapshot == 3 and published[2][0].latest_snapshot_uri == published[0][0].uri
+    follower = KafkaWeightFollower(kafka, experiment, "policy", request_snapshots=False,
+                                   limits=FollowLimits(allowed_uri_prefixes=(store.root,)))
+    follower.start(offset=0)
+    events = follow_until(follower, 3)
+    follower.close()
+    assert [e.result.status for e in events] == [ApplyStatus.APPLIED] * 4
+    assert bits_equal(dict(follower.follower.state), published[3][1])
+
+
+def test_a_second_publisher_of_the_policy_fences_the_first(kafka: KafkaSettings, experiment: str) -> None:
+    """Same transactional id (a restarted trainer): the old one can no longer publish, and the
+    new one numbers after the last committed version."""
+    from astraflow.weights.publish import PublisherFencedError
+
+    tid = Topics(experiment).publisher_id("policy")
+    old = WeightPublisher(kafka, experiment, "policy", transactional_id=tid)
+    assert old.start() is None
+    weights = {"w": torch.ones(8)}
+    assert old.publish(weights).version == 0
+    new = WeightPublisher(kafka, experiment, "policy", transactional_id=tid)
+    assert new.start() == 0 and new.committed is not None and new.committed.version == 0
+    with pytest.raises(PublisherFencedError):
+        old.publish({"w": torch.full((8,), 2.0)})
+    assert new.publish({"w": torch.full((8,), 3.0)}).version == 1
+    latest = latest_policy_version(kafka, Topics(experiment), "policy")
+    assert latest is not None and latest.version == 1

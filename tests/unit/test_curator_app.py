@@ -1,0 +1,88 @@
+"""The curator app driven by hand on a `FakeWorker` (tests/unit/stream_fakes.py), without a broker:
+how far ahead it issues tasks, its prompt statistics table, its task budget."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from stream_fakes import FakeWorker, curator_on_fake_worker
+
+from astraflow.records import PromptStats
+from astraflow.serde import AvroSerde
+from stream_apps.curator import CuratorApp, CuratorOptions, tasks_ahead
+from stream_apps.handler import Incoming
+
+
+def test_tasks_ahead_counts_uncurated_tasks_and_untrained_samples() -> None:
+    assert tasks_ahead(issued=10, curated=10, backlog_samples=0, n_samples=4) == 0
+    assert tasks_ahead(issued=10, curated=6, backlog_samples=0, n_samples=4) == 4
+    assert tasks_ahead(issued=10, curated=6, backlog_samples=5, n_samples=4) == 6  # 5 samples: 2 groups
+    assert tasks_ahead(issued=3, curated=5, backlog_samples=0, n_samples=4) == 0
+
+
+def make_curator(tmp_path: Any, max_ahead: int = 3, max_tasks: int = 0) -> tuple[CuratorApp, FakeWorker]:
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(f'{{"prompt": "q{i}", "answer": "{i}", "difficulty": {i}}}\n' for i in range(5)))
+    return curator_on_fake_worker(CuratorOptions([data], ["solver"], n_samples=2, max_ahead=max_ahead, max_tasks=max_tasks,
+                                                 trainer_group="none"))
+
+
+def test_curator_keeps_at_most_max_ahead_tasks_until_feedback_arrives(tmp_path: Any) -> None:
+    app, w = make_curator(tmp_path, max_ahead=3)
+    app.tick(0.0)
+    app.tick(1.0)
+    assert len(w.sent) == 3 and app.ahead == 3
+    task = w.sent[0][1]
+    assert task.n_samples == 2 and task.policies == ["solver"] and task.group_id == task.task_id == w.sent[0][2]
+    assert task.reference.startswith('{"answer"') and task.lineage[0].name == "accept_all"
+    app._on_feedback(f"solver/{task.prompt_id}", PromptStats(task.prompt_id, "d", "solver", 1, 2, 1, 1, 1, 0, 4, 0, 0))
+    app._on_feedback("other/x", PromptStats("x", "d", "other", 9, 2, 1, 1, 1, 0, 4, 0, 0))  # another policy: ignored
+    app.tick(2.0)
+    assert len(w.sent) == 4 and app.curated == 1
+    w.control.set("curator", "pause", "on")
+    app._on_feedback(f"solver/{task.prompt_id}", PromptStats(task.prompt_id, "d", "solver", 3, 6, 1, 1, 1, 0, 4, 0, 0))
+    app.tick(3.0)
+    assert len(w.sent) == 4 and app.paused
+    w.control.set("curator", "pause", "off")
+    w.control.set("curator", "curator", "curriculum_ordered", shuffle="false", advance_at="2")
+    app.tick(4.0)
+    assert len(w.sent) == 6 and w.sent[-1][1].lineage[0].name == "curriculum_ordered"
+    assert {w.sent[-1][1].prompt_id, w.sent[-2][1].prompt_id} == {"d/0"}  # only the easiest level
+
+
+def test_curator_keeps_prompt_statistics_in_its_table_and_recovers_them(tmp_path: Any) -> None:
+    app, w = make_curator(tmp_path)
+    serde = AvroSerde()
+
+    def feedback(key: str, stats: PromptStats) -> Incoming:
+        return Incoming(stats, "feedback", 0, 0, key.encode(), 0, serde.dumps(stats), {})
+
+    app.handle(feedback("solver/d/1", PromptStats("d/1", "d", "solver", 2, 4, 1, 1, 1, 0, 4, 0, 0)))
+    app.handle(feedback("solver/d/1", PromptStats("d/1", "d", "solver", 1, 2, 1, 1, 1, 0, 4, 0, 0)))  # older: ignored
+    app.handle(feedback("other/d/2", PromptStats("d/2", "d", "other", 5, 2, 1, 1, 1, 0, 4, 0, 0)))  # other policy
+    assert list(w.tables["prompt_stats"]) == [b"solver/d/1"] and app.curated == 2
+    # A restarted (or taking-over) worker starts from the table Faust recovered from its changelog.
+    again, w2 = make_curator(tmp_path)
+    w2.tables["prompt_stats"].update(w.tables["prompt_stats"])
+    again.on_recovered("prompt_stats")
+    assert again.curated == 2 and again.stats["d/1"].groups == 2
+
+
+def test_curator_stops_after_max_tasks(tmp_path: Any) -> None:
+    app, w = make_curator(tmp_path, max_ahead=10, max_tasks=2)
+    app.tick(0.0)
+    app.tick(1.0)
+    assert len(w.sent) == 2 and w.stopped
+
+
+def test_curator_feeds_greso_the_zero_variance_share_it_sees(tmp_path: Any) -> None:
+    app, w = make_curator(tmp_path, max_ahead=1)
+    w.control.set("curator", "curator", "greso", step="0.1", p_easy="0.5", p_hard="0.5")
+    greso = app.slot.get().impl
+    for i in range(4):  # four groups came back, all of them all-solved: far above the 25% target
+        app._on_feedback(f"solver/d/{i}", PromptStats(f"d/{i}", "d", "solver", 1, 2, 1.0, 1.0, 1, 0, 4, 1, 0))
+    app.tick(0.0)
+    # all-solved share 100% > its target: skip more easy prompts; all-failed share 0%: skip fewer hard ones
+    assert greso.p_easy == pytest.approx(0.4) and greso.p_hard == pytest.approx(0.6)
+    assert app.curated == 4 and app._zv == [0, 0, 0]

@@ -1,0 +1,32 @@
+"""`astraflow app run curator`: the options it builds, defaults from `CuratorOptions` alone."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import astraflow.cli.apps_cmd as apps_cmd
+import stream_apps.launch as launch
+from astraflow.cli.main import app
+from stream_apps.curator import CuratorOptions
+
+
+@pytest.mark.parametrize(("extra", "want"), [
+    ([], (CuratorOptions([], []).n_samples, CuratorOptions([], []).max_ahead, "rlvr", 0)),
+    (["--n-samples", "4", "--max-ahead", "3", "--workflow", "tool_use", "--max-tasks", "7"], (4, 3, "tool_use", 7)),
+])
+def test_the_curator_gets_the_given_options_and_the_defaults_of_curator_options(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra: list[str], want: tuple) -> None:
+    built: list[CuratorOptions] = []
+    monkeypatch.setattr(launch, "build_worker",
+                        lambda name, settings, options: built.append(options.curator) or types.SimpleNamespace(group_id="g"))
+    monkeypatch.setattr(apps_cmd, "_run", lambda worker: None)  # builds the worker, runs nothing
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "q", "answer": "1"}\n')
+    res = CliRunner().invoke(app, ["app", "run", "curator", "-e", "x", "--policy", "p", "--dataset", str(data), *extra])
+    assert res.exit_code == 0, (res.output, res.exception)
+    [c] = built
+    assert (c.n_samples, c.max_ahead, c.workflow, c.max_tasks) == want and list(c.policies) == ["p"]

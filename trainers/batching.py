@@ -1,0 +1,62 @@
+"""Batches of TrainSamples: when a batch is full (`BatchLimits`) and its padded tensors (`collate`).
+
+Pure: no Kafka, no model. `trainers.data.TrainStream` closes its batches with these; the
+LightningModule (`trainers.module`) trains on what `collate` returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from astraflow.records import TrainSample
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """When a batch is full."""
+
+    batch_size: int = 32  # most samples
+    token_budget: int | None = None  # most padded tokens (samples x longest); None: unlimited
+
+    def fits(self, n: int, longest: int, length: int) -> bool:
+        """Whether a sample of `length` tokens fits a batch of `n` samples whose longest has `longest`."""
+        if n >= self.batch_size:
+            return False
+        if self.token_budget is None or n == 0:  # an oversized sample forms a batch on its own
+            return True
+        return (n + 1) * max(longest, length) <= self.token_budget
+
+
+def collate(samples: Sequence[TrainSample], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded tensors of a batch: input_ids / attention_mask / loss_mask / behaviour_logprobs
+    / versions (int64, -1 where not trained) [B, T], advantages / rewards / temperatures [B] float32,
+    min_versions [B] int64. Position 0 is never trained (it has no context), padding never is."""
+    b, t = len(samples), max(len(s.token_ids) for s in samples)
+    ids = np.full((b, t), pad_id, np.int64)
+    attn = np.zeros((b, t), np.int64)
+    mask = np.zeros((b, t), np.bool_)
+    blp = np.zeros((b, t), np.float32)
+    vers = np.full((b, t), -1, np.int64)
+    for i, s in enumerate(samples):
+        n = len(s.token_ids)
+        ids[i, :n] = s.token_ids
+        attn[i, :n] = 1
+        mask[i, :n] = s.loss_mask.astype(bool)
+        blp[i, :n] = s.behaviour_logprobs
+        vers[i, :n] = s.versions
+    mask[:, 0] = False
+    return {
+        "input_ids": torch.from_numpy(ids),
+        "attention_mask": torch.from_numpy(attn),
+        "loss_mask": torch.from_numpy(mask),
+        "behaviour_logprobs": torch.from_numpy(blp),
+        "versions": torch.from_numpy(vers),
+        "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+        "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),
+        "temperatures": torch.tensor([s.temperature for s in samples], dtype=torch.float32),
+        "min_versions": torch.tensor([s.min_version for s in samples], dtype=torch.int64),
+    }
