@@ -393,10 +393,14 @@ class StreamEngine(EngineLifecycle):
                 **self.handler.gauges()}
 
     async def _publish_metrics(self) -> None:
-        for m in self._reporter.report(self.stats, self.gauges()):
-            await self.send_now(self.topics.metrics, m, key=self.instance_id)
+        """The role's own endpoint sees every metric first: a send that fails or stalls (a broker
+        restart) must not leave /metrics without the series the topic did not get."""
+        metrics = self._reporter.report(self.stats, self.gauges())
+        for m in metrics:
             for observe in self.metric_observers:
                 observe(m)
+        for m in metrics:
+            await self.send_now(self.topics.metrics, m, key=self.instance_id)
 
     def on_revoked(self, partitions: set[int]) -> None:
         if self.source is None:

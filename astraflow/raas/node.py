@@ -286,8 +286,9 @@ class RaasNode:
         metrics = [Metric(name, v, "raas", self.node.node_id, labels) for name, v in values.items()]
         metrics += [Metric("policy_version", float(b.version), "raas", self.node.node_id, {**labels, "policy": policy})
                     for policy, b in self.backends.items()]
-        for m in metrics:
-            self.producer.send(self.topics.metrics, m, key=self.node.node_id)
+        for m in metrics:  # the node's own endpoint first, whatever the send does
             for observe in self.metric_observers:
                 observe(m)
+        for m in metrics:
+            self.producer.send(self.topics.metrics, m, key=self.node.node_id)
         return (self.rollouts_done, self.tokens_done, now)

@@ -154,9 +154,18 @@ class Stack:
         logs.write_text(self.dc("logs", "--no-color", "--timestamps", timeout=300))
         return "\n".join(out) + f"\nthe stack's whole logs: {logs}"
 
-    def logs(self, tail: int = 40) -> str:
+    def logs(self, tail: int = 40, service: str | None = None) -> str:
         try:
-            return self.dc("logs", "--no-color", "--tail", str(tail), timeout=120)[-20000:]
+            return self.dc("logs", "--no-color", "--tail", str(tail), *([service] if service else []), timeout=120)[-20000:]
+        except AssertionError as exc:
+            return str(exc)
+
+    def endpoint(self, service: str) -> str:
+        """The astraflow_* lines of a service's own /metrics, read inside its container."""
+        code = ("import urllib.request; print('\\n'.join(l for l in urllib.request.urlopen("
+                "'http://127.0.0.1:9464/metrics', timeout=10).read().decode().splitlines() if l.startswith('astraflow')))")
+        try:
+            return self.dc("exec", "-T", service, "python", "-c", code, timeout=60)[-8000:]
         except AssertionError as exc:
             return str(exc)
 
@@ -308,7 +317,12 @@ def test_stack_scales_survives_kills_and_restarts_and_loses_nothing(stack: Stack
     for role, metric in (("curator", "astraflow_tasks_issued_total"), ("reward", "astraflow_records_in_total"),
                          ("curate", "astraflow_records_out_total"), ("archive", "astraflow_records_out_total"),
                          ("trainer", "astraflow_trainer_loss"), ("raas", "astraflow_rollouts_total")):
-        assert stack.query(f'{metric}{{job="{role}",component="{role}",experiment="{EXPERIMENT}"}}'), (role, metric)
+        promql = f'{metric}{{job="{role}",component="{role}",experiment="{EXPERIMENT}"}}'
+        try:  # a role restarted above reports its first metrics within one metrics interval (10 s)
+            stack.wait(f"{role}'s {metric} in Prometheus", lambda q=promql: stack.query(q), 60, poll_s=5)
+        except AssertionError:
+            raise AssertionError(f"{role}: no {metric} in Prometheus; its endpoint serves:\n"
+                                 f"{stack.endpoint(role)}\n{stack.logs(service=role, tail=80)}") from None
     assert stack.query('astraflow_consumer_lag{job="kafka",group=~".*archive.*"}'), "no lag series of the archive's group"
     assert stack.query('astraflow_topic_end_offset{job="kafka",stream="tasks"} > 0'), "no Kafka topic offsets"
     print(f"docker test body: {time.monotonic() - t0:.0f} s")
