@@ -149,7 +149,7 @@ def run_pair(cfg: AstraflowConfig, s: PairSettings, run_dir: Path, console: Cons
     models = {"solver": solver, "verifier": verifier_model(s, solver, console)}
     data = write_datasets(s, run_dir / "data")
     console.print(f"Experiment [bold]{exp}[/] (solver + verifier): {n_topics} topics; logs in {run_dir / 'logs'}")
-    sup = Supervisor(run_dir / "logs")
+    sup = Supervisor(run_dir / "logs", die_with_parent=True)
     monitor = PairMonitor(cfg.kafka, exp, "solver")
     setup_s = time.monotonic() - t_setup
 

@@ -125,7 +125,7 @@ def run_demo(cfg: AstraflowConfig, s: DemoSettings, run_dir: Path, console: Cons
     model = warm_model(s, console)
     train, heldout = write_datasets(s, run_dir / "data")
     console.print(f"Experiment [bold]{exp}[/]: {n_topics} topics on {cfg.kafka.bootstrap_servers}; logs in {run_dir / 'logs'}")
-    sup = Supervisor(run_dir / "logs")
+    sup = Supervisor(run_dir / "logs", die_with_parent=True)
     monitor = Monitor(cfg.kafka, exp, "policy", groups={
         f"af.{exp}.tasks": f"af.{exp}.raas", f"af.{exp}.rollouts": f"af.{exp}.reward",
         f"af.{exp}.scored": f"af.{exp}.curate", f"af.{exp}.policy.train": f"af.{exp}.policy.trainer"})

@@ -137,7 +137,7 @@ def run_scenario(cfg: AstraflowConfig, s: ScenarioSettings, run_dir: Path, conso
     model = warm_model(s, console)
     train = write_dataset(s.scenario, s.n_train, run_dir / "data" / "train.jsonl", seed=s.seed)
     console.print(f"Experiment [bold]{exp}[/] ({s.scenario}, reward {REWARDS[s.scenario]}); logs in {run_dir / 'logs'}")
-    sup = Supervisor(run_dir / "logs")
+    sup = Supervisor(run_dir / "logs", die_with_parent=True)
     monitor = Monitor(cfg.kafka, exp, "policy")
 
     def step() -> str | None:

@@ -5,11 +5,17 @@ before it is asked to, the supervisor stops the others and reports the failing r
 tail of its log. Ctrl-C (or `stop_all`) sends SIGTERM to every role, waits, then SIGKILLs.
 The fault harness (`bench/faults.py`) also kills one role (`kill`, its whole process group),
 starts it again (`restart`, same command, same log appended) and stops one (`stop`).
+
+With `die_with_parent` (the demo), each role gets SIGTERM from the kernel when the process that
+started it dies in any way (a segfault, kill -9), so a crashed demo leaves no orphaned roles
+behind (Linux `PR_SET_PDEATHSIG`; the signal follows the *thread* that started the role, so only
+use it where roles are started from a thread that lives as long as the run, e.g. the main one).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -29,6 +35,15 @@ class Role:
     log: Path | None = None
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _term_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (Linux; elsewhere a no-op)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
 class RoleFailed(Exception):
     """Raised by `check` when a role exited on its own; carries its name, code and log tail."""
 
@@ -40,8 +55,9 @@ class RoleFailed(Exception):
 class Supervisor:
     """Starts roles, watches them, stops them all."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, die_with_parent: bool = False) -> None:
         self.log_dir = log_dir
+        self.die_with_parent = die_with_parent
         log_dir.mkdir(parents=True, exist_ok=True)
         self.roles: list[Role] = []
 
@@ -56,6 +72,7 @@ class Supervisor:
         role.proc = subprocess.Popen(
             role.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, **role.env}, start_new_session=True,
+            preexec_fn=_term_with_parent if self.die_with_parent else None,
         )
         out.close()
 
