@@ -59,6 +59,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from astraflow.errors import AstraflowError, ConfigError, SerdeError
+from astraflow.kafka.clients import Received
 from astraflow.records import GroupDropped, PolicyVersion, PromptStats, Trajectory
 from stream_apps.curate_samples import GroupSamples
 from stream_apps.groups import (
@@ -68,7 +69,7 @@ from stream_apps.groups import (
     Pending,
     forget_partitions,
 )
-from stream_apps.handler import AppHandler, Incoming, StrategyFailed
+from stream_apps.handler import AppHandler, StrategyFailed
 from stream_apps.slots import Slot, SlotDefault
 
 log = logging.getLogger("astraflow.stream.curate")
@@ -196,7 +197,7 @@ class CurateApp(GroupSamples, AppHandler):
 
     # ---- stream ----------------------------------------------------------------------------------
 
-    def handle(self, inc: Incoming) -> None:
+    def handle(self, inc: Received[Any]) -> None:
         traj: Trajectory = inc.record
         if traj.reward is None:
             raise UnscoredTrajectoryError(f"trajectory {traj.trajectory_id} has no reward; curate reads the reward app's output")
@@ -249,9 +250,9 @@ class CurateApp(GroupSamples, AppHandler):
             found = self._versions[traj.trajectory_id] = traj.trained_versions()
         return found
 
-    def _member_incoming(self, member: Member, traj: Trajectory) -> Incoming:
-        return Incoming(traj, self.worker.source or "", member.partition, member.offset, traj.group_id.encode(), 0,
-                        member.value, {})
+    def _member_incoming(self, member: Member, traj: Trajectory) -> Received[Any]:
+        return Received(traj, self.worker.source or "", member.partition, member.offset, traj.group_id.encode(), 0,
+                         member.value, {})
 
     def _dropped(self, items: Sequence[Any], policy: str, rule: str, strategy: str, reason: str) -> GroupDropped:
         first = items[0]

@@ -61,9 +61,10 @@ from typing import Any
 from confluent_kafka import KafkaException
 
 from astraflow.errors import AstraflowError, ConfigError
+from astraflow.kafka.clients import Received
 from astraflow.records import PromptStats, SamplingParams, Task
 from stream_apps.datasets import DatasetRow, load_datasets
-from stream_apps.handler import AppHandler, Incoming
+from stream_apps.handler import AppHandler
 from stream_apps.slots import Slot, SlotDefault
 
 log = logging.getLogger("astraflow.stream.curator")
@@ -178,7 +179,7 @@ class CuratorApp(AppHandler):
             raise ConfigError(f"topic {topic} does not exist; create the experiment's topics with `astraflow topics create`")
         return {p: watermarks(self._lag_consumer, topic, p) for p in meta.partitions}
 
-    def handle(self, inc: Incoming) -> None:
+    def handle(self, inc: Received[Any]) -> None:
         """A feedback record (curate finished a group of this prompt): into the table, in its transaction."""
         key = inc.key_str or ""
         if self._on_feedback(key, inc.record) and inc.value is not None:

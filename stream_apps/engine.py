@@ -47,10 +47,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from astraflow.config import TopicSettings
-from astraflow.errors import AstraflowError, KafkaLayerError, RecordTooLargeError, SerdeError
+from astraflow.errors import AstraflowError, KafkaLayerError, SerdeError
+from astraflow.kafka.clients import DLQ_MAX_BYTES, Received, dead_letter_bytes, decode_headers
 from astraflow.kafka.offsets import OffsetTracker
-from astraflow.records import DeadLetter, Metric
-from stream_apps.handler import AppHandler, Incoming, StrategyFailed
+from astraflow.records import Metric
+from stream_apps.handler import AppHandler, StrategyFailed
 from stream_apps.lifecycle import EngineLifecycle
 from stream_apps.metrics import MetricsReporter, WorkerStats
 from stream_apps.takeover import Takeover
@@ -123,7 +124,7 @@ class StreamEngine(EngineLifecycle):
         )
         self.exactly_once = settings.guarantee == "exactly_once"
         self.serde = AvroSerde(registry_url=self.kafka.schema_registry_url)
-        self._dlq_serde = AvroSerde(self.serde.catalog, max_record_bytes=16 * 1024 * 1024)
+        self._dlq_serde = AvroSerde(self.serde.catalog, max_record_bytes=DLQ_MAX_BYTES)
         self.source = self.topics.stream(handler.sources[0]) if handler.sources else None
         self.stats = WorkerStats()
         self.log = logging.getLogger(f"astraflow.stream.{handler.name}")
@@ -162,21 +163,11 @@ class StreamEngine(EngineLifecycle):
         """Counts records dropped on purpose (a filter, a late record) for the metrics."""
         self.stats.dropped[reason] += n
 
-    def dead_letter(self, inc: Incoming, error: BaseException | str, strategy: str | None = None) -> None:
+    def dead_letter(self, inc: Received[Any], error: BaseException | str, strategy: str | None = None) -> None:
         """Queues `inc`'s original bytes to the DLQ with the reason (and the strategy that failed)."""
         if isinstance(error, StrategyFailed):  # the DLQ names the strategy and shows what it raised
             strategy, error = strategy or error.strategy, error.cause
-        dl = DeadLetter(
-            original=inc.value, original_key=inc.key, topic=inc.topic, partition=inc.partition, offset=inc.offset,
-            error_class=type(error).__name__ if isinstance(error, BaseException) else "Error", error=str(error),
-            component=self.handler.name, strategy=strategy, headers=dict(inc.headers),
-        )
-        try:
-            data = self._dlq_serde.dumps(dl)
-        except RecordTooLargeError:  # keep the coordinates and the reason; the original stays in its topic
-            dl.original = None
-            dl.error += f" [original of {len(inc.value or b''):,} bytes too large for the DLQ; read it at its offset]"
-            data = self._dlq_serde.dumps(dl)
+        dl, data = dead_letter_bytes(self._dlq_serde, inc, error, self.handler.name, strategy)
         self._outbox().append(_Out(self.topics.dlq, inc.key, data))
         self.stats.dead_lettered[dl.error_class] += 1
 
@@ -218,8 +209,8 @@ class StreamEngine(EngineLifecycle):
         tp = (msg.topic, msg.partition)
         if self.exactly_once and self.takeover.skip(msg.topic, msg.partition, msg.offset, self.app.rebalancing_count):
             return  # held back while the tables recover, or read twice (stream_apps.takeover)
-        inc = Incoming(None, msg.topic, msg.partition, msg.offset, msg.key, int((msg.timestamp or 0) * 1000), msg.value,
-                       {k: (v.decode(errors="replace") if isinstance(v, bytes) else str(v)) for k, v in (msg.headers or [])})
+        inc: Received[Any] = Received(None, msg.topic, msg.partition, msg.offset, msg.key,
+                                      int((msg.timestamp or 0) * 1000), msg.value, decode_headers(msg.headers))
         if not self.tracker.owns(tp):  # the first record of this assignment of the partition
             self.log.info("%s[%d] read from offset %d", msg.topic, msg.partition, msg.offset)
         inc.epoch = self.tracker.received(tp, msg.offset)
@@ -250,7 +241,7 @@ class StreamEngine(EngineLifecycle):
             _OUTBOX.reset(box_token)
             _PARTITION.reset(part_token)
 
-    def _handle(self, inc: Incoming) -> Any:
+    def _handle(self, inc: Received[Any]) -> Any:
         """Decodes and handles `inc`; returns the awaitable of a slow record, None when done."""
         try:
             inc.record = self.serde.loads(inc.value, self.handler.expect)
@@ -269,7 +260,7 @@ class StreamEngine(EngineLifecycle):
         while len(self._tasks) >= self.settings.max_inflight:
             await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
 
-    async def _finish_later(self, inc: Incoming, pending: Any, outbox: list[_Out], msg: Any) -> None:
+    async def _finish_later(self, inc: Received[Any], pending: Any, outbox: list[_Out], msg: Any) -> None:
         try:
             await pending
         except KafkaLayerError:
@@ -285,12 +276,12 @@ class StreamEngine(EngineLifecycle):
         if not task.cancelled() and task.exception() is not None:
             self._crash(task.exception())
 
-    def _failed(self, inc: Incoming, exc: BaseException) -> None:
+    def _failed(self, inc: Received[Any], exc: BaseException) -> None:
         if not isinstance(exc, AstraflowError):
             self.log.warning("%s raised on %s[%d]@%d: %r", self.handler.name, inc.topic, inc.partition, inc.offset, exc)
         self.dead_letter(inc, exc)
 
-    async def _finish(self, inc: Incoming, outbox: list[_Out], msg: Any) -> None:
+    async def _finish(self, inc: Received[Any], outbox: list[_Out], msg: Any) -> None:
         """Produces a record's outputs into its partition's transaction and acks it (gate held)."""
         if not self._current(inc):
             return  # revoked meanwhile: its new owner handles it again
@@ -299,7 +290,7 @@ class StreamEngine(EngineLifecycle):
         self._dirty.add(inc.partition)
         msg.ack(self.app.consumer)
 
-    def _current(self, inc: Incoming) -> bool:
+    def _current(self, inc: Received[Any]) -> bool:
         state = self.tracker._parts.get(inc.tp)
         return state is not None and state.epoch == inc.epoch
 

@@ -1,4 +1,5 @@
-"""The app interface: what a stream app implements (`AppHandler`) and what it is handed (`Incoming`).
+"""The app interface: what a stream app implements (`AppHandler`) and what it is handed (a
+`astraflow.kafka.clients.Received`, its `record` decoded).
 
 An app is a handler object that `stream_apps.engine.StreamEngine` wires into a Faust app; it
 never touches Kafka clients itself. It sends outputs, counts drops and dead-letters through the
@@ -10,11 +11,10 @@ strategy failed on a record (the DLQ entry then names it).
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from astraflow.errors import AstraflowError
-from astraflow.kafka.offsets import TP
+from astraflow.kafka.clients import Received
 
 if TYPE_CHECKING:
     from stream_apps.engine import StreamEngine
@@ -27,29 +27,6 @@ class StrategyFailed(AstraflowError):
         self.strategy = strategy
         self.cause = cause
         super().__init__(f"{strategy}: {type(cause).__name__ + ': ' if isinstance(cause, BaseException) else ''}{cause}")
-
-
-@dataclass(slots=True, eq=False)
-class Incoming:
-    """A decoded input record with where it came from."""
-
-    record: Any  # the typed record (astraflow.records); None until decoded
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    timestamp_ms: int
-    value: bytes | None  # the original bytes, kept for dead-lettering
-    headers: dict[str, str]  # the record's headers, decoded leniently
-    epoch: int = 0  # assignment epoch of its partition (OffsetTracker)
-
-    @property
-    def tp(self) -> TP:
-        return (self.topic, self.partition)
-
-    @property
-    def key_str(self) -> str | None:
-        return self.key.decode(errors="replace") if isinstance(self.key, bytes) else self.key
 
 
 class AppHandler:
@@ -66,7 +43,7 @@ class AppHandler:
         """Called once the app started, before the first record: build slots, open readers, check topics."""
         self.worker = worker
 
-    def handle(self, inc: Incoming) -> Awaitable[None] | None:
+    def handle(self, inc: Received[Any]) -> Awaitable[None] | None:
         """Handles one record: send outputs through the worker; may return an awaitable (runs concurrently)."""
         raise NotImplementedError
 

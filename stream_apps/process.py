@@ -23,9 +23,10 @@ from collections.abc import Awaitable
 from typing import Any
 
 from astraflow.errors import ConfigError
+from astraflow.kafka.clients import Received
 from astraflow.processor import Emit, Processor
 from astraflow.records import StrategyRef
-from stream_apps.handler import AppHandler, Incoming, StrategyFailed
+from stream_apps.handler import AppHandler, StrategyFailed
 
 
 class ProcessorApp(AppHandler):
@@ -56,7 +57,7 @@ class ProcessorApp(AppHandler):
             raise ConfigError(f"source topic {like} does not exist; create the experiment's topics with `astraflow topics create`")
         admin.create([TopicSpec(topic, source, {"cleanup.policy": "delete"})])
 
-    def handle(self, inc: Incoming) -> Awaitable[None] | None:
+    def handle(self, inc: Received[Any]) -> Awaitable[None] | None:
         if self.proc.is_async:
             return self._call_async(inc)
         try:
@@ -68,17 +69,17 @@ class ProcessorApp(AppHandler):
         self._emit(inc, result)
         return None
 
-    async def _call_async(self, inc: Incoming) -> None:
+    async def _call_async(self, inc: Received[Any]) -> None:
         await self._finish_async(inc, self.proc.fn(inc.record))
 
-    async def _finish_async(self, inc: Incoming, awaitable: Awaitable[Any]) -> None:
+    async def _finish_async(self, inc: Received[Any], awaitable: Awaitable[Any]) -> None:
         try:
             result = await awaitable
         except Exception as exc:
             raise StrategyFailed(self.proc.name, exc) from exc
         self._emit(inc, result)
 
-    def _emit(self, inc: Incoming, result: Any) -> None:
+    def _emit(self, inc: Received[Any], result: Any) -> None:
         items = list(result) if isinstance(result, list | tuple) else ([] if result is None else [result])
         if not items:
             self.worker.drop(self.proc.name)

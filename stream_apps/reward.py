@@ -24,8 +24,9 @@ from typing import Any
 
 from astraflow.dataflow.registry import Strategy
 from astraflow.dataflow.rewards import RewardResult, with_reward
+from astraflow.kafka.clients import Received
 from astraflow.records import Trajectory
-from stream_apps.handler import AppHandler, Incoming, StrategyFailed
+from stream_apps.handler import AppHandler, StrategyFailed
 from stream_apps.slots import Slot, SlotDefault
 
 DEFAULTS = {"reward": SlotDefault("exact_match")}
@@ -48,7 +49,7 @@ class RewardApp(AppHandler):
         self.slot = Slot(worker.control, self.name, "reward", "reward", self.defaults["reward"])
         self.scored_topic = worker.topics.scored
 
-    def handle(self, inc: Incoming) -> Awaitable[None] | None:
+    def handle(self, inc: Received[Any]) -> Awaitable[None] | None:
         strategy = self.slot.get()
         assert strategy is not None  # the reward slot cannot be disabled
         if getattr(strategy.impl, "score_async", None) is not None:
@@ -60,14 +61,14 @@ class RewardApp(AppHandler):
         self._emit(inc, strategy, result)
         return None
 
-    async def _score_async(self, inc: Incoming, strategy: Strategy[Any]) -> None:
+    async def _score_async(self, inc: Received[Any], strategy: Strategy[Any]) -> None:
         try:
             result = await strategy.impl.score_async(inc.record)
         except Exception as exc:
             raise StrategyFailed(strategy.name, exc) from exc
         self._emit(inc, strategy, result)
 
-    def _emit(self, inc: Incoming, strategy: Strategy[Any], result: Any) -> None:
+    def _emit(self, inc: Received[Any], strategy: Strategy[Any], result: Any) -> None:
         if not isinstance(result, RewardResult) or not math.isfinite(result.reward):
             raise StrategyFailed(strategy.name, f"returned {result!r}; a reward must be a RewardResult with a finite reward")
         traj: Trajectory = inc.record

@@ -40,7 +40,7 @@ from torch.utils.data import IterableDataset
 
 from astraflow.config import KafkaSettings
 from astraflow.errors import KafkaLayerError, SerdeError, TopicError
-from astraflow.kafka.clients import DeadLetterWriter, RecordProducer, data_messages, watermarks
+from astraflow.kafka.clients import DeadLetterWriter, Received, RecordProducer, data_messages, watermarks
 from astraflow.records import TrainSample
 from astraflow.rl.samples import (
     DuplicateSampleError,
@@ -223,7 +223,7 @@ class TrainStream(IterableDataset):
     def _reject(self, msg: Message, error: BaseException) -> None:
         self.rejected += 1
         if self.dlq is not None:
-            self.dlq.send(msg, error)
+            self.dlq.send(Received.of(msg), error)
         else:  # ranks other than 0 (rank 0 dead-letters), or no DLQ configured
             log.warning("skipping %s[%d]@%d: %s", self.topic, msg.partition(), msg.offset(), error)
 

@@ -14,7 +14,7 @@ import lightning as L
 from torch.utils.data import DataLoader
 
 from astraflow.errors import KafkaLayerError
-from astraflow.kafka.clients import DeadLetterWriter, RecordProducer
+from astraflow.kafka.clients import DeadLetterWriter, Received, RecordProducer
 from astraflow.rl.samples import NonFiniteStepError, SampleWindow
 from trainers.data import TRAINER_PRODUCER, TrainStream, flush_patiently
 
@@ -69,7 +69,7 @@ class KafkaTrainData(L.LightningDataModule):
         if self.stream is not None and self.stream.dlq is not None:
             for it in items:
                 if it.msg is not None:
-                    self.stream.dlq.send(it.msg, NonFiniteStepError(skipped))
+                    self.stream.dlq.send(Received.of(it.msg), NonFiniteStepError(skipped))
             flush_patiently(self.stream.dlq.producer, "dead letters of a skipped step")
 
     def state_dict(self) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Produ
 
 from astraflow.config import KafkaSettings
 from astraflow.errors import KafkaLayerError, ProduceError, RecordTooLargeError, SerdeError
+from astraflow.kafka.offsets import TP
 from astraflow.records import DeadLetter, Record
 from astraflow.serde import AvroSerde
 
@@ -233,51 +234,89 @@ class RecordProducer:
         return self._producer
 
 
-@dataclass(slots=True)
-class Received(Generic[R]):
-    """A decoded record with where it came from."""
+def decode_headers(raw: Iterable[tuple[str, Any]] | None) -> dict[str, str]:
+    """A record's headers as text, decoded leniently (they are untrusted too)."""
+    return {k: (v.decode(errors="replace") if isinstance(v, bytes) else str(v)) for k, v in (raw or [])}
 
-    record: R
+
+@dataclass(slots=True, eq=False)
+class Received(Generic[R]):
+    """A record read from Kafka with where it came from: what `RecordConsumer.poll_batch` returns
+    and what a stream app's handler is handed (`stream_apps.handler.AppHandler.handle`).
+
+    `value` keeps the original bytes, so a record that cannot be handled is dead-lettered untouched.
+    """
+
+    record: R  # the typed record (astraflow.records); None until decoded (a stream app decodes it late)
     topic: str
     partition: int
     offset: int
     key: bytes | None
     timestamp_ms: int
-    message: Message  # the raw message, kept for dead-lettering the original bytes
+    value: bytes | None  # the original bytes, kept for dead-lettering
+    headers: dict[str, str]  # the record's headers, decoded leniently
+    epoch: int = 0  # assignment epoch of its partition (OffsetTracker), where the reader keeps one
+
+    @classmethod
+    def of(cls, msg: Message, record: Any = None) -> Received[Any]:
+        """The coordinates, bytes and headers of a confluent-kafka message (and its decoded record)."""
+        return cls(record, msg.topic() or "", msg.partition() or 0, msg.offset() or 0, msg.key(),
+                   msg.timestamp()[1], msg.value(), decode_headers(msg.headers()))
+
+    @property
+    def tp(self) -> TP:
+        return (self.topic, self.partition)
+
+    @property
+    def key_str(self) -> str | None:
+        return self.key.decode(errors="replace") if isinstance(self.key, bytes) else self.key
+
+
+def dead_letter_bytes(serde: AvroSerde, received: Received[Any], error: BaseException | str, component: str,
+                      strategy: str | None = None) -> tuple[DeadLetter, bytes]:
+    """The DLQ record for `received` (original bytes untouched) and its encoding.
+
+    An original too large for the DLQ is left out; the entry keeps its coordinates and reason (the
+    original stays in its topic).
+    """
+    dl = DeadLetter(
+        original=received.value,
+        original_key=received.key,
+        topic=received.topic,
+        partition=received.partition,
+        offset=received.offset,
+        error_class=type(error).__name__ if isinstance(error, BaseException) else "Error",
+        error=str(error),
+        component=component,
+        strategy=strategy,
+        headers=dict(received.headers),
+    )
+    try:
+        return dl, serde.dumps(dl)
+    except RecordTooLargeError:
+        dl.original = None
+        dl.error += f" [original of {len(received.value or b''):,} bytes too large for the DLQ; read it at its offset]"
+        return dl, serde.dumps(dl)
+
+
+# The DLQ topic takes records up to 16 MiB (astraflow.kafka.topics).
+DLQ_MAX_BYTES = 16 * 1024 * 1024
 
 
 class DeadLetterWriter:
     """Writes records a component could not handle to the DLQ, original bytes untouched."""
 
-    def __init__(self, producer: RecordProducer, dlq_topic: str, component: str, dlq_max_bytes: int = 16 * 1024 * 1024):
+    def __init__(self, producer: RecordProducer, dlq_topic: str, component: str, dlq_max_bytes: int = DLQ_MAX_BYTES):
         self.producer = producer
         self.topic = dlq_topic
         self.component = component
         self._serde = AvroSerde(producer.serde.catalog, max_record_bytes=dlq_max_bytes)
         self.count = 0
 
-    def send(self, msg: Message, error: BaseException | str, strategy: str | None = None) -> None:
-        err_class = type(error).__name__ if isinstance(error, BaseException) else "Error"
-        dl = DeadLetter(
-            original=msg.value(),
-            original_key=msg.key(),
-            topic=msg.topic() or "",
-            partition=msg.partition() or 0,
-            offset=msg.offset() or 0,
-            error_class=err_class,
-            error=str(error),
-            component=self.component,
-            strategy=strategy,
-            headers={k: (v.decode(errors="replace") if isinstance(v, bytes) else str(v)) for k, v in (msg.headers() or [])},
-        )
-        try:
-            data = self._serde.dumps(dl)
-        except RecordTooLargeError:
-            # Keep the record's coordinates and reason; the original stays in its topic.
-            dl.original = None
-            dl.error += f" [original of {len(msg.value() or b''):,} bytes too large for the DLQ; read it at its offset]"
-            data = self._serde.dumps(dl)
-        self.producer.send_raw(self.topic, data, key=msg.key())
+    def send(self, received: Received[Any], error: BaseException | str, strategy: str | None = None) -> None:
+        """Dead-letters `received` (a raw message: `Received.of(msg)`)."""
+        _, data = dead_letter_bytes(self._serde, received, error, self.component, strategy)
+        self.producer.send_raw(self.topic, data, key=received.key)
         self.count += 1
 
 
@@ -323,22 +362,20 @@ class RecordConsumer(Generic[R]):
             except SerdeError as exc:
                 self._dead_letter(msg, exc)
                 continue
-            ts = msg.timestamp()[1]
-            out.append(Received(rec, msg.topic(), msg.partition(), msg.offset(), msg.key(), ts, msg))
+            out.append(Received.of(msg, rec))
             self._last_seen[(msg.topic(), msg.partition())] = msg.offset()
         return out
 
-    def _dead_letter(self, msg: Message, exc: BaseException, strategy: str | None = None) -> None:
-        if self.dlq is None:
-            raise exc
-        self.dlq.send(msg, exc, strategy)
-        self.dead_lettered += 1
-        self._last_seen[(msg.topic(), msg.partition())] = msg.offset()
-
+    def _dead_letter(self, msg: Message, exc: BaseException) -> None:
+        self.dead_letter(Received.of(msg), exc)
 
     def dead_letter(self, received: Received[Any], exc: BaseException, strategy: str | None = None) -> None:
-        """Dead-letters a decoded record whose processing failed (e.g. a strategy raised)."""
-        self._dead_letter(received.message, exc, strategy)
+        """Dead-letters a record whose processing failed (e.g. a strategy raised); it counts as processed."""
+        if self.dlq is None:
+            raise exc
+        self.dlq.send(received, exc, strategy)
+        self.dead_lettered += 1
+        self._last_seen[received.tp] = received.offset
 
     def commit(self, processed: Iterable[Received[Any]] | None = None, asynchronous: bool = False) -> None:
         """Commits offsets through the given records (or everything polled so far), per partition.

@@ -26,7 +26,7 @@ from confluent_kafka import OFFSET_BEGINNING, Message, TopicPartition
 
 from astraflow.config import KafkaSettings
 from astraflow.errors import SerdeError, WeightsError
-from astraflow.kafka.clients import DeadLetterWriter, RecordProducer, data_messages
+from astraflow.kafka.clients import DeadLetterWriter, Received, RecordProducer, data_messages
 from astraflow.kafka.read import assigned_consumer
 from astraflow.kafka.topics import Topics
 from astraflow.records import Metric, PolicyVersion, WeightChunk, WeightKind
@@ -338,7 +338,7 @@ class KafkaWeightFollower:
         if self._dlq is None:
             return
         if msg is not None:
-            self._dlq.send(msg, error)
+            self._dlq.send(Received.of(msg), error)
         labels = {"policy": self.policy, "version": "" if version is None else str(version),
                   "reason": str(error)[:200]}
         metric = Metric("weights_refused_total", float(self.refused), self.requester, self.requester, labels)

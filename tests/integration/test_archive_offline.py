@@ -82,7 +82,7 @@ def test_archived_train_samples_replay_into_a_fresh_experiment_in_order(
         assert len(got) == 120 and len({r.record.sample_id for r in got}) == 120
         for p, ids in by_partition.items():
             assert [r.record.sample_id for r in got if r.partition == p] == ids  # the past run's order
-        assert all(r.message.value() == sent[r.record.sample_id] for r in got)  # the same bytes
+        assert all(r.value == sent[r.record.sample_id] for r in got)  # the same bytes
         s = got[0].record
         np.testing.assert_array_equal(s.token_ids, sample(int(s.sample_id[2:])).token_ids)
     finally:

@@ -14,13 +14,13 @@ from typing import Any
 import numpy as np
 
 from astraflow.control import ControlState
+from astraflow.kafka.clients import Received
 from astraflow.kafka.topics import Topics
 from astraflow.records import Control, PolicyVersion, Segment, Trajectory, WeightKind
 from astraflow.serde import AvroSerde
 from astraflow.testing import make_trajectory
 from stream_apps.curate import CurateApp
 from stream_apps.curator import CuratorApp, CuratorOptions
-from stream_apps.handler import Incoming
 from stream_apps.slots import Slot
 
 EXP = "unit"
@@ -76,7 +76,7 @@ class FakeWorker:
     def drop(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] += n
 
-    def dead_letter(self, inc: Incoming, error: Any, strategy: str | None = None) -> None:
+    def dead_letter(self, inc: Received[Any], error: Any, strategy: str | None = None) -> None:
         self.dead.append((inc, str(error), strategy))
 
     def table(self, name: str) -> dict[bytes, bytes]:
@@ -92,9 +92,9 @@ class FakeWorker:
         self.stopped = True
 
 
-def incoming(record: Any, offset: int = 0, partition: int = 0) -> Incoming:
-    return Incoming(record, "src", partition, offset, getattr(record, "group_id", "k").encode(), 0,
-                    AvroSerde().dumps(record), {}, 1)
+def incoming(record: Any, offset: int = 0, partition: int = 0) -> Received[Any]:
+    return Received(record, "src", partition, offset, getattr(record, "group_id", "k").encode(), 0,
+                     AvroSerde().dumps(record), {}, 1)
 
 
 def two_policy_traj(group: str, i: int, size: int, reward: float, with_b: bool, version: int = 2) -> Trajectory:
@@ -135,7 +135,7 @@ class Latest:
         return 0
 
 
-def feed(app: CurateApp, trajs: list[Trajectory]) -> list[Incoming]:
+def feed(app: CurateApp, trajs: list[Trajectory]) -> list[Received[Any]]:
     incs = [incoming(t, i) for i, t in enumerate(trajs)]
     for inc in incs:
         app.handle(inc)

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 from stream_fakes import FakeWorker, curator_on_fake_worker
 
+from astraflow.kafka.clients import Received
 from astraflow.records import PromptStats
 from astraflow.serde import AvroSerde
 from stream_apps.curator import CuratorApp, CuratorOptions, tasks_ahead
-from stream_apps.handler import Incoming
 
 
 def test_tasks_ahead_counts_uncurated_tasks_and_untrained_samples() -> None:
@@ -55,8 +55,8 @@ def test_curator_keeps_prompt_statistics_in_its_table_and_recovers_them(tmp_path
     app, w = make_curator(tmp_path)
     serde = AvroSerde()
 
-    def feedback(key: str, stats: PromptStats) -> Incoming:
-        return Incoming(stats, "feedback", 0, 0, key.encode(), 0, serde.dumps(stats), {})
+    def feedback(key: str, stats: PromptStats) -> Received[Any]:
+        return Received(stats, "feedback", 0, 0, key.encode(), 0, serde.dumps(stats), {})
 
     app.handle(feedback("solver/d/1", PromptStats("d/1", "d", "solver", 2, 4, 1, 1, 1, 0, 4, 0, 0)))
     app.handle(feedback("solver/d/1", PromptStats("d/1", "d", "solver", 1, 2, 1, 1, 1, 0, 4, 0, 0)))  # older: ignored
