@@ -8,49 +8,38 @@ directory. Kept free of torch / Lightning imports so `astraflow train --help` st
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from astraflow.config import AstraflowConfig, FrozenSettings
+from astraflow.errors import RLError
+from astraflow.rl.loss_config import Mode, PolicyLossConfig
 
 
-class LossSettings(FrozenSettings):
-    """The policy loss (`astraflow.rl.policy_loss`)."""
+@dataclass(frozen=True, slots=True)
+class LossSettings(PolicyLossConfig):
+    """The trainer's policy loss: `astraflow.rl.PolicyLossConfig` (its fields, their meaning and
+    checks) with the trainer's defaults, decoupled PPO with clip-higher (eps_high 0.28), which
+    suit asynchronous training on stale samples; the plain `PolicyLossConfig` keeps PPO's.
+    `max_tokens` may stay None with `seq_mean_token_sum_norm`: the trainer then uses its longest
+    sample (`trainer.max_seq_len`, else the model's context), never the padded batch length.
+    Validated like a section of the config: pydantic checks the field types, then the checks of
+    `PolicyLossConfig` run, their RLError turned into a ValueError so pydantic reports it with the
+    field's path (`trainer.loss`) like any other invalid setting."""
 
-    mode: Literal["ppo", "decoupled", "tis", "mis", "m2po"] = "decoupled"
-    """The off-policy correction (docs/training.md): `ppo` (ratio against the behaviour
-    logprobs), `decoupled` (decoupled PPO: clip against the proximal policy, truncated IS weight
-    against behaviour), `tis` / `mis` (truncated / masked importance sampling), `m2po`
-    (second-moment masking)."""
-    eps_low: float = 0.2
-    """Ratio clipped below at 1 - eps_low."""
+    mode: Mode = "decoupled"
     eps_high: float = 0.28
-    """Ratio clipped above at 1 + eps_high (clip-higher)."""
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
-    """Token-level (`token_mean`) or sequence-level aggregation; `seq_mean_token_sum_norm` is Dr. GRPO."""
-    max_tokens: int | None = None
-    """Dr. GRPO's normalising constant; None: the trainer's longest sample (`trainer.max_seq_len`),
-    never the padded batch length."""
-    dual_clip: float | None = 3.0
-    """`ppo`/`decoupled`: a negative-advantage token's loss is capped at -dual_clip x A; None: off."""
-    tis_cap: float | None = 2.0
-    """`decoupled`/`tis`: truncation of the importance weight (None: none); `mis`: tokens whose
-    ratio is outside [1/tis_cap, tis_cap] are masked."""
-    m2_threshold: float = 0.04
-    """`m2po`: bound on the mean squared log-ratio of the kept tokens."""
-    staleness_weight: Literal["none", "inverse"] = "none"
-    """`inverse`: each token weighted 1 / max(1, versions behind the trainer)."""
-    max_staleness: int | None = None
-    """Tokens more versions behind the trainer than this, at the step that trains them, get
-    weight 0 (None: no token limit; samples are also checked by `trainer.max_staleness`)."""
-    kl_coef: float = 0.0
-    """Weight of KL(policy || reference); > 0 loads a frozen reference model."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator per token."""
-    entropy_coef: float = 0.0
-    """Weight of the entropy bonus (entropy is always measured)."""
+    max_tokens_given_later: ClassVar[bool] = True
+    __pydantic_config__ = ConfigDict(extra="forbid")  # a typo in a field name is an error, as in every section
+
+    def __post_init__(self) -> None:
+        try:
+            PolicyLossConfig.__post_init__(self)
+        except RLError as exc:
+            raise ValueError(str(exc)) from exc
 
 
 class TrainerSettings(FrozenSettings):

@@ -20,13 +20,14 @@ switches at the same batch.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
 from typing import Any
 
 import lightning as L
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from astraflow.config import KafkaSettings
 from astraflow.control import ControlReader
@@ -35,11 +36,12 @@ from astraflow.errors import AstraflowError, ConfigError
 from astraflow.kafka.clients import RecordProducer
 from astraflow.kafka.topics import Topics
 from astraflow.records import Control, Metric
-from astraflow.rl import PolicyLossConfig
 from astraflow.weights.versions import CONTROL_APP
 from trainers.config import LossSettings
 
 log = logging.getLogger(__name__)
+
+_LOSS = TypeAdapter(LossSettings)
 
 
 def loss_slot(policy: str) -> str:
@@ -54,15 +56,12 @@ def loss_from_control(configured: LossSettings, strategy: str, params: dict[str,
     if "mode" in values:
         raise ConfigError("give the loss mode as the command's strategy, not as a 'mode' param")
     try:
-        settings = LossSettings.model_validate({**configured.model_dump(), **values, "mode": strategy})
-        # PolicyLossConfig checks what the field types cannot (mis needs tis_cap > 1, ...);
-        # Dr. GRPO's max_tokens is filled in by the trainer when unset.
-        PolicyLossConfig(**{**settings.model_dump(), "max_tokens": settings.max_tokens or 1})
+        # The field types (pydantic), then what they cannot say (mis needs tis_cap > 1, ...: LossSettings).
+        settings = _LOSS.validate_python({**dataclasses.asdict(configured), **values, "mode": strategy})
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'loss'}: {e['msg']}" for e in exc.errors())
-        raise ConfigError(f"invalid loss command ({problems}); fields: {', '.join(LossSettings.model_fields)}") from exc
-    except AstraflowError as exc:
-        raise ConfigError(f"invalid loss command: {exc}") from exc
+        fields = ", ".join(f.name for f in dataclasses.fields(LossSettings))
+        raise ConfigError(f"invalid loss command ({problems}); fields: {fields}") from exc
     return settings
 
 
@@ -116,7 +115,7 @@ class LossControl(L.Callback):
             return
         self.version = version
         pl_module.loss_control_version = version  # type: ignore[assignment]
-        log.info("loss -> %s (control version %d): %s", settings.mode, version, settings.model_dump())
+        log.info("loss -> %s (control version %d): %s", settings.mode, version, dataclasses.asdict(settings))
         self._metric(trainer, "trainer.loss_applied", float(version), {"mode": settings.mode})
 
     def _reject(self, trainer: L.Trainer, version: int, why: str) -> None:

@@ -23,6 +23,7 @@ and the publishing callback dead-letters the batch's samples.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -132,7 +133,7 @@ class PolicyTrainer(L.LightningModule):
 
     def loss_config_of(self, loss: LossSettings) -> PolicyLossConfig:
         """The `PolicyLossConfig` of `loss` for this model (raises RLError when it is not valid)."""
-        settings = loss.model_dump()
+        settings = dataclasses.asdict(loss)
         if loss.aggregation == "seq_mean_token_sum_norm" and loss.max_tokens is None:
             # Dr. GRPO divides by a constant: the longest sample the trainer accepts, never the padded length.
             cfg = getattr(self.model, "config", None)

@@ -37,7 +37,6 @@ loss does not depend on how much a batch is padded). Gradients flow only through
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
@@ -51,58 +50,9 @@ from astraflow.rl.corrections import (
     truncated_is_weights,
 )
 from astraflow.rl.logprobs import masked_mean
+from astraflow.rl.loss_config import Aggregation, KLEstimator, PolicyLossConfig
 
-Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-KLEstimator = Literal["k1", "k2", "k3"]
 MIN_LOGPROB = -1e4  # a -inf logprob is read as this (finite, so differences and gradients stay finite)
-Mode = Literal["ppo", "decoupled", "tis", "mis", "m2po"]
-MODES = ("ppo", "decoupled", "tis", "mis", "m2po")
-
-
-@dataclass(frozen=True, slots=True)
-class PolicyLossConfig:
-    """Settings of `policy_loss`; validated on construction."""
-
-    mode: Mode = "ppo"  # the off-policy correction (module docstring)
-    eps_low: float = 0.2  # ratio clipped below at 1 - eps_low
-    eps_high: float = 0.2  # ratio clipped above at 1 + eps_high (0.28 for DAPO clip-higher)
-    dual_clip: float | None = 3.0  # ppo/decoupled, A < 0: loss capped at -dual_clip * A; None: off
-    aggregation: Aggregation = "token_mean"  # how token losses become one number
-    max_tokens: int | None = None  # Dr. GRPO's constant: required by seq_mean_token_sum_norm
-    tis_cap: float | None = 2.0  # decoupled/tis: truncation of the IS weight (None: none); mis: mask bound
-    m2_threshold: float = 0.04  # m2po: bound on the mean squared log-ratio of the kept tokens
-    staleness_weight: Literal["none", "inverse"] = "none"  # per-token weight 1 / max(1, lag)
-    max_staleness: int | None = None  # tokens more versions behind than this get weight 0
-    kl_coef: float = 0.0  # weight of the KL penalty to the reference policy (needs ref_logprobs)
-    kl_estimator: KLEstimator = "k3"  # k1: log-ratio, k2: half squared, k3: unbiased, non-negative
-    entropy_coef: float = 0.0  # weight of the entropy bonus (needs entropy)
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.eps_low < 1.0 or self.eps_high < 0.0:
-            raise RLError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {self.eps_low}, {self.eps_high}")
-        if self.mode not in MODES:
-            raise RLError(f"unknown mode {self.mode!r}: use one of {', '.join(MODES)}")
-        if self.tis_cap is not None and self.tis_cap <= 0.0:
-            raise RLError(f"tis_cap must be positive or None, got {self.tis_cap}")
-        if self.mode == "mis" and (self.tis_cap is None or self.tis_cap <= 1.0):
-            raise RLError(f"mode 'mis' masks ratios outside [1/tis_cap, tis_cap]: set tis_cap > 1, got {self.tis_cap}")
-        if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise RLError(f"dual_clip must be > 1 or None, got {self.dual_clip}")
-        if self.m2_threshold < 0.0:
-            raise RLError(f"m2_threshold must be >= 0, got {self.m2_threshold}")
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise RLError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
-        if self.staleness_weight not in ("none", "inverse"):
-            raise RLError(f"unknown staleness_weight {self.staleness_weight!r}: use 'none' or 'inverse'")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise RLError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
-        if self.aggregation not in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"):
-            raise RLError(f"unknown aggregation {self.aggregation!r}")
-        if self.aggregation == "seq_mean_token_sum_norm" and self.max_tokens is None:
-            raise RLError(
-                "seq_mean_token_sum_norm (Dr. GRPO) divides by a constant: set max_tokens "
-                "(the trainer uses trainer.max_seq_len), never the padded batch length"
-            )
 
 
 @dataclass(slots=True)
