@@ -13,58 +13,27 @@ import asyncio
 import json
 import re
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
+from helpers import ScriptedBackend, collect
 
 from astraflow.config import AstraflowConfig, KafkaSettings
 from astraflow.dataflow.registry import REGISTRY
 from astraflow.dataflow.rewards import score_async
 from astraflow.envs.datasets import env_dataset
-from astraflow.kafka.clients import RecordConsumer, RecordProducer
+from astraflow.kafka.clients import RecordProducer
 from astraflow.kafka.topics import Topics
-from astraflow.raas.backends.base import GenerateRequest, Generation
 from astraflow.raas.backends.torch_backend import TorchBackend
 from astraflow.raas.node import NodeSettings, RaasNode
 from astraflow.records import SamplingParams, Task, Trajectory, TrajectoryStatus
 
 
-class BrainBackend:
+def _backend(model_dir: Path, brain: Callable[[str], str]) -> ScriptedBackend:
     """A scripted model: `brain(prompt text)` chooses the reply, encoded with the real tokenizer."""
-
-    name = "scripted"
-
-    def __init__(self, policy: str, model_dir: Path, brain: Callable[[str], str]) -> None:
-        from transformers import AutoTokenizer
-
-        self.policy, self.version, self.brain = policy, 2, brain
-        self.tok = AutoTokenizer.from_pretrained(model_dir)
-        self.context_length = 2048  # tokens of prompt + completion (the endpoint refuses more)
-
-    def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_bos)
-
-    def decode(self, ids) -> str:
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
-
-    async def generate(self, request: GenerateRequest) -> Generation:
-        text = self.brain(self.decode(request.prompt_ids))
-        ids = [*self.encode(text), self.tok.eos_token_id]
-        n = len(ids)
-        return Generation(np.asarray(ids, np.int32), np.full(n, -0.5, np.float32), np.full(n, self.version, np.int32),
-                          text, "stop")
-
-    def hardware(self) -> str:
-        return "test"
-
-    def update_weights(self, state_dict, version: int) -> None:
-        self.version = version
-
-    def close(self) -> None:
-        pass
+    return ScriptedBackend("policy", model_dir, brain, version=2, context_length=2048, eos=True)
 
 
 def _task(i: int, prompt: str, reference: dict, workflow: str, max_turns: int = 4) -> Task:
@@ -90,12 +59,7 @@ def _serve(kafka: KafkaSettings, experiment: str, tasks: list[Task], backend) ->
         await task
 
     asyncio.run(run())
-    c = RecordConsumer(kafka, f"t-{uuid.uuid4().hex}", [topics.rollouts], component="test", dlq=None, expect=Trajectory)
-    out: list[Trajectory] = []
-    deadline = time.monotonic() + 30
-    while len(out) < len(tasks) and time.monotonic() < deadline:
-        out.extend(r.record for r in c.poll_batch(100, 0.5))
-    c.close()
+    out: list[Trajectory] = collect(kafka, topics.rollouts, Trajectory, lambda got: len(got) >= len(tasks), timeout_s=30)
     assert len(out) == len(tasks)
     assert node.agent_api.port is not None and node.agent_api.host == "127.0.0.1"
     return sorted(out, key=lambda t: t.task_id)
@@ -125,7 +89,7 @@ def test_database_env_right_wrong_and_escaping_sql(kafka: KafkaSettings, experim
     third = _task(2, "How many tables can you attach?", json.loads(right["reference"]), "db_agent")
     tasks = [_task(0, q_right, json.loads(right["reference"]), "db_agent"),
              _task(1, q_wrong, json.loads(wrong["reference"]), "db_agent"), third]
-    trajs = _serve(kafka, experiment, tasks, BrainBackend("policy", tiny_model_dir, brain))
+    trajs = _serve(kafka, experiment, tasks, _backend(tiny_model_dir, brain))
     reward = REGISTRY.get("reward", "sql_result")
     got = [asyncio.run(score_async(reward, t)).reward for t in trajs[:2]]
     assert got == [1.0, 0.0]
@@ -154,7 +118,7 @@ def test_os_env_check_script_right_wrong_and_network(kafka: KafkaSettings, exper
         return f"Answer: {answer if answer is not None else result}"
 
     tasks = [_task(i, f"{k}: how many lines of logs/app.log contain ERROR?", ref, "os_agent") for i, k in enumerate(plan)]
-    trajs = _serve(kafka, experiment, tasks, BrainBackend("policy", tiny_model_dir, brain))
+    trajs = _serve(kafka, experiment, tasks, _backend(tiny_model_dir, brain))
     reward = REGISTRY.get("reward", "os_check")
     assert [reward(t).reward for t in trajs] == [1.0, 0.0, 0.0, 0.0]
     assert trajs[0].final_answer == "3" and trajs[0].tool_calls[0].result.startswith("3")

@@ -4,29 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
 import torch
+from helpers import collect
 
 from astraflow.config import AstraflowConfig, KafkaSettings
-from astraflow.kafka.clients import RecordConsumer, RecordProducer
+from astraflow.kafka.clients import RecordProducer
 from astraflow.kafka.topics import Topics
 from astraflow.raas.backends.torch_backend import TorchBackend
 from astraflow.raas.node import NodeSettings, RaasNode
 from astraflow.records import DeadLetter, SamplingParams, Trajectory
 from astraflow.testing import make_task
-
-
-def _collect(kafka: KafkaSettings, topic: str, want: int, expect=None, timeout_s: float = 60.0) -> list:
-    c = RecordConsumer(kafka, f"t-{uuid.uuid4().hex}", [topic], component="test", dlq=None, expect=expect)
-    out = []
-    deadline = time.monotonic() + timeout_s
-    while len(out) < want and time.monotonic() < deadline:
-        out.extend(r.record for r in c.poll_batch(500, 0.5))
-    c.close()
-    return out
 
 
 async def _run_until(node: RaasNode, done, timeout_s: float = 120.0) -> None:
@@ -56,7 +46,7 @@ def test_sixteen_tasks_four_samples(kafka: KafkaSettings, experiment: str, tiny_
     node = RaasNode(cfg, NodeSettings(experiment, max_inflight=16, metrics_interval_s=1.0), {"policy": backend})
     asyncio.run(_run_until(node, lambda: node.tasks_done >= 16))
 
-    trajs: list[Trajectory] = _collect(kafka, topics.rollouts, 64, Trajectory)
+    trajs: list[Trajectory] = collect(kafka, topics.rollouts, Trajectory, lambda got: len(got) >= 64)
     assert len(trajs) == 64
     assert {t.trajectory_id for t in trajs} == {f"task-{i}/{s}" for i in range(16) for s in range(4)}
     model = backend.model
@@ -71,7 +61,7 @@ def test_sixteen_tasks_four_samples(kafka: KafkaSettings, experiment: str, tiny_
         np.testing.assert_allclose(recomputed.squeeze(-1).numpy(), gen.logprobs, atol=1e-3)
         assert t.node.backend == "torch" and t.node.hardware.startswith("cpu")
 
-    letters: list[DeadLetter] = _collect(kafka, topics.dlq, 1, DeadLetter)
+    letters: list[DeadLetter] = collect(kafka, topics.dlq, DeadLetter, lambda got: len(got) >= 1)
     assert len(letters) == 1 and letters[0].error_class == "InvalidTaskError"
     assert "no_such_workflow" in letters[0].error and letters[0].component == "raas"
     backend.close()
@@ -100,7 +90,7 @@ def test_new_version_mid_run_shows_in_later_tokens(kafka: KafkaSettings, experim
         await b
 
     asyncio.run(main())
-    (traj,) = _collect(kafka, topics.rollouts, 1, Trajectory)
+    (traj,) = collect(kafka, topics.rollouts, Trajectory, lambda got: len(got) >= 1)
     versions = traj.segments[1].versions
     assert len(versions) > 5, "the rollout ended before the update could land"
     assert versions[0] == 0 and versions[-1] == 7 and np.all(np.diff(versions) >= 0)

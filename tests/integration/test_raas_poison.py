@@ -16,14 +16,14 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from confluent_kafka import Consumer, TopicPartition
+from helpers import collect
 
 from astraflow.config import AstraflowConfig, KafkaSettings, RaasSettings
-from astraflow.kafka.clients import RecordConsumer, RecordProducer, watermarks
+from astraflow.kafka.clients import RecordProducer, watermarks
 from astraflow.kafka.topics import Topics
 from astraflow.raas.backends.torch_backend import TorchBackend
 from astraflow.raas.node import NodeSettings, RaasNode
@@ -106,20 +106,6 @@ def _send(kafka: KafkaSettings, topic: str, tasks: list[Task]) -> None:
     producer.flush()
 
 
-def _collect(kafka: KafkaSettings, topic: str, expect, until: Callable[[list], bool], timeout_s: float = 90.0,
-             on_batch: Callable[[list], None] | None = None) -> list:
-    c = RecordConsumer(kafka, f"t-{uuid.uuid4().hex}", [topic], component="test", dlq=None, expect=expect)
-    out: list = []
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not until(out) and time.monotonic() < deadline:
-            out.extend(r.record for r in c.poll_batch(500, 0.5))
-            if on_batch is not None:
-                on_batch(out)
-    finally:
-        c.close()
-    return out
-
 
 def _all_committed(kafka: KafkaSettings, group: str, topic: str) -> bool:
     c = Consumer({**kafka.client_config(), "group.id": group, "enable.auto.commit": False})
@@ -187,8 +173,8 @@ def test_each_poison_task_is_answered_committed_and_the_node_goes_on(
     assert node.tasks_refused == len(refused) and node.tasks_done == len(errors) + len(good)
     assert _all_committed(kafka, group, topics.tasks)
     n_trajs = sum(t.n_samples for t, _ in errors) + len(good)
-    trajs = _collect(kafka, topics.rollouts, Trajectory, lambda out: len(out) >= n_trajs)
-    letters = _collect(kafka, topics.dlq, DeadLetter, lambda out: len(out) >= len(refused))
+    trajs = collect(kafka, topics.rollouts, Trajectory, lambda out: len(out) >= n_trajs, timeout_s=90)
+    letters = collect(kafka, topics.dlq, DeadLetter, lambda out: len(out) >= len(refused), timeout_s=90)
     _check_answers(trajs, letters, errors, refused, good)
     assert node.rollouts_failed == sum(t.n_samples for t, _ in errors)
 
@@ -228,7 +214,7 @@ def test_a_node_taking_over_uncommitted_poison_is_not_killed_either(
             a.wait()
 
     try:
-        _collect(kafka, topics.rollouts, Trajectory, lambda _: a.poll() is not None, on_batch=kill_a_once_it_answered)
+        collect(kafka, topics.rollouts, Trajectory, lambda _: a.poll() is not None, on_batch=kill_a_once_it_answered, timeout_s=90)
     finally:
         if a.poll() is None:
             a.kill()
@@ -250,10 +236,10 @@ def test_a_node_taking_over_uncommitted_poison_is_not_killed_either(
         b.wait(timeout=60)
     assert b.returncode == 0, (tmp_path / "b.log").read_text()[-3000:]
     n_b = sum(t.n_samples for t, _ in errors) + 1
-    trajs = _collect(kafka, topics.rollouts, Trajectory,
-                     lambda out: len([t for t in out if t.node.node_id == "node-b"]) >= n_b)
+    trajs = collect(kafka, topics.rollouts, Trajectory,
+                     lambda out: len([t for t in out if t.node.node_id == "node-b"]) >= n_b, timeout_s=90)
     from_b = [t for t in trajs if t.node.node_id == "node-b"]
     # Node A's dead letters may not have left its producer before the kill; node B's must all be there.
-    letters = _collect(kafka, topics.dlq, DeadLetter, lambda out: len(out) >= 2 * len(refused), timeout_s=10)
+    letters = collect(kafka, topics.dlq, DeadLetter, lambda out: len(out) >= 2 * len(refused), timeout_s=10)
     _check_answers(from_b, letters, errors, refused, [good])
     assert len(letters) >= len(refused)

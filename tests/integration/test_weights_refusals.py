@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
+from helpers import collect
 
 from astraflow.config import AstraflowConfig, KafkaSettings
-from astraflow.kafka.clients import RecordConsumer, RecordProducer
+from astraflow.kafka.clients import RecordProducer
 from astraflow.kafka.topics import Topics
 from astraflow.raas.backends.base import GenerateRequest
 from astraflow.raas.backends.torch_backend import TorchBackend
@@ -113,17 +113,6 @@ def _serves(backend: TorchBackend, version: int, state: dict[str, torch.Tensor])
     assert len(gen.token_ids) > 0 and (gen.versions == version).all()
 
 
-def _collect(kafka: KafkaSettings, topic: str, expect, until: Callable[[list], bool], timeout_s: float = 30.0) -> list:
-    c = RecordConsumer(kafka, f"t-{uuid.uuid4().hex}", [topic], component="test", dlq=None, expect=expect)
-    out: list = []
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not until(out) and time.monotonic() < deadline:
-            out.extend(r.record for r in c.poll_batch(500, 0.5))
-    finally:
-        c.close()
-    return out
-
 
 def test_bad_versions_are_refused_dead_lettered_and_the_node_keeps_its_weights(
         kafka: KafkaSettings, experiment: str, tiny_model_dir: Path) -> None:
@@ -171,14 +160,14 @@ def test_bad_versions_are_refused_dead_lettered_and_the_node_keeps_its_weights(
         follower.stop()
         backend.close()
 
-    letters: list[DeadLetter] = _collect(kafka, topics.dlq, DeadLetter, lambda out: len(out) >= len(bad) + 1)
+    letters: list[DeadLetter] = collect(kafka, topics.dlq, DeadLetter, lambda out: len(out) >= len(bad) + 1, timeout_s=30)
     assert len(letters) == len(bad) + 1 and all(d.component == "raas" for d in letters)
     assert any(d.error_class in ("CorruptRecordError", "UnknownSchemaError") for d in letters), \
         [d.error_class for d in letters]  # the record that does not decode
     for _, says in bad.values():
         assert any(says in d.error for d in letters), (says, [d.error[:120] for d in letters])
-    metrics: list[Metric] = _collect(kafka, topics.metrics, Metric,
-                                     lambda out: any(m.value >= len(bad) + 1 for m in out))
+    metrics: list[Metric] = collect(kafka, topics.metrics, Metric,
+                                     lambda out: any(m.value >= len(bad) + 1 for m in out), timeout_s=30)
     refused = [m for m in metrics if m.name == "weights_refused_total" and m.labels["policy"] == "policy"]
     assert max(m.value for m in refused) == len(bad) + 1
     assert np.all(np.diff([m.value for m in refused]) >= 0)

@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from test_raas_workflows import ScriptedBackend, _ctx
+from helpers import ScriptedBackend
+from test_raas_workflows import _ctx
 
 from astraflow.dataflow.registry import get
 from astraflow.errors import RewardError

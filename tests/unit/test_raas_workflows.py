@@ -9,48 +9,13 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import numpy as np
 import pytest
+from helpers import ScriptedBackend
 
-from astraflow.raas.backends.base import GenerateRequest, Generation
 from astraflow.raas.tools import LocalSearch, ToolBox, default_tools
 from astraflow.raas.workflows import RolloutContext, resolve_workflow
 from astraflow.records import NodeInfo, SamplingParams, TrajectoryStatus
 from astraflow.testing import make_task
-
-
-class ScriptedBackend:
-    """Replays `script` completions in order, with a real tokenizer and fake logprobs."""
-
-    name = "scripted"
-
-    def __init__(self, policy: str, tiny_model_dir: Path, script: list[str], version: int = 3) -> None:
-        from transformers import AutoTokenizer
-
-        self.policy, self.version, self.script = policy, version, list(script)
-        self.tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-        self.requests: list[GenerateRequest] = []
-
-    def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_bos)
-
-    def decode(self, ids) -> str:
-        return self.tok.decode([int(i) for i in ids])
-
-    async def generate(self, request: GenerateRequest) -> Generation:
-        self.requests.append(request)
-        text = self.script.pop(0)
-        ids = np.asarray(self.encode(text), np.int32)
-        return Generation(ids, np.full(len(ids), -0.5, np.float32), np.full(len(ids), self.version, np.int32), text, "stop")
-
-    def hardware(self) -> str:
-        return "test"
-
-    def update_weights(self, state_dict, version: int) -> None:
-        self.version = version
-
-    def close(self) -> None:
-        pass
 
 
 def _ctx(task, backends, tools=None) -> RolloutContext:

@@ -1,0 +1,91 @@
+"""Helpers shared by the unit and integration tests: a scripted model backend and a topic reader.
+
+Importable as `helpers` from every test folder (pytest puts tests/, the folder of conftest.py,
+on the import path).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from astraflow.config import KafkaSettings
+from astraflow.kafka.clients import RecordConsumer
+from astraflow.raas.backends.base import GenerateRequest, Generation
+
+
+class ScriptedBackend:
+    """A fake model with the real tokenizer of `model_dir`: each request's reply is the next text
+    of `reply` (a list, replayed in order) or `reply(prompt text)` (a function).
+
+    `per_char`: one token id per character (not how the tokenizer would split the text), so a
+    test knows each token; `eos`: the reply ends with the end-of-sequence token. Logprobs:
+    `first_logprob` + `logprob_step` x position; every token carries the current `version`.
+    The requests and the token ids sampled are kept (`requests`, `sampled`).
+    """
+
+    name = "scripted"
+
+    def __init__(self, policy: str, model_dir: Path, reply: list[str] | Callable[[str], str], *, version: int = 3,
+                 context_length: int | None = None, per_char: bool = False, eos: bool = False,
+                 first_logprob: float = -0.5, logprob_step: float = 0.0) -> None:
+        from transformers import AutoTokenizer
+
+        self.policy, self.version = policy, version
+        self.script = list(reply) if not callable(reply) else None
+        self.brain = reply if callable(reply) else None
+        self.tokenizer = self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.context_length = context_length  # tokens of prompt + completion; None: the tokenizer's bound
+        self.per_char, self.eos = per_char, eos
+        self.first_logprob, self.logprob_step = first_logprob, logprob_step
+        self.requests: list[GenerateRequest] = []
+        self.sampled: list[list[int]] = []
+
+    def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_bos)
+
+    def decode(self, ids: Any) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    async def generate(self, request: GenerateRequest) -> Generation:
+        self.requests.append(request)
+        text = self.brain(self.decode(request.prompt_ids)) if self.brain is not None else self.script.pop(0)
+        ids = [t for ch in text for t in self.encode(ch)] if self.per_char else self.encode(text)
+        if self.eos:
+            ids.append(self.tok.eos_token_id)
+        self.sampled.append(ids)
+        n = len(ids)
+        logprobs = self.first_logprob + self.logprob_step * np.arange(n, dtype=np.float32)
+        return Generation(np.asarray(ids, np.int32), logprobs.astype(np.float32), np.full(n, self.version, np.int32),
+                          text, "stop")
+
+    def hardware(self) -> str:
+        return "test"
+
+    def update_weights(self, state_dict: Any, version: int) -> None:
+        self.version = version
+
+    def close(self) -> None:
+        pass
+
+
+def collect(kafka: KafkaSettings, topic: str, expect: type | None, until: Callable[[list], bool], *,
+            timeout_s: float = 60.0, on_batch: Callable[[list], None] | None = None) -> list:
+    """The records of `topic` (decoded as `expect`) read from its start, in a fresh group, until
+    `until(records so far)` or `timeout_s`; `on_batch(records so far)` after each poll."""
+    c = RecordConsumer(kafka, f"t-{uuid.uuid4().hex}", [topic], component="test", dlq=None, expect=expect)
+    out: list = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not until(out) and time.monotonic() < deadline:
+            out.extend(r.record for r in c.poll_batch(500, 0.5))
+            if on_batch is not None:
+                on_batch(out)
+    finally:
+        c.close()
+    return out
