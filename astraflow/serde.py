@@ -17,10 +17,11 @@ import json
 import struct
 from typing import Any, TypeVar
 
-from fastavro import parse_schema, schemaless_reader, schemaless_writer
+from fastavro import parse_schema, schemaless_reader
 from fastavro.schema import fingerprint, to_parsing_canonical_form
 from fastavro.validation import validate
 
+from astraflow.avro_encoder import Encoder, compile_encoder
 from astraflow.errors import (
     CorruptRecordError,
     RecordTooLargeError,
@@ -55,6 +56,7 @@ class AvroSerde:
         self._registry = registry_client  # a SchemaRegistryClient to share (mock:// stores are per client)
         self._registry_ids: dict[str, int] = {}  # fullname -> id of our latest version
         self._registry_schemas: dict[int, SchemaVersion] = {}  # id -> writer schema
+        self._encoders: dict[str, tuple[bytes, Encoder]] = {}  # fullname -> (framing header, compiled writer)
         if registry_url and registry_client is None:
             from confluent_kafka.schema_registry import SchemaRegistryClient
 
@@ -83,19 +85,17 @@ class AvroSerde:
     # ---- dict API ------------------------------------------------------------------------------
 
     def encode(self, fullname: str, datum: dict[str, Any]) -> bytes:
-        """Encodes a dict with the latest version of `fullname`."""
-        sv = self.catalog.latest(fullname)
-        buf = io.BytesIO()
-        if self._registry is not None:
-            buf.write(struct.pack(">bI", CONFLUENT_MAGIC, self._registry_id(sv)))
-        else:
-            buf.write(SINGLE_OBJECT_MAGIC)
-            buf.write(sv.fingerprint)
+        """Encodes a dict with the latest version of `fullname` (its compiled encoder, see avro_encoder)."""
+        enc = self._encoders.get(fullname)
+        if enc is None:
+            enc = self._encoder(fullname)
+        header, write = enc
+        out = [header]
         try:
-            schemaless_writer(buf, sv.parsed, datum)
-        except Exception as exc:  # fastavro raises many types for bad data; explain with validate()
-            raise SchemaValidationError(_explain_invalid(sv, datum, exc)) from exc
-        data = buf.getvalue()
+            write(datum, out.append)
+        except Exception as exc:  # a value of the wrong type or range; explain with fastavro's validate()
+            raise SchemaValidationError(_explain_invalid(self.catalog.latest(fullname), datum, exc)) from exc
+        data = b"".join(out)
         if len(data) > self.max_record_bytes:
             raise RecordTooLargeError(
                 f"{fullname} record is {len(data):,} bytes, over the {self.max_record_bytes:,}-byte limit; "
@@ -103,6 +103,15 @@ class AvroSerde:
                 "together with the topic's max.message.bytes"
             )
         return data
+
+    def _encoder(self, fullname: str) -> tuple[bytes, Encoder]:
+        sv = self.catalog.latest(fullname)
+        if self._registry is not None:
+            header = struct.pack(">bI", CONFLUENT_MAGIC, self._registry_id(sv))
+        else:
+            header = SINGLE_OBJECT_MAGIC + sv.fingerprint
+        enc = self._encoders[fullname] = (header, compile_encoder(sv.parsed))
+        return enc
 
     def decode(self, data: bytes | None) -> tuple[str, dict[str, Any]]:
         """Decodes framed bytes into (schema full name, dict in the latest schema version)."""
