@@ -29,7 +29,8 @@ def machine() -> dict[str, Any]:
     except OSError:
         commit = ""
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "commit": commit,
-            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None}
 
 
 def write_json(path: str | None, name: str, figures: dict[str, Any]) -> None:

@@ -1,8 +1,9 @@
-"""Serde throughput: encode + decode of a 4,096-token trajectory on one core.
+"""Serde throughput: encode + decode of a 4,096-token trajectory, and of a task, on one core.
 
 Compares, in the same run, AstraFlow's typed path (Trajectory -> framed bytes -> Trajectory with
-zero-copy numpy arrays) against a bare fastavro round trip of the same record as a dict (no
-framing, no typed objects). Usage: python bench/serde.py [--quick] [--json OUT]
+zero-copy numpy arrays; Task -> bytes -> Task) against a bare fastavro round trip of the same
+record as a dict (schemaless_writer/reader with the parsed schema: no framing, no typed objects,
+no dict building). Usage: python bench/serde.py [--quick] [--json OUT]
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import write_json
 from fastavro import schemaless_reader, schemaless_writer
 
-from astraflow.records import Trajectory
+from astraflow.records import Task, Trajectory
 from astraflow.serde import AvroSerde
-from astraflow.testing import make_trajectory
+from astraflow.testing import make_task, make_trajectory
 
 
 def rate(fn, seconds: float) -> float:
@@ -45,27 +46,39 @@ def main() -> None:
     serde = AvroSerde()
     traj = make_trajectory(args.tokens)
     data = serde.dumps(traj)
-    parsed = serde.catalog.latest("astraflow.Trajectory").parsed
-    datum = traj.to_avro()
+    task = make_task(3)
+    task_data = serde.dumps(task)
 
-    def bare() -> None:
-        buf = io.BytesIO()
-        schemaless_writer(buf, parsed, datum)
-        buf.seek(0)
-        schemaless_reader(buf, parsed, None)
+    def bare_fn(record):
+        parsed = serde.catalog.latest(record.SCHEMA).parsed
+        datum = record.to_avro()
+
+        def bare() -> None:
+            buf = io.BytesIO()
+            schemaless_writer(buf, parsed, datum)
+            buf.seek(0)
+            schemaless_reader(buf, parsed, None)
+        return bare
 
     def ours() -> None:
         serde.loads(serde.dumps(traj), Trajectory)
 
+    def ours_task() -> None:
+        serde.loads(serde.dumps(task), Task)
+
     # Interleave repeats so machine noise hits both sides alike; report the best of each.
-    bare_r, ours_r = [], []
+    bare_r, ours_r, bare_t, ours_t = [], [], [], []
+    bare, bare_task = bare_fn(traj), bare_fn(task)
     for _ in range(3):
         bare_r.append(rate(bare, secs))
         ours_r.append(rate(ours, secs))
-    b, o = max(bare_r), max(ours_r)
+        bare_t.append(rate(bare_task, secs / 2))
+        ours_t.append(rate(ours_task, secs / 2))
+    b, o, bt, ot = max(bare_r), max(ours_r), max(bare_t), max(ours_t)
     passthrough = rate(lambda: serde.dumps(serde.loads(data, Trajectory)), secs)  # what reward/curate do
     enc = rate(lambda: serde.dumps(traj), secs)
     dec = rate(lambda: serde.loads(data, Trajectory), secs)
+    task_dec = rate(lambda: serde.loads(task_data, Task), secs / 2)  # what a RaaS node does per task
     rows = [
         ("record", f"Trajectory, {args.tokens} tokens, {len(data):,} bytes framed"),
         ("bare fastavro round trip /s", f"{b:,.0f}"),
@@ -74,6 +87,11 @@ def main() -> None:
         ("astraflow decode + re-encode (pass-through) /s", f"{passthrough:,.0f}"),
         ("astraflow encode+decode /s", f"{o:,.0f}"),
         ("astraflow vs bare (1.0 = as fast)", f"{o / b:.2f}x"),
+        ("Task: bare fastavro round trip /s", f"{bt:,.0f}"),
+        ("Task: astraflow encode+decode /s", f"{ot:,.0f}"),
+        ("Task: astraflow decode /s", f"{task_dec:,.0f}"),
+        ("Task: astraflow vs bare", f"{ot / bt:.2f}x"),
+        ("load average (1 min) at the end", f"{os.getloadavg()[0]:.2f}"),
     ]
     w = max(len(r[0]) for r in rows)
     for k, v in rows:
@@ -81,6 +99,8 @@ def main() -> None:
     write_json(args.json, "serde", {
         "tokens": args.tokens, "bytes": len(data), "bare_roundtrip_per_s": b, "encode_per_s": enc,
         "decode_per_s": dec, "passthrough_per_s": passthrough, "roundtrip_per_s": o, "ratio_vs_bare": o / b,
+        "task": {"bytes": len(task_data), "bare_roundtrip_per_s": bt, "roundtrip_per_s": ot, "decode_per_s": task_dec,
+                 "ratio_vs_bare": ot / bt},
     })
 
 

@@ -49,7 +49,7 @@ class SamplingParams:
 
     @classmethod
     def from_avro(cls, d: dict[str, Any]) -> SamplingParams:
-        return cls(d["temperature"], d["top_p"], d["max_tokens"], list(d["stop"]), d["max_turns"])
+        return cls(d["temperature"], d["top_p"], d["max_tokens"], d["stop"], d["max_turns"])
 
 
 @dataclass(slots=True)
@@ -91,21 +91,10 @@ class Task:
 
     @classmethod
     def from_avro(cls, d: dict[str, Any]) -> Task:
-        return cls(
-            task_id=d["task_id"],
-            group_id=d["group_id"],
-            prompt_id=d["prompt_id"],
-            dataset=d["dataset"],
-            workflow=d["workflow"],
-            prompt=d["prompt"],
-            policies=list(d["policies"]),
-            n_samples=d["n_samples"],
-            reference=d["reference"],
-            sampling=SamplingParams.from_avro(d["sampling"]),
-            metadata=dict(d["metadata"]),
-            lineage=[StrategyRef.from_avro(s) for s in d["lineage"]],
-            created_at=d["created_at"],
-        )
+        # Positional, in field order; the lists and dicts are fresh from the decoder (no copies).
+        return cls(d["task_id"], d["group_id"], d["prompt_id"], d["dataset"], d["workflow"], d["prompt"],
+                   d["policies"], d["n_samples"], d["reference"], SamplingParams.from_avro(d["sampling"]),
+                   d["metadata"], [StrategyRef.from_avro(s) for s in d["lineage"]], d["created_at"])
 
 
 class Segment:
@@ -350,27 +339,12 @@ class Trajectory:
 
     @classmethod
     def from_avro(cls, d: dict[str, Any]) -> Trajectory:
+        # Positional, in field order; the lists and dicts are fresh from the decoder (no copies).
         return cls(
-            trajectory_id=d["trajectory_id"],
-            task_id=d["task_id"],
-            group_id=d["group_id"],
-            prompt_id=d["prompt_id"],
-            dataset=d["dataset"],
-            workflow=d["workflow"],
-            sample_index=d["sample_index"],
-            group_size=d["group_size"],
-            segments=[Segment.from_avro(s) for s in d["segments"]],
-            tool_calls=[ToolCall.from_avro(t) for t in d["tool_calls"]],
-            final_answer=d["final_answer"],
-            reference=d["reference"],
-            status=_STATUS[d["status"]],
-            error=d["error"],
-            reward=d["reward"],
-            reward_components=d["reward_components"],  # a fresh dict from the decoder
-            timings=Timings.from_avro(d["timings"]),
-            node=NodeInfo.from_avro(d["node"]),
-            lineage=[StrategyRef.from_avro(s) for s in d["lineage"]],
-            metadata=d["metadata"],
-            created_at=d["created_at"],
-            temperature=float(d.get("temperature", 1.0)),
+            d["trajectory_id"], d["task_id"], d["group_id"], d["prompt_id"], d["dataset"], d["workflow"],
+            d["sample_index"], d["group_size"], [Segment.from_avro(s) for s in d["segments"]],
+            Timings.from_avro(d["timings"]), NodeInfo.from_avro(d["node"]),
+            [ToolCall.from_avro(t) for t in d["tool_calls"]], d["final_answer"], d["reference"], _STATUS[d["status"]],
+            d["error"], d["reward"], d["reward_components"], [StrategyRef.from_avro(s) for s in d["lineage"]],
+            d["metadata"], d["created_at"], float(d.get("temperature", 1.0)),
         )
