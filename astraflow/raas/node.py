@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import socket
@@ -72,6 +73,11 @@ class NodeSettings:
     group_id: str | None = None  # default: af.<experiment>.raas
 
 
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class RaasNode:
     """Serves tasks with the given backends (policy name -> backend)."""
 
@@ -95,6 +101,7 @@ class RaasNode:
         self.tasks_refused = 0  # dead-lettered by admission
         self.rollouts_failed = 0  # ERROR trajectories (workflow raised, timed out or returned garbage)
         self._stop = asyncio.Event()
+        self._slot_freed = asyncio.Event()  # a rollout ended: the main loop starts a buffered task at once
         self._paused = False
         self._full_since: float | None = None  # when the local buffer last became full
         self._pending: collections.deque[Received[Task]] = collections.deque()  # fetched, not started
@@ -149,9 +156,12 @@ class RaasNode:
                 # Short polls while rollouts run, so a freed slot is refilled at once from the buffer.
                 timeout = 0.005 if self.inflight else 0.05
                 if self._full_since is not None and not self._paused:
-                    await asyncio.sleep(timeout)  # full for a moment: fetch nothing, keep what librdkafka holds
+                    # Full for a moment: fetch nothing, keep what librdkafka holds, and wake as soon
+                    # as a rollout ends so that its slot is refilled from the buffer at once.
+                    await self._wait_slot(timeout)
                 else:
                     self._pending.extend(await asyncio.to_thread(self.consumer.poll_batch, room, timeout))
+                self._slot_freed.clear()  # a rollout ending from here on wakes the next wait
                 while self._pending and self.inflight < self.s.max_inflight:
                     self._start_task(self._pending.popleft())
                 self.producer.poll(0)
@@ -173,6 +183,10 @@ class RaasNode:
         finally:
             await self.agent_api.close()
             self.consumer.close()  # leaves the group: partitions move to the other nodes at once
+
+    async def _wait_slot(self, timeout: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._slot_freed.wait(), timeout)
 
     def _backpressure(self) -> None:
         full = len(self._pending) >= self.s.prefetch
@@ -211,11 +225,16 @@ class RaasNode:
         # Delivery reports may be served by the commit thread's DLQ flush: appends only (thread-safe).
         reports: list[str | None] = []
         failed: list[str] = []
+        loop = asyncio.get_running_loop()
+        acked = loop.create_future()  # done once every trajectory of the task has its report
 
         def on_delivery(err, _msg) -> None:
             if err is not None:
                 failed.append(err.str())
             reports.append(None if err is None else err.str())
+            if len(reports) == len(results):
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                    loop.call_soon_threadsafe(_resolve, acked)
 
         for ctx, traj in zip(contexts, results, strict=True):
             try:
@@ -226,9 +245,9 @@ class RaasNode:
                 self.rollouts_failed += traj.error is None  # not counted yet
                 bare = error_trajectory(ctx, task, f"trajectory cannot be encoded: {exc}", keep_segments=False)
                 self.producer.send(self.topics.rollouts, bare, key=task.group_id, on_delivery=on_delivery)
-        while len(reports) < len(results):
+        while len(reports) < len(results):  # the main loop polls the producer too; this wakes on the report
             self.producer.poll(0)
-            await asyncio.sleep(0.01)
+            await asyncio.wait([acked], timeout=0.01)
         if failed:
             log.error("task %s: %d trajectories not acknowledged (%s); it will be redelivered", task.task_id, len(failed), failed[0])
             return  # offset stays uncommitted: another delivery will redo it
@@ -240,6 +259,7 @@ class RaasNode:
             traj = await run_workflow(workflow, ctx, self.cfg.raas.rollout_timeout_s, self._workflows)
         finally:
             self.inflight -= 1
+            self._slot_freed.set()
         self.rollouts_done += 1
         self.rollouts_failed += traj.error is not None
         self.tokens_done += traj.num_tokens
