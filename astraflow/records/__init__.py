@@ -1,8 +1,8 @@
 """Typed Python counterparts of the Avro schemas in `schemas/`.
 
-Each record is a small dataclass with `to_avro()` (a dict fastavro can write) and
-`from_avro(d)` (from what fastavro read). Token arrays are numpy arrays; on the wire they are
-packed little-endian bytes, and `from_avro` wraps those bytes without copying. Timestamps are
+Each record is a small dataclass with `to_avro()` (a dict the serde's compiled encoder writes)
+and `from_avro(d)` (from what fastavro's reader decoded). Token arrays are numpy arrays; on the
+wire they are packed little-endian bytes, and `from_avro` wraps those bytes without copying. Timestamps are
 integer milliseconds since the epoch (the serde strips Avro logical types internally, so no
 datetime conversion costs time on the hot path).
 """
