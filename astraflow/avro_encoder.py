@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import operator
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 Encoder = Callable[[Any, Callable[[bytes], None]], None]
@@ -62,19 +62,19 @@ def _str_bytes(v: Any) -> bytes:
 
 
 def _as_bytes(v: Any) -> bytes:
-    if isinstance(v, (bytes, bytearray)):
+    if isinstance(v, (bytes, bytearray, memoryview)):
         return bytes(v)
     raise TypeError(f"{type(v).__name__} value is not bytes")
 
 
-def _as_list(v: Any) -> list | tuple:
-    if isinstance(v, (list, tuple)):
+def _as_list(v: Any) -> Sequence:
+    if isinstance(v, Sequence) and not isinstance(v, (str, bytes, bytearray)):
         return v
     raise TypeError(f"{type(v).__name__} value is not a list")
 
 
-def _as_dict(v: Any) -> dict:
-    if isinstance(v, dict):
+def _as_dict(v: Any) -> Mapping:
+    if isinstance(v, Mapping):
         return v
     raise TypeError(f"{type(v).__name__} value is not a dict")
 

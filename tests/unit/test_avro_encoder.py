@@ -144,3 +144,15 @@ def test_schemas_it_cannot_encode_are_refused_when_compiled() -> None:
     schema = parse_schema({"type": "record", "name": "F", "fields": [{"name": "f", "type": {"type": "fixed", "name": "H", "size": 4}}]})
     with pytest.raises(ValueError, match="not supported"):
         compile_encoder(schema)
+
+
+def test_other_sequences_and_mappings_write_like_lists_and_dicts() -> None:
+    from types import MappingProxyType
+
+    parsed = AvroSerde().catalog.latest("astraflow.Task").parsed
+    datum = make_task(1).to_avro()
+    datum["metadata"] = {"a": "b"}
+    other = {**datum, "policies": tuple(datum["policies"]), "metadata": MappingProxyType(datum["metadata"]),
+             "reference": "ref"}
+    datum["reference"] = "ref"
+    assert _compiled_bytes(parsed, other) == _compiled_bytes(parsed, datum) == _fastavro_bytes(parsed, datum)
