@@ -2,10 +2,6 @@
 # The first quick-start command: set up everything, start the local Kafka, run the main job.
 # Extra arguments go to `astraflow demo`.
 set -euo pipefail
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$ROOT"
-bash scripts/system-deps.sh
-VENV=$(bash scripts/env.sh)
-export PATH="$VENV/bin:$PATH"
+source "$(dirname "${BASH_SOURCE[0]}")/prepare.sh"  # repository root, system packages, venv on PATH
 astraflow kafka up
 exec astraflow demo "$@"

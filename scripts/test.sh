@@ -9,11 +9,7 @@
 # at the end if it started it; ASTRAFLOW_SKIP_DOCKER=1 leaves the engine alone and the test skips.
 # GPU tests skip themselves where no GPU is present. Extra arguments go to pytest.
 set -euo pipefail
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$ROOT"
-bash scripts/system-deps.sh
-VENV=$(bash scripts/env.sh)
-export PATH="$VENV/bin:$PATH"
+source "$(dirname "${BASH_SOURCE[0]}")/prepare.sh"  # repository root, system packages, venv on PATH
 
 echo "== ruff"
 ruff check astraflow stream_apps trainers tests bench
