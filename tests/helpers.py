@@ -1,4 +1,4 @@
-"""Helpers shared by the unit and integration tests: a scripted model backend and a topic reader.
+"""Helpers shared by the tests: a scripted model backend, a topic reader, a process counter.
 
 Importable as `helpers` from every test folder (pytest puts tests/, the folder of conftest.py,
 on the import path).
@@ -6,6 +6,7 @@ on the import path).
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -89,3 +90,15 @@ def collect(kafka: KafkaSettings, topic: str, expect: type | None, until: Callab
     finally:
         c.close()
     return out
+
+
+def processes_with(marker: str) -> int:
+    """Processes on this machine whose command line contains `marker`."""
+    n = 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                n += marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+    return n

@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from helpers import processes_with
 
 from astraflow.errors import SandboxError, SandboxUnavailableError
 from astraflow.sandbox import (
@@ -56,18 +57,6 @@ BEST = STRICT if BWRAP_MISSING is None else WEAK  # for cases that do not depend
 
 
 _with = dataclasses.replace
-
-
-def _processes_with(marker: str) -> int:
-    """Processes on this machine whose command line contains `marker`."""
-    n = 0
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                n += marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-    return n
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -199,7 +188,7 @@ def test_fork_bomb_is_contained() -> None:
 
     def watch() -> None:
         while not stop.is_set():
-            peak[0] = max(peak[0], _processes_with(marker))
+            peak[0] = max(peak[0], processes_with(marker))
             time.sleep(0.05)
 
     watcher = threading.Thread(target=watch)
@@ -212,7 +201,7 @@ def test_fork_bomb_is_contained() -> None:
     assert not r.ok and r.timed_out
     assert "refused 11" in r.stdout  # EAGAIN: the pids cgroup stopped it
     assert peak[0] <= SMALL.nproc + 2  # the run's processes, plus bwrap and its pid-1 reaper
-    assert _processes_with(marker) == 0  # the whole tree is gone, setsid() or not
+    assert processes_with(marker) == 0  # the whole tree is gone, setsid() or not
 
 
 def test_async_runs_concurrently_and_cancellation_kills_the_run() -> None:
@@ -231,9 +220,9 @@ def test_async_runs_concurrently_and_cancellation_kills_the_run() -> None:
 
     assert asyncio.run(scenario()) == ["0\n", "2\n", "4\n"]
     deadline = time.monotonic() + 3
-    while _processes_with(marker) and time.monotonic() < deadline:
+    while processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _processes_with(marker) == 0
+    assert processes_with(marker) == 0
 
 
 def test_output_is_bounded_head_and_tail() -> None:

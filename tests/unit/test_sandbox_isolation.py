@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from helpers import processes_with
 
 from astraflow.sandbox import (
     SandboxLimits,
@@ -193,31 +194,19 @@ def test_a_run_dies_with_the_process_that_started_it() -> None:
     try:
         deadline = time.monotonic() + 20
         # the host, bwrap, bwrap's reaper, the run and the run's child all carry the marker
-        while _processes_with(marker) < 5 and time.monotonic() < deadline:
+        while processes_with(marker) < 5 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _processes_with(marker) >= 5
+        assert processes_with(marker) >= 5
         host.kill()  # SIGKILL: no cleanup code of ours runs
         host.wait()
         deadline = time.monotonic() + 5
-        while _processes_with(marker) and time.monotonic() < deadline:
+        while processes_with(marker) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _processes_with(marker) == 0  # bwrap died with its parent, the namespace with bwrap
+        assert processes_with(marker) == 0  # bwrap died with its parent, the namespace with bwrap
     finally:
         host.kill()
         host.wait()
         remove_cgroup(parent)
-
-
-def _processes_with(marker: str) -> int:
-    """Processes on this machine whose command line contains `marker`."""
-    n = 0
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                n += marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-    return n
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="as a non-root user bwrap maps the code to that user's own uid")
