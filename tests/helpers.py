@@ -1,4 +1,5 @@
-"""Helpers shared by the tests: a scripted model backend, a topic reader, a process counter.
+"""Helpers shared by the tests: a scripted model backend, a topic reader, a process counter, and
+a weights payload with one tensor block replaced.
 
 Importable as `helpers` from every test folder (pytest puts tests/, the folder of conftest.py,
 on the import path).
@@ -18,6 +19,8 @@ import numpy as np
 from astraflow.config import KafkaSettings
 from astraflow.kafka.clients import RecordConsumer
 from astraflow.raas.backends.base import GenerateRequest, Generation
+from astraflow.weights.delta import SparseDelta
+from astraflow.weights.format import KIND_TENSOR, TensorRecord, frame, unframe
 
 
 class ScriptedBackend:
@@ -102,3 +105,13 @@ def processes_with(marker: str) -> int:
             except OSError:
                 continue
     return n
+
+
+def replace_tensor(payload: bytes, name: str, body: bytes) -> bytes:
+    """The weights payload with tensor `name`'s block replaced by a block of `body` (crc32 recomputed)."""
+    blocks = list(SparseDelta.from_bytes(payload).blocks)
+    for i, b in enumerate(blocks):
+        kind, got = unframe(b)
+        if kind == KIND_TENSOR and TensorRecord.parse(got).name == name:
+            blocks[i] = frame(KIND_TENSOR, body)
+    return b"".join(blocks)

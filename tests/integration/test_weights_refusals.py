@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from helpers import collect
+from helpers import collect, replace_tensor
 
 from astraflow.config import AstraflowConfig, KafkaSettings
 from astraflow.kafka.clients import RecordProducer
@@ -29,11 +29,8 @@ from astraflow.weights.delta import SparseDelta, encode
 from astraflow.weights.format import (
     FULL_CHUNK,
     FULL_ZSTD_PLANES,
-    KIND_TENSOR,
     OP_FULL,
     TensorRecord,
-    frame,
-    unframe,
 )
 from astraflow.weights.publish import split_chunks
 from astraflow.weights.snapshot import snapshot
@@ -77,15 +74,6 @@ class Writer:
         self.producer.flush()
 
 
-def _replace_tensor(payload: bytes, name: str, body: bytes) -> bytes:
-    blocks = list(SparseDelta.from_bytes(payload).blocks)
-    for i, b in enumerate(blocks):
-        kind, got = unframe(b)
-        if kind == KIND_TENSOR and TensorRecord.parse(got).name == name:
-            blocks[i] = frame(KIND_TENSOR, body)
-    return b"".join(blocks)
-
-
 def _zip_bomb(backend: TorchBackend, state: dict, version: int) -> bytes:
     """A snapshot whose embedding chunk inflates to 1 GiB (frames and checksums all consistent)."""
     z = zstd.ZstdCompressor(level=1)
@@ -94,7 +82,7 @@ def _zip_bomb(backend: TorchBackend, state: dict, version: int) -> bytes:
     meta = backend.weight_layout().tensors[EMB]
     body = (TensorRecord(EMB, OP_FULL, meta, 0, 0, meta.numel, 1, 0).pack_head()
             + FULL_CHUNK.pack(0, meta.numel, FULL_ZSTD_PLANES, len(bomb)) + bomb)
-    return _replace_tensor(snapshot(state, version), EMB, body)
+    return replace_tensor(snapshot(state, version), EMB, body)
 
 
 def _wait(cond: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:

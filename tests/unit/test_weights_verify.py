@@ -12,6 +12,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from helpers import replace_tensor
 
 from astraflow.records import PolicyVersion, WeightKind
 from astraflow.weights.bits import StateManifest
@@ -22,11 +23,8 @@ from astraflow.weights.follow import WeightFollower
 from astraflow.weights.format import (
     FULL_CHUNK,
     FULL_ZSTD_PLANES,
-    KIND_TENSOR,
     OP_FULL,
     TensorRecord,
-    frame,
-    unframe,
 )
 from astraflow.weights.layout import ModelLayout
 from astraflow.weights.publish import split_chunks
@@ -90,16 +88,6 @@ def _refused(events: list, says: str) -> None:
     assert says in events[0].result.reason, events[0].result.reason
 
 
-def _replace_tensor(payload: bytes, name: str, body: bytes) -> bytes:
-    """The payload with tensor `name`'s block replaced by a block of `body` (crc32 recomputed)."""
-    blocks = list(SparseDelta.from_bytes(payload).blocks)
-    for i, b in enumerate(blocks):
-        kind, got = unframe(b)
-        if kind == KIND_TENSOR and TensorRecord.parse(got).name == name:
-            blocks[i] = frame(KIND_TENSOR, body)
-    return b"".join(blocks)
-
-
 def test_a_delta_whose_checksum_lies_is_rolled_back_exactly() -> None:
     f = _follower()
     a, b = encode(S1, S2, base_version=1, version=2), encode(S1, _changed(S1, 1.0), base_version=1, version=2)
@@ -121,7 +109,7 @@ def test_a_chunk_that_decompresses_to_a_gigabyte_is_refused_without_inflating_it
     meta = LAYOUT.tensors["emb"]
     head = TensorRecord("emb", OP_FULL, meta, 0, 0, meta.numel, 1, 0).pack_head()
     body = head + FULL_CHUNK.pack(0, meta.numel, FULL_ZSTD_PLANES, len(bomb)) + bomb
-    payload = _replace_tensor(snapshot(S2, 2), "emb", body)
+    payload = replace_tensor(snapshot(S2, 2), "emb", body)
     tracemalloc.start()
     try:
         events = _feed(f, 2, payload, 20)
@@ -153,7 +141,7 @@ def test_a_huge_shape_is_refused_before_anything_is_allocated_even_without_a_lay
     _feed(f, 0, snapshot(S0, 0), 0)
     meta = dataclasses.replace(LAYOUT.tensors["emb"], shape=(1 << 20, 1 << 20))
     body = TensorRecord("emb", OP_FULL, meta, 0, 0, meta.numel, 0, 0).pack_head()
-    _refused(_feed(f, 1, _replace_tensor(snapshot(S1, 1), "emb", body), 10), "weights.max_state_bytes")
+    _refused(_feed(f, 1, replace_tensor(snapshot(S1, 1), "emb", body), 10), "weights.max_state_bytes")
     _holds(f, 0, S0)
 
 
