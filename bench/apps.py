@@ -31,6 +31,7 @@ from typing import Any
 
 import _common
 from confluent_kafka import Consumer, Producer
+from dataplane import commit  # the bare loop commits as the data-plane benchmark's does
 
 from astraflow.config import KafkaSettings, TopicSettings
 from astraflow.kafka.clients import RecordProducer, producer_config
@@ -72,17 +73,6 @@ class Finish:
         return self.at
 
 
-def _commit(consumer: Any) -> None:
-    """Commits the consumer's positions; nothing new since the last commit is not an error."""
-    from confluent_kafka import KafkaError, KafkaException
-
-    try:
-        consumer.commit(asynchronous=False)
-    except KafkaException as exc:
-        if exc.args[0].code() != KafkaError._NO_OFFSET:
-            raise
-
-
 def plain_stage(kafka: KafkaSettings, src: str, dst: str, n: int, serde: AvroSerde) -> float:
     """Copies n records src -> dst with a bare confluent-kafka loop; returns seconds."""
     group = f"bench-plain-{uuid.uuid4().hex}"
@@ -107,10 +97,10 @@ def plain_stage(kafka: KafkaSettings, src: str, dst: str, n: int, serde: AvroSer
         producer.poll(0)
         if time.monotonic() - last_commit >= 1.0:  # same commit rule as ours: flush, then commit
             producer.flush()
-            _commit(consumer)
+            commit(consumer)
             last_commit = time.monotonic()
     producer.flush()
-    _commit(consumer)
+    commit(consumer)
     consumer.close()
     assert first is not None
     return done.wait(120) - first
