@@ -28,10 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from astraflow.errors import DeltaFormatError, WeightsError
+from astraflow.errors import WeightsError
 from astraflow.weights.bits import StateManifest, is_torch
 from astraflow.weights.delta import SparseDelta
-from astraflow.weights.format import KIND_HEADER, OP_FULL, StreamHeader, TensorRecord, split_blocks, unframe
+from astraflow.weights.format import OP_FULL, StreamHeader, TensorRecord, split_blocks
 from astraflow.weights.layout import ModelLayout, WeightLayoutError
 from astraflow.weights.snapshot import load_snapshot
 from astraflow.weights.transaction import apply_blocks
@@ -142,12 +142,7 @@ class WeightChain:
         it = iter(blocks)
         try:
             first = next(it, None)
-            if first is None:
-                raise DeltaFormatError("empty delta")
-            kind, body = unframe(first)
-            if kind != KIND_HEADER:
-                raise DeltaFormatError("a delta must start with its header block")
-            header = StreamHeader.parse(body)
+            header = StreamHeader.of_first_block(first)
         except WeightsError as exc:
             return self._need_snapshot(f"delta for version {version} is unreadable: {exc}", exc)
         if header.version != version:

@@ -30,7 +30,6 @@ from astraflow.errors import DeltaFormatError
 from astraflow.weights.bits import StateManifest, TensorEntry, TensorMeta, bit_view, tensor_crc
 from astraflow.weights.codec import DEFAULT_CHUNK_ELEMS, DEFAULT_LEVEL, ChunkEncoder
 from astraflow.weights.format import (
-    KIND_HEADER,
     KIND_TENSOR,
     OP_DELTA,
     OP_FULL,
@@ -71,10 +70,7 @@ class SparseDelta:
         blocks = tuple(bytes(b) for b in split_blocks(data))
         if len(blocks) < 2:
             raise DeltaFormatError("a delta needs at least a header and a trailer block")
-        kind, body = unframe(blocks[0])
-        if kind != KIND_HEADER:
-            raise DeltaFormatError("a delta must start with its header block")
-        header = StreamHeader.parse(body)
+        header = StreamHeader.of_first_block(blocks[0])
         _, tail = unframe(blocks[-1])
         return cls(blocks, header, StreamTrailer.parse(tail))
 

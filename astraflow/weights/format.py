@@ -123,6 +123,16 @@ class StreamHeader:
             raise DeltaFormatError("malformed stream header: not an AstraFlow weight delta or snapshot")
         return cls(stream, base, version, checksum, chunk)
 
+    @classmethod
+    def of_first_block(cls, block: bytes | memoryview | None) -> StreamHeader:
+        """The header of a stream from its first block (None: the stream is empty)."""
+        if block is None:
+            raise DeltaFormatError("empty delta")
+        kind, body = unframe(block)
+        if kind != KIND_HEADER:
+            raise DeltaFormatError("a delta must start with its header block")
+        return cls.parse(body)
+
 
 @dataclass(frozen=True)
 class StreamTrailer:

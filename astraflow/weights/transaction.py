@@ -30,7 +30,6 @@ from astraflow.weights.bits import (
 )
 from astraflow.weights.codec import apply_delta_chunks, decode_full, undo_delta_chunks
 from astraflow.weights.format import (
-    KIND_HEADER,
     KIND_TENSOR,
     KIND_TRAILER,
     OP_DELTA,
@@ -96,13 +95,7 @@ def _apply(
     undo: list[Callable[[], None]],
     admit: Callable[[TensorRecord], None] | None,
 ) -> AppliedStream:
-    first = next(blocks, None)
-    if first is None:
-        raise DeltaFormatError("empty delta stream")
-    kind, body = unframe(first)
-    if kind != KIND_HEADER:
-        raise DeltaFormatError("a delta stream must start with its header block")
-    header = StreamHeader.parse(body)
+    header = StreamHeader.of_first_block(next(blocks, None))
     if header.base_checksum != base.checksum():
         raise DeltaBaseMismatchError(
             f"delta {header.base_version} -> {header.version} was encoded against other weights than "
