@@ -59,7 +59,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from astraflow.errors import AstraflowError, ConfigError, SerdeError
-from astraflow.kafka.clients import Received
+from astraflow.kafka.received import Received
 from astraflow.records import GroupDropped, PolicyVersion, PromptStats, Trajectory
 from stream_apps.curate_samples import GroupSamples
 from stream_apps.groups import (

@@ -61,7 +61,7 @@ from typing import Any
 from confluent_kafka import KafkaException
 
 from astraflow.errors import AstraflowError, ConfigError
-from astraflow.kafka.clients import Received
+from astraflow.kafka.received import Received
 from astraflow.records import PromptStats, SamplingParams, Task
 from stream_apps.datasets import DatasetRow, load_datasets
 from stream_apps.handler import AppHandler

@@ -48,8 +48,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from astraflow.config import TopicSettings
 from astraflow.errors import AstraflowError, KafkaLayerError, SerdeError
-from astraflow.kafka.clients import DLQ_MAX_BYTES, Received, dead_letter_bytes, decode_headers
 from astraflow.kafka.offsets import OffsetTracker
+from astraflow.kafka.received import DLQ_MAX_BYTES, Received, dead_letter_bytes, decode_headers
 from astraflow.records import Metric
 from stream_apps.handler import AppHandler, StrategyFailed
 from stream_apps.lifecycle import EngineLifecycle

@@ -1,5 +1,5 @@
 """The app interface: what a stream app implements (`AppHandler`) and what it is handed (a
-`astraflow.kafka.clients.Received`, its `record` decoded).
+`astraflow.kafka.received.Received`, its `record` decoded).
 
 An app is a handler object that `stream_apps.engine.StreamEngine` wires into a Faust app; it
 never touches Kafka clients itself. It sends outputs, counts drops and dead-letters through the
@@ -14,7 +14,7 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from astraflow.errors import AstraflowError
-from astraflow.kafka.clients import Received
+from astraflow.kafka.received import Received
 
 if TYPE_CHECKING:
     from stream_apps.engine import StreamEngine

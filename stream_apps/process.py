@@ -23,7 +23,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from astraflow.errors import ConfigError
-from astraflow.kafka.clients import Received
+from astraflow.kafka.received import Received
 from astraflow.processor import Emit, Processor
 from astraflow.records import StrategyRef
 from stream_apps.handler import AppHandler, StrategyFailed

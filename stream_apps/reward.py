@@ -24,7 +24,7 @@ from typing import Any
 
 from astraflow.dataflow.registry import Strategy
 from astraflow.dataflow.rewards import RewardResult, with_reward
-from astraflow.kafka.clients import Received
+from astraflow.kafka.received import Received
 from astraflow.records import Trajectory
 from stream_apps.handler import AppHandler, StrategyFailed
 from stream_apps.slots import Slot, SlotDefault

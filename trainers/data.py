@@ -40,7 +40,8 @@ from torch.utils.data import IterableDataset
 
 from astraflow.config import KafkaSettings
 from astraflow.errors import KafkaLayerError, SerdeError, TopicError
-from astraflow.kafka.clients import DeadLetterWriter, Received, RecordProducer, data_messages, watermarks
+from astraflow.kafka.clients import RecordProducer, data_messages, watermarks
+from astraflow.kafka.received import DeadLetterWriter, Received
 from astraflow.records import TrainSample
 from astraflow.rl.samples import (
     DuplicateSampleError,

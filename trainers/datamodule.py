@@ -14,7 +14,8 @@ import lightning as L
 from torch.utils.data import DataLoader
 
 from astraflow.errors import KafkaLayerError
-from astraflow.kafka.clients import DeadLetterWriter, Received, RecordProducer
+from astraflow.kafka.clients import RecordProducer
+from astraflow.kafka.received import DeadLetterWriter, Received
 from astraflow.rl.samples import NonFiniteStepError, SampleWindow
 from trainers.data import TRAINER_PRODUCER, TrainStream, flush_patiently
 

@@ -17,7 +17,8 @@ from astraflow.cli.common import console, handle_errors, load
 @handle_errors
 def smoke(ctx: typer.Context, records: int = typer.Option(100, help="Trajectories to round-trip.")) -> None:
     """Round-trip trajectories through the configured Kafka (and the DLQ), then clean up."""
-    from astraflow.kafka.clients import DeadLetterWriter, RecordConsumer, RecordProducer
+    from astraflow.kafka.clients import RecordConsumer, RecordProducer
+    from astraflow.kafka.received import DeadLetterWriter
     from astraflow.kafka.topics import TopicAdmin, Topics, topic_specs
     from astraflow.records import DeadLetter, Trajectory
     from astraflow.testing import make_trajectory

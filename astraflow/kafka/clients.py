@@ -28,15 +28,14 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from astraflow.config import KafkaSettings
-from astraflow.errors import KafkaLayerError, ProduceError, RecordTooLargeError, SerdeError
-from astraflow.kafka.offsets import TP
-from astraflow.records import DeadLetter, Record
+from astraflow.errors import KafkaLayerError, ProduceError, SerdeError
+from astraflow.kafka.received import DeadLetterWriter, Received
+from astraflow.records import Record
 from astraflow.serde import AvroSerde
 
 R = TypeVar("R", bound=Record)
@@ -232,92 +231,6 @@ class RecordProducer:
     def raw(self) -> Producer:
         """The underlying confluent-kafka producer (for transactions)."""
         return self._producer
-
-
-def decode_headers(raw: Iterable[tuple[str, Any]] | None) -> dict[str, str]:
-    """A record's headers as text, decoded leniently (they are untrusted too)."""
-    return {k: (v.decode(errors="replace") if isinstance(v, bytes) else str(v)) for k, v in (raw or [])}
-
-
-@dataclass(slots=True, eq=False)
-class Received(Generic[R]):
-    """A record read from Kafka with where it came from: what `RecordConsumer.poll_batch` returns
-    and what a stream app's handler is handed (`stream_apps.handler.AppHandler.handle`).
-
-    `value` keeps the original bytes, so a record that cannot be handled is dead-lettered untouched.
-    """
-
-    record: R  # the typed record (astraflow.records); None until decoded (a stream app decodes it late)
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    timestamp_ms: int
-    value: bytes | None  # the original bytes, kept for dead-lettering
-    headers: dict[str, str]  # the record's headers, decoded leniently
-    epoch: int = 0  # assignment epoch of its partition (OffsetTracker), where the reader keeps one
-
-    @classmethod
-    def of(cls, msg: Message, record: Any = None) -> Received[Any]:
-        """The coordinates, bytes and headers of a confluent-kafka message (and its decoded record)."""
-        return cls(record, msg.topic() or "", msg.partition() or 0, msg.offset() or 0, msg.key(),
-                   msg.timestamp()[1], msg.value(), decode_headers(msg.headers()))
-
-    @property
-    def tp(self) -> TP:
-        return (self.topic, self.partition)
-
-    @property
-    def key_str(self) -> str | None:
-        return self.key.decode(errors="replace") if isinstance(self.key, bytes) else self.key
-
-
-def dead_letter_bytes(serde: AvroSerde, received: Received[Any], error: BaseException | str, component: str,
-                      strategy: str | None = None) -> tuple[DeadLetter, bytes]:
-    """The DLQ record for `received` (original bytes untouched) and its encoding.
-
-    An original too large for the DLQ is left out; the entry keeps its coordinates and reason (the
-    original stays in its topic).
-    """
-    dl = DeadLetter(
-        original=received.value,
-        original_key=received.key,
-        topic=received.topic,
-        partition=received.partition,
-        offset=received.offset,
-        error_class=type(error).__name__ if isinstance(error, BaseException) else "Error",
-        error=str(error),
-        component=component,
-        strategy=strategy,
-        headers=dict(received.headers),
-    )
-    try:
-        return dl, serde.dumps(dl)
-    except RecordTooLargeError:
-        dl.original = None
-        dl.error += f" [original of {len(received.value or b''):,} bytes too large for the DLQ; read it at its offset]"
-        return dl, serde.dumps(dl)
-
-
-# The DLQ topic takes records up to 16 MiB (astraflow.kafka.topics).
-DLQ_MAX_BYTES = 16 * 1024 * 1024
-
-
-class DeadLetterWriter:
-    """Writes records a component could not handle to the DLQ, original bytes untouched."""
-
-    def __init__(self, producer: RecordProducer, dlq_topic: str, component: str, dlq_max_bytes: int = DLQ_MAX_BYTES):
-        self.producer = producer
-        self.topic = dlq_topic
-        self.component = component
-        self._serde = AvroSerde(producer.serde.catalog, max_record_bytes=dlq_max_bytes)
-        self.count = 0
-
-    def send(self, received: Received[Any], error: BaseException | str, strategy: str | None = None) -> None:
-        """Dead-letters `received` (a raw message: `Received.of(msg)`)."""
-        _, data = dead_letter_bytes(self._serde, received, error, self.component, strategy)
-        self.producer.send_raw(self.topic, data, key=received.key)
-        self.count += 1
 
 
 class RecordConsumer(Generic[R]):

@@ -43,8 +43,9 @@ from confluent_kafka import TopicPartition
 
 from astraflow.config import AstraflowConfig
 from astraflow.errors import AstraflowError, SerdeError
-from astraflow.kafka.clients import DeadLetterWriter, Received, RecordConsumer, RecordProducer, commit_offsets
+from astraflow.kafka.clients import RecordConsumer, RecordProducer, commit_offsets
 from astraflow.kafka.offsets import OffsetTracker
+from astraflow.kafka.received import DeadLetterWriter, Received
 from astraflow.kafka.topics import Topics
 from astraflow.raas.admission import InvalidTaskError, admit
 from astraflow.raas.agent_api.server import AgentEndpoint

@@ -26,8 +26,9 @@ from confluent_kafka import OFFSET_BEGINNING, Message, TopicPartition
 
 from astraflow.config import KafkaSettings
 from astraflow.errors import SerdeError, WeightsError
-from astraflow.kafka.clients import DeadLetterWriter, Received, RecordProducer, data_messages
+from astraflow.kafka.clients import RecordProducer, data_messages
 from astraflow.kafka.read import assigned_consumer
+from astraflow.kafka.received import DeadLetterWriter, Received
 from astraflow.kafka.topics import Topics
 from astraflow.records import Metric, PolicyVersion, WeightChunk, WeightKind
 from astraflow.serde import AvroSerde

@@ -8,7 +8,8 @@ import pytest
 from confluent_kafka import Consumer
 
 from astraflow.config import KafkaSettings, TopicSettings
-from astraflow.kafka.clients import DeadLetterWriter, RecordConsumer, RecordProducer
+from astraflow.kafka.clients import RecordConsumer, RecordProducer
+from astraflow.kafka.received import DeadLetterWriter
 from astraflow.kafka.topics import TopicAdmin, topic_specs
 from astraflow.records import DeadLetter, Task, Trajectory
 from astraflow.serde import AvroSerde

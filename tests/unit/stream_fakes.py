@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from astraflow.control import ControlState
-from astraflow.kafka.clients import Received
+from astraflow.kafka.received import Received
 from astraflow.kafka.topics import Topics
 from astraflow.records import Control, PolicyVersion, Segment, Trajectory, WeightKind
 from astraflow.serde import AvroSerde

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from stream_fakes import FakeWorker, curator_on_fake_worker
 
-from astraflow.kafka.clients import Received
+from astraflow.kafka.received import Received
 from astraflow.records import PromptStats
 from astraflow.serde import AvroSerde
 from stream_apps.curator import CuratorApp, CuratorOptions, tasks_ahead
