@@ -9,6 +9,7 @@ never commits: reading for replay or inspection leaves no trace in any consumer 
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -66,9 +67,44 @@ class TopicSource:
             if self.until_ms is not None:
                 end = self._offset_for(p, self.until_ms + 1, high, timeout_s)
             if tail is not None:
-                start = max(start, end - tail)
+                start = self._tail_start(p, start, end, tail, timeout_s)
             ranges[p] = (start, max(start, end))
         return ranges
+
+    def _tail_start(self, partition: int, low: int, end: int, tail: int, timeout_s: float) -> int:
+        """An offset after which at least `tail` records lie before `end` (or `low`). Offsets are not
+        records: a transactional topic (scored, train) spends one on every commit marker, and aborted
+        records are skipped under read_committed; so the window grows until it holds `tail` records."""
+        window = max(tail, 1)
+        while True:
+            start = max(low, end - window)
+            if start <= low or self._count(partition, start, end, timeout_s) >= tail:
+                return start
+            window *= 4
+
+    def _count(self, partition: int, start: int, end: int, timeout_s: float) -> int:
+        """Records a read_committed reader gets from [start, end) of `partition`."""
+        self.consumer.assign([TopicPartition(self.topic, partition, start)])
+        n, deadline = 0, time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                msgs = self.consumer.consume(500, 0.5)
+                for msg in msgs:
+                    err = msg.error()
+                    if err is not None:
+                        if err.code() == KafkaError._PARTITION_EOF:
+                            return n
+                        if err.fatal():
+                            raise ReplayError(f"fatal Kafka error reading {self.topic}: {err.str()}")
+                        continue
+                    if msg.offset() >= end:
+                        return n
+                    n += 1
+                    if msg.offset() >= end - 1:
+                        return n
+            return n
+        finally:
+            self.consumer.unassign()
 
     def _offset_for(self, partition: int, ts_ms: int, high: int, timeout_s: float) -> int:
         tps = self.consumer.offsets_for_times([TopicPartition(self.topic, partition, ts_ms)], timeout=timeout_s)

@@ -82,3 +82,31 @@ def test_follow_reports_caught_up_then_streams_new_records(kafka: KafkaSettings,
     source.close()
     assert events == [f"caught up after {backlog}"]  # the last record of each partition, then live ones
     assert sorted(got[backlog:]) == ["n0", "n1", "n2"] and all(k.startswith("k") for k in got[:backlog])
+
+
+def test_most_recent_records_of_a_transactional_topic(kafka: KafkaSettings, topic_factory) -> None:
+    """`logs show -n N` on a topic written in transactions (scored, train): every commit marker and
+    aborted record takes an offset, so the last N offsets hold fewer than N records (it printed
+    nothing for `-n 1` on a running demo's train topic)."""
+    from confluent_kafka import Producer
+
+    from astraflow.serde import AvroSerde
+
+    topic = topic_factory("af.txn-tail", partitions=1)
+    serde = AvroSerde()
+    producer = Producer({**kafka.client_config(), "transactional.id": f"{topic}-writer"})
+    producer.init_transactions(30)
+    for i in range(6):
+        producer.begin_transaction()
+        producer.produce(topic, serde.dumps(make_trajectory(16, task_id=f"txn-{i}")), key=f"k{i}")
+        if i == 5:  # the newest transaction is aborted: its record must never show
+            producer.flush()
+            producer.abort_transaction(30)
+        else:
+            producer.commit_transaction(30)
+
+    code, out = _cli(kafka, "logs", "show", "-t", topic, "--json", "-n", "1")
+    assert code == 0, out
+    assert [json.loads(line)["task_id"] for line in out.splitlines()] == ["txn-4"]
+    code, out = _cli(kafka, "logs", "show", "-t", topic, "--json", "-n", "3")
+    assert code == 0 and [json.loads(line)["task_id"] for line in out.splitlines()] == ["txn-2", "txn-3", "txn-4"], out
