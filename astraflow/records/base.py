@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import time
+from collections.abc import Callable
 from typing import Any, ClassVar, Protocol, Self
 
 import numpy as np
@@ -47,18 +49,38 @@ class Record(Protocol):
 class FlatRecord:
     """Mixin for dataclass records whose fields are all Avro-native (str, numbers, maps, bytes).
 
-    `to_avro` copies the fields into a dict, `from_avro` passes them back to the constructor.
+    `to_avro` copies the fields into a dict, `from_avro` passes them back to the constructor
+    (positionally, in field order: the decoder's dict holds every field of the current schema).
     Records with nested types or packed arrays override both.
     """
 
     __slots__ = ()
 
     def to_avro(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in field_names(type(self))}
+        names, get = _attr_getter(type(self))
+        return dict(zip(names, get(self), strict=True))
 
     @classmethod
     def from_avro(cls, d: dict[str, Any]) -> Self:
-        return cls(**{name: d[name] for name in field_names(cls)})
+        return cls(*_field_getter(cls)(d))
+
+
+@functools.cache
+def _attr_getter(cls: type) -> tuple[tuple[str, ...], Callable[[Any], tuple[Any, ...]]]:
+    """The field names of `cls` and a C-level getter of their values, in field order."""
+    names = field_names(cls)
+    if len(names) == 1:
+        return names, lambda obj: (getattr(obj, names[0]),)
+    return names, operator.attrgetter(*names)
+
+
+@functools.cache
+def _field_getter(cls: type) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
+    """The fields of `cls` out of a decoded dict, as a tuple in field order (C-level itemgetter)."""
+    names = field_names(cls)
+    if len(names) == 1:
+        return lambda d: (d[names[0]],)
+    return operator.itemgetter(*names)
 
 
 @functools.cache

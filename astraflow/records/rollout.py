@@ -8,11 +8,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from astraflow.records.base import FLOAT32, INT32, UINT8, now_ms, pack, unpack
+from astraflow.records.base import FLOAT32, INT32, UINT8, FlatRecord, now_ms, pack, unpack
 
 
 @dataclass(slots=True)
-class StrategyRef:
+class StrategyRef(FlatRecord):
     """Lineage entry: the strategy (and its version) that an app slot applied to a record."""
 
     app: str
@@ -20,16 +20,9 @@ class StrategyRef:
     name: str
     version: int
 
-    def to_avro(self) -> dict[str, Any]:
-        return {"app": self.app, "slot": self.slot, "name": self.name, "version": self.version}
-
-    @classmethod
-    def from_avro(cls, d: dict[str, Any]) -> StrategyRef:
-        return cls(d["app"], d["slot"], d["name"], d["version"])
-
 
 @dataclass(slots=True)
-class SamplingParams:
+class SamplingParams(FlatRecord):
     """Decoding parameters for every model call of a task."""
 
     temperature: float = 1.0  # 0 means greedy
@@ -37,19 +30,6 @@ class SamplingParams:
     max_tokens: int = 256  # per model call
     stop: list[str] = field(default_factory=list)  # stop strings, checked on decoded text
     max_turns: int = 1  # model turns allowed in multi-turn workflows
-
-    def to_avro(self) -> dict[str, Any]:
-        return {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "max_tokens": self.max_tokens,
-            "stop": list(self.stop),
-            "max_turns": self.max_turns,
-        }
-
-    @classmethod
-    def from_avro(cls, d: dict[str, Any]) -> SamplingParams:
-        return cls(d["temperature"], d["top_p"], d["max_tokens"], d["stop"], d["max_turns"])
 
 
 @dataclass(slots=True)
@@ -183,7 +163,7 @@ class Segment:
 
 
 @dataclass(slots=True)
-class ToolCall:
+class ToolCall(FlatRecord):
     """One tool invocation inside a rollout; failures are recorded, never fatal."""
 
     turn: int
@@ -192,20 +172,6 @@ class ToolCall:
     result: str
     latency_s: float
     error: str | None = None
-
-    def to_avro(self) -> dict[str, Any]:
-        return {
-            "turn": self.turn,
-            "name": self.name,
-            "arguments": self.arguments,
-            "result": self.result,
-            "latency_s": self.latency_s,
-            "error": self.error,
-        }
-
-    @classmethod
-    def from_avro(cls, d: dict[str, Any]) -> ToolCall:
-        return cls(d["turn"], d["name"], d["arguments"], d["result"], d["latency_s"], d["error"])
 
 
 class TrajectoryStatus(enum.StrEnum):
@@ -220,7 +186,7 @@ _STATUS = {s.value: s for s in TrajectoryStatus}  # faster than calling the enum
 
 
 @dataclass(slots=True)
-class Timings:
+class Timings(FlatRecord):
     """Wall-clock milestones (ms since epoch) and time spent (s) of a rollout."""
 
     queued_at: int
@@ -229,35 +195,15 @@ class Timings:
     generate_s: float = 0.0
     tool_s: float = 0.0
 
-    def to_avro(self) -> dict[str, Any]:
-        return {
-            "queued_at": self.queued_at,
-            "started_at": self.started_at,
-            "finished_at": self.finished_at,
-            "generate_s": self.generate_s,
-            "tool_s": self.tool_s,
-        }
-
-    @classmethod
-    def from_avro(cls, d: dict[str, Any]) -> Timings:
-        return cls(d["queued_at"], d["started_at"], d["finished_at"], d["generate_s"], d["tool_s"])
-
 
 @dataclass(slots=True)
-class NodeInfo:
+class NodeInfo(FlatRecord):
     """Which RaaS node produced a trajectory, on what hardware, where, with which backend."""
 
     node_id: str
     hardware: str
     region: str
     backend: str
-
-    def to_avro(self) -> dict[str, Any]:
-        return {"node_id": self.node_id, "hardware": self.hardware, "region": self.region, "backend": self.backend}
-
-    @classmethod
-    def from_avro(cls, d: dict[str, Any]) -> NodeInfo:
-        return cls(d["node_id"], d["hardware"], d["region"], d["backend"])
 
 
 @dataclass(slots=True)
