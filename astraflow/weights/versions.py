@@ -57,22 +57,18 @@ def last_published_version(
     return max(versions) if versions else None
 
 
+def snapshot_request(policy: str, requester: str, reason: str = "") -> Control:
+    """The Control record that asks the trainer of `policy` for a full snapshot. Its `version` (an
+    Avro int: 32 bits) is the request's time in seconds; the trainer takes any such record as a
+    request and does not read the number. Milliseconds overflowed the field."""
+    return Control(CONTROL_APP, f"{policy}.snapshot", "snapshot", int(time.time()), {"reason": reason}, requester)
+
+
 def ask_trainer_for_snapshot(
     producer: RecordProducer, topics: Topics, policy: str, requester: str, reason: str = ""
 ) -> None:
     """Ask the trainer of `policy` to publish a full snapshot next (a Control record on the
     control topic; the trainer's `WeightPublisher.request_snapshot` then makes its next
     publication one)."""
-    producer.send(
-        topics.control,
-        Control(
-            CONTROL_APP,
-            f"{policy}.snapshot",
-            "snapshot",
-            int(time.time() * 1000),
-            {"reason": reason},
-            requester,
-        ),
-        key=f"{CONTROL_APP}/{policy}.snapshot",
-    )
+    producer.send(topics.control, snapshot_request(policy, requester, reason), key=f"{CONTROL_APP}/{policy}.snapshot")
     producer.flush()

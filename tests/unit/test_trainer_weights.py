@@ -200,3 +200,16 @@ def test_store_round_trip_local_and_fsspec(tmp_path) -> None:
     mem.delete(uri)
     with pytest.raises(WeightStoreError, match="cannot read"):
         fetch_blob(uri)
+
+
+def test_a_snapshot_request_fits_its_schema() -> None:
+    """The follower's snapshot request is a Control record whose `version` is an Avro int: the
+    millisecond clock it once held (over 2^31) made the compiled encoder refuse it, and the
+    follower crashed where it asks for a snapshot."""
+    from astraflow.serde import AvroSerde
+    from astraflow.weights.versions import snapshot_request
+
+    req = snapshot_request("solver", "raas-1", "chunk 0/1 is out of order or corrupt")
+    back = AvroSerde().loads(AvroSerde().dumps(req))
+    assert back.slot == "solver.snapshot" and back.params == {"reason": "chunk 0/1 is out of order or corrupt"}
+    assert 0 < back.version < 2**31
