@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from astraflow.config import TopicSettings
 from astraflow.errors import AstraflowError, KafkaLayerError, SerdeError
 from astraflow.kafka.offsets import OffsetTracker
-from astraflow.kafka.received import DLQ_MAX_BYTES, Received, dead_letter_bytes, decode_headers
+from astraflow.kafka.received import Received, dead_letter_bytes, decode_headers
 from astraflow.records import Metric
 from stream_apps.handler import AppHandler, StrategyFailed
 from stream_apps.lifecycle import EngineLifecycle
@@ -124,7 +124,7 @@ class StreamEngine(EngineLifecycle):
         )
         self.exactly_once = settings.guarantee == "exactly_once"
         self.serde = AvroSerde(registry_url=self.kafka.schema_registry_url)
-        self._dlq_serde = AvroSerde(self.serde.catalog, max_record_bytes=DLQ_MAX_BYTES)
+        self._dlq_serde = AvroSerde(self.serde.catalog, max_record_bytes=settings.topics.max_message_bytes)  # the DLQ topic's
         self.source = self.topics.stream(handler.sources[0]) if handler.sources else None
         self.stats = WorkerStats()
         self.log = logging.getLogger(f"astraflow.stream.{handler.name}")

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from astraflow.config import TopicSettings
 from astraflow.errors import RecordTooLargeError
 from astraflow.kafka.offsets import TP
 from astraflow.records import DeadLetter, Record
@@ -90,8 +91,8 @@ def dead_letter_bytes(serde: AvroSerde, received: Received[Any], error: BaseExce
         return dl, serde.dumps(dl)
 
 
-# The DLQ topic takes records up to 16 MiB (astraflow.kafka.topics).
-DLQ_MAX_BYTES = 16 * 1024 * 1024
+# The DLQ topic is created with `topics.max_message_bytes` (astraflow.kafka.topics); its default here.
+DLQ_MAX_BYTES = TopicSettings().max_message_bytes
 
 
 class DeadLetterWriter:

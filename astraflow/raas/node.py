@@ -92,7 +92,7 @@ class RaasNode:
         first = next(iter(backends.values()))
         self.node = NodeInfo(settings.node_id, first.hardware(), settings.region, first.name)
         self.producer = RecordProducer(config.kafka)
-        self.dlq = DeadLetterWriter(self.producer, self.topics.dlq, component="raas")
+        self.dlq = DeadLetterWriter(self.producer, self.topics.dlq, component="raas", dlq_max_bytes=config.topics.max_message_bytes)
         self.consumer: RecordConsumer[Task] = self._make_consumer()
         self.offsets = OffsetTracker()
         self.inflight = 0  # rollouts started and not yet finished
