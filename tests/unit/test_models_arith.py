@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 
@@ -60,6 +61,17 @@ def test_calculator_values(expression: str, value: str) -> None:
 def test_calculator_rejects_unsafe_or_invalid(expression: str) -> None:
     with pytest.raises(CalculatorError):
         calculate(expression)
+
+
+def test_calculator_refuses_bad_literals_without_printing_a_warning() -> None:
+    # "3x" makes Python's tokenizer warn ("invalid decimal literal") before the parse fails; a
+    # model writes such text often, and the warning went to the node's stderr on every call
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for text in ("3x", "12abc*2", "1_0a"):
+            with pytest.raises(CalculatorError):
+                calculate(text)
+    assert [w for w in caught if issubclass(w.category, SyntaxWarning)] == []
 
 
 def test_parse_answer_and_calls() -> None:
