@@ -49,7 +49,7 @@ def calculate(expression: str) -> str:
     if len(text) > MAX_EXPRESSION_CHARS:
         raise CalculatorError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
     try:
-        with warnings.catch_warnings():  # model text like "3x" warns before it fails: the error says it
+        with warnings.catch_warnings():  # model text like "1or 2" warns, then the walk refuses it
             warnings.simplefilter("ignore", SyntaxWarning)
             tree = ast.parse(text, mode="eval")
     except (SyntaxError, ValueError) as exc:
