@@ -25,7 +25,13 @@ solver success on 128 held-out problems, verifier accuracy on the fixed balanced
 of the demo (sampled at T=1, 2 episodes each, tool instant). Figures per run and policy:
 trained samples/s, time to target (warm start + `--target-gain`), final figure.
 
-Usage: python bench/multi_policy.py [--quick] [--sigmas 0.5,1.5] [--steps N] [--staleness K] [--seed S] [--json OUT]
+`--modes trainer-centred,dataflow,pipeline` adds the real platform (`bench/_pipeline_pair.py`):
+the demo's roles as separate processes on Kafka (curator, reward, curate, one trainer per policy,
+one RaaS node serving both), same models, prompts, reward, batch sizes and steps; its clock runs
+from the first task on Kafka to both policies' last weights at the benchmark's followers.
+
+Usage: python bench/multi_policy.py [--quick] [--sigmas 0.5,1.5] [--steps N] [--staleness K] [--seed S]
+       [--modes trainer-centred,dataflow,pipeline] [--json OUT]
 
 Each rollout engine runs in a process of its own, as on a RaaS node (`--in-process-engines`: in
 this one, where its decode loop takes turns with the learners for the interpreter lock). Each run
@@ -58,7 +64,7 @@ from astraflow.raas.workflows.builtin import solver_verifier
 from astraflow.records import NodeInfo, SamplingParams, Task, Trajectory
 
 POLICIES = ("solver", "verifier")
-MODES = ("trainer-centred", "dataflow")
+MODES = ("trainer-centred", "dataflow", "pipeline")  # pipeline: the real roles on Kafka (`--modes`)
 G, P = _rl.GROUP, _rl.PROMPTS_PER_STEP
 
 
@@ -215,12 +221,13 @@ async def dataflow(job: Job, tasks: list[Task], steps: int, eval_every: int, sta
     await asyncio.gather(*trainers)
 
 
-def score(run: Run, job: Job, heldout: dict[str, list[tuple[str, str]]]) -> None:
-    """Held-out figure of every snapshot (same seed per step in every run); frees the snapshots."""
+def score(run: Run, scorers: dict[str, tuple[Any, Any]], heldout: dict[str, list[tuple[str, str]]]) -> None:
+    """Held-out figure of every snapshot (same seed per step in every run), with each policy's
+    (model, tokenizer) of `scorers` loaded with the snapshot's weights; frees the snapshots."""
     from astraflow.demo.evaluator import evaluate
 
     for policy, r in run.policies.items():
-        model, tok = job.learners[policy].model, job.learners[policy].tokenizer
+        model, tok = scorers[policy]
         model.eval()
         for step, t, w in r.snapshots:
             model.load_state_dict(w, strict=False)
@@ -230,7 +237,30 @@ def score(run: Run, job: Job, heldout: dict[str, list[tuple[str, str]]]) -> None
         r.snapshots.clear()
 
 
+def pipeline_run(sigma: float, args: argparse.Namespace, models: dict[str, str]) -> Run:
+    """The real multi-process pipeline on Kafka (`bench/_pipeline_pair.py`), scored as the others."""
+    from _pipeline_pair import run_pair_pipeline
+
+    from astraflow.models.tiny import load_tiny
+
+    tasks, heldout = make_tasks(args.steps * P * (2 + args.staleness), args.seed, args.heldout)
+    scorers = {p: load_tiny(models[p]) for p in POLICIES}
+    out = run_pair_pipeline(POLICIES, models, tasks, steps=args.steps, eval_every=args.eval_every,
+                            staleness=args.staleness, sigma=sigma, median_s=args.median_s, seed=args.seed,
+                            bonus=SolverVerifier().bonus)
+    run = Run("pipeline", sigma, wall_s=out["wall_s"], cpu_s=out["cpu_s"], load=out["load"],
+              trajectories=out["trajectories"])
+    for p in POLICIES:
+        base = {k: v.detach().clone() for k, v in scorers[p][0].state_dict().items()}
+        run.policies[p].snapshots = [(0, 0.0, base), *out["snapshots"][p]]
+        run.policies[p].trained = args.steps * _rl.SLOTS
+    score(run, scorers, heldout)
+    return run
+
+
 def one_run(mode: str, sigma: float, args: argparse.Namespace, models: dict[str, str]) -> Run:
+    if mode == "pipeline":
+        return pipeline_run(sigma, args, models)
     tasks, heldout = make_tasks(args.steps * P * (2 + args.staleness), args.seed, args.heldout)
     job = Job(models, sigma, args.median_s, args.seed, engine_process=not args.in_process_engines)
     run = Run(mode, sigma)
@@ -245,7 +275,7 @@ def one_run(mode: str, sigma: float, args: argparse.Namespace, models: dict[str,
     finally:
         run.cpu_s, run.load = _cpu_s(job) - cpu0, (round(load0, 2), round(os.getloadavg()[0], 2))
         job.close()
-    score(run, job, heldout)
+    score(run, {p: (job.learners[p].model, job.learners[p].tokenizer) for p in POLICIES}, heldout)
     return run
 
 
@@ -271,6 +301,8 @@ def main() -> None:
     ap.add_argument("--target-gain", type=float, default=0.05, help="target = warm-start figure + this, per policy")
     ap.add_argument("--heldout", type=int, default=None, help=f"held-out problems (and judgements) (default {_rl.N_HELDOUT}, quick 32)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--modes", default="trainer-centred,dataflow",
+                    help="schedules to run, of " + ",".join(MODES) + " (trainer-centred is the baseline, always run)")
     ap.add_argument("--in-process-engines", action="store_true",
                     help="run the rollout engines in this process (before: they share its interpreter lock with the learners)")
     args = ap.parse_args()
@@ -278,12 +310,15 @@ def main() -> None:
     args.eval_every = args.eval_every or 2
     args.heldout = args.heldout or (32 if args.quick else _rl.N_HELDOUT)
     sigmas = [float(x) for x in (args.sigmas or "0.5,1.5").split(",")]
+    modes = ["trainer-centred", *[m for m in args.modes.split(",") if m and m != "trainer-centred"]]
+    if unknown := [m for m in modes if m not in MODES]:
+        ap.error(f"unknown mode(s) {unknown}: use {', '.join(MODES)}")
     torch.set_num_threads(1)
     paths = models()
     rows: list[dict[str, Any]] = []
     for sigma in sigmas:
         runs = {}
-        for mode in MODES:
+        for mode in modes:
             print(f"sigma {sigma}: {mode} ({args.steps} steps x {_rl.SLOTS} samples per policy) ...", flush=True)
             runs[mode] = r = one_run(mode, sigma, args, paths)
             print(f"  {r.wall_s:.1f}s, {r.cpu_s / r.wall_s:.2f} cores busy, load {r.load[0]}->{r.load[1]}, {r.trajectories} rollouts; " + "; ".join(
@@ -302,14 +337,15 @@ def main() -> None:
             print(f"{x['sigma']:>5} {x['mode']:<16} {x['wall_s']:>7.1f} {x['cores_used']:>5.2f} {p:<9} {y['trained_per_s']:>9.1f} "
                   f"{y['trainer_busy']:>5.0%} {y['start']:>6.3f}->{y['final']:.3f} {tt:>10}")
     for sigma in sigmas:
-        d, s = (next(x for x in rows if x["sigma"] == sigma and x["mode"] == m) for m in ("dataflow", "trainer-centred"))
-        parts = []
-        for p in POLICIES:
-            a, b = d[p]["time_to_target_s"], s[p]["time_to_target_s"]
-            tt = f"time to target {b / a:.2f}x" if a and b else "time to target: not reached by both"
-            parts.append(f"{p} samples/s {d[p]['trained_per_s'] / s[p]['trained_per_s']:.2f}x, {tt}")
-        headline.append(f"sigma {sigma}: " + "; ".join(parts))
-    print("dataflow vs trainer-centred: " + " | ".join(headline))
+        s = next(x for x in rows if x["sigma"] == sigma and x["mode"] == "trainer-centred")
+        for d in (x for x in rows if x["sigma"] == sigma and x["mode"] != "trainer-centred"):
+            parts = []
+            for p in POLICIES:
+                a, b = d[p]["time_to_target_s"], s[p]["time_to_target_s"]
+                tt = f"time to target {b / a:.2f}x" if a and b else "time to target: not reached by both"
+                parts.append(f"{p} samples/s {d[p]['trained_per_s'] / s[p]['trained_per_s']:.2f}x, {tt}")
+            headline.append(f"sigma {sigma} {d['mode']}: " + "; ".join(parts))
+    print("vs trainer-centred: " + " | ".join(headline))
     _common.write_json(args.json, "multi_policy", {
         "median_s": args.median_s, "steps_per_policy": args.steps, "samples_per_step": _rl.SLOTS, "lr": _rl.LR,
         "staleness": args.staleness, "rows": rows, "headline": headline, "load_average": _loadavg(),

@@ -1,0 +1,145 @@
+"""The real two-policy pipeline as a benchmark subject (`bench/multi_policy.py --modes pipeline`).
+
+The `solver-verifier` demo's roles as separate processes on Kafka, on topics of their own: a
+curator issuing `solver_verifier` tasks for both policies (`--max-ahead` = 8 x (1 + staleness)
+prompts), the reward app (`solver_verifier`, the same bonus as the in-process runs), curate
+writing each policy's samples to its own train topic, one `astraflow train` per policy
+(batches of exactly 64 samples, lr 3e-4, fp32 weights) and one RaaS node serving both policies
+(64 rollouts in flight, the calculator behind `--tool-latency`). Nothing is simulated: tasks,
+trajectories, scored trajectories, train samples and both policies' weights go through Kafka,
+in Avro. Curate's zero-variance and length filters are off, as in `bench/_pipeline.py`, so every
+group is trained and a step costs the same 64 rollouts as in the in-process schedules.
+
+The clock starts at the first task's Kafka timestamp and stops when both policies' weights of
+version `steps` have reached the benchmark's followers; snapshots of each policy every
+`eval_every` versions are scored after the run, as the in-process runs' are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import _pipeline
+import _rl
+import torch
+from confluent_kafka import Consumer
+from confluent_kafka.admin import AdminClient
+
+from astraflow.config import load_config
+from astraflow.control import ControlWriter
+from astraflow.demo.common import PY, curate_role, role_env
+from astraflow.demo.supervisor import Role, Supervisor
+from astraflow.kafka.topics import TopicAdmin, Topics, topic_specs
+from astraflow.records import Task
+from astraflow.weights.follow import KafkaWeightFollower
+
+
+def _roles(exp: str, policies: tuple[str, ...], models: dict[str, str], dataset: Path, run_dir: Path, *,
+           staleness: int, sigma: float, median_s: float, seed: int, bonus: float, env: dict[str, str]) -> list[Role]:
+    ahead = _rl.PROMPTS_PER_STEP * (1 + staleness)
+    out = [
+        Role("curator", [*PY, "app", "run", "curator", "-e", exp, *(a for p in policies for a in ("--policy", p)),
+                         "--dataset", str(dataset), "--workflow", "solver_verifier", "--n-samples", str(_rl.GROUP),
+                         "--max-ahead", str(ahead), "--temperature", "1.0", "--max-tokens", "24", "--max-turns", "2"], env),
+        Role("reward", [*PY, "app", "run", "reward", "-e", exp, "--default",
+                        f"reward=solver_verifier:{json.dumps({'bonus': bonus})}"], env),
+        curate_role(exp, policies, env),
+    ]
+    for p in policies:
+        sets = [f"run_dir={run_dir / p}", f"trainer.lr={_rl.LR}", f"trainer.batch_size={_rl.SLOTS}",
+                "trainer.max_wait_s=600", "trainer.progress_bar=false", "trainer.publish_dtype=float32"]
+        out.append(Role(f"trainer-{p}", [*PY, "train", "-e", exp, "-p", p, "-m", models[p],
+                                         *[a for kv in sets for a in ("--set", kv)]], env))
+    served = [a for p in policies for a in ("-p", f"{p}={models[p]}")]
+    out.append(Role("raas-1", [*PY, "raas", "serve", "-e", exp, *served, "--max-inflight", str(_rl.SLOTS),
+                               "--max-batch", str(_rl.SLOTS), "--prefetch", str(ahead), "--threads", "1",
+                               "--seed", str(seed), "--node-id", "raas-1", "--tool-latency", f"calc={median_s}:{sigma}"],
+                    env))
+    return out
+
+
+def _cpu_s(sessions: list[int]) -> float:
+    """User + system CPU seconds so far of every live process in these sessions (each role is a
+    session of its own, so its children, like the node's engine process, count too)."""
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) in sessions:
+                total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def run_pair_pipeline(policies: tuple[str, ...], models: dict[str, str], tasks: list[Task], *, steps: int,
+                      eval_every: int, staleness: int, sigma: float, median_s: float, seed: int, bonus: float,
+                      timeout_s: float = 1800.0) -> dict[str, Any]:
+    """One pipeline run. Returns wall_s, cpu_s (every role process during the run), trajectories,
+    and per policy the weight snapshots [(version, t, state)] including version 0."""
+    cfg = load_config()
+    exp = f"bench-pair-{uuid.uuid4().hex[:8]}"
+    run_dir = Path(tempfile.gettempdir()) / "astraflow-bench" / exp
+    run_dir.mkdir(parents=True, exist_ok=True)
+    specs = topic_specs(exp, list(policies), cfg.topics)
+    admin_t = TopicAdmin(cfg.kafka)
+    admin_t.create(specs, cfg.topics.replication_factor)
+    control = ControlWriter(cfg.kafka, exp)
+    control.set("curator", "pause", "on", issued_by="bench")
+    for slot in ("filter.zero_variance", "filter.length"):
+        control.set("curate", slot, "off", issued_by="bench")
+    topics = Topics(exp)
+    sup = Supervisor(run_dir / "logs")
+    followers = {p: KafkaWeightFollower(cfg.kafka, exp, p, request_snapshots=False, requester="bench") for p in policies}
+    probe = Consumer({**cfg.kafka.client_config(), "group.id": f"{exp}-probe", "enable.auto.commit": False})
+    snapshots: dict[str, list[tuple[int, float, dict[str, torch.Tensor]]]] = {p: [] for p in policies}
+    try:
+        for role in _roles(exp, policies, models, _pipeline.write_dataset(tasks, run_dir / "train.jsonl"), run_dir,
+                           staleness=staleness, sigma=sigma, median_s=median_s, seed=seed, bonus=bonus,
+                           env=role_env(cfg.kafka.bootstrap_servers)):
+            sup.start(role)
+        admin = AdminClient(cfg.kafka.client_config())
+        for p in policies:  # every group has a member and each trainer has published its version 0
+            _pipeline.wait_ready(admin, [f"af.{exp}.raas", f"af.{exp}.reward", f"af.{exp}.curate"], probe,
+                                 topics.weights(p), sup, _pipeline.READY_TIMEOUT_S)
+        for f in followers.values():
+            f.start()
+        pids = [r.proc.pid for r in sup.roles if r.proc is not None]
+        cpu0, load0 = _cpu_s(pids), os.getloadavg()[0]
+        control.set("curator", "pause", "off", issued_by="bench")
+        marks = {p: eval_every for p in policies}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for p, f in followers.items():
+                f.poll(timeout_s=0.1)
+                version = f.follower.version or 0
+                if version >= min(marks[p], steps) and (not snapshots[p] or snapshots[p][-1][0] < version):
+                    snapshots[p].append((version, time.time(), {k: v.detach().clone().float()
+                                                                 for k, v in f.follower.state.items()}))
+                    marks[p] = (version // eval_every + 1) * eval_every
+            if all(s and s[-1][0] >= steps for s in snapshots.values()):
+                rolled_out = _pipeline._end_offsets(probe, topics.rollouts, cfg.topics.partitions)
+                cpu1, load1 = _cpu_s(pids), os.getloadavg()[0]
+                break
+            sup.check()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"both policies' version {steps} not published within {timeout_s:.0f}s; logs in "
+                                   f"{run_dir / 'logs'}")
+        t0 = _pipeline._first_timestamp_s(probe, topics.tasks, cfg.topics.partitions)
+        assert t0 is not None, "no task was issued"
+        wall = max(s[-1][1] for s in snapshots.values()) - t0
+        return {"wall_s": wall, "cpu_s": cpu1 - cpu0, "load": (round(load0, 2), round(load1, 2)),
+                "trajectories": rolled_out, "logs": str(run_dir / "logs"),
+                "snapshots": {p: [(v, t - t0, st) for v, t, st in s] for p, s in snapshots.items()}}
+    finally:
+        sup.stop_all()
+        for f in followers.values():
+            f.close()
+        probe.close()
+        admin_t.delete([s.name for s in specs])
