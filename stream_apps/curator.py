@@ -12,6 +12,10 @@ ones, backed by the changelog topic
 `af.<experiment>.curator-prompt_stats-changelog` and written in the transaction of the feedback
 record, so a restarted worker, or one that takes the partitions over, starts from exactly the
 statistics the committed feedback offsets imply), and a timer issues tasks.
+With `--region-share b=0.4` (a region with a Kafka cluster of its own, fed by MirrorMaker 2:
+`astraflow kafka mirror up`), 40% of the tasks go to `af.<experiment>.tasks.b` instead, which
+only region b's nodes read (`raas serve --tasks-region b`), interleaved so that every prefix
+keeps close to the shares: a fixed share, not one that follows each region's speed.
 Run one curator worker per experiment: the task accounting below is global. Every tick
 (0.2 s) it measures how many tasks are ahead of the trainer, and if fewer than
 `--max-ahead`, asks the curator strategy (slot `curator`, default `accept_all`) for that many
@@ -27,7 +31,7 @@ than max-ahead; the others never wait for it anywhere else):
     ahead(P) = issued - curated(P) + ceil(train_backlog(P) / n_samples)
 
 * `issued`: tasks ever written to `tasks` (sum of its end offsets at start, plus what this
-  process wrote since);
+  process wrote since), and to each region's `tasks.<region>` with `--region-share`;
 * `curated(P)`: groups curate has finished, emitted or filtered out: the sum of `groups` over
   P's PromptStats (each record is cumulative, so compaction loses nothing, and a record read
   twice changes nothing), from the `prompt_stats` table;
@@ -93,6 +97,14 @@ class CuratorOptions:
     trainer_group: str | None = None  # one policy: its trainer's consumer group; "none" ignores the trainers
     throttle: Sequence[str] = ()  # policies whose progress bounds tasks ahead (empty: every policy)
     lag_interval_s: float = 0.2  # how often the trainer's backlog is measured (every tick)
+    region_share: dict[str, float] = field(default_factory=dict)  # region -> fraction of tasks to af.<exp>.tasks.<region>
+
+
+def pick_topic(issued: dict[str, int], shares: dict[str, float]) -> str:
+    """The tasks topic the next task goes to: the one furthest below its share of all tasks
+    issued so far (ties: the first), so every prefix of the sequence keeps close to the shares."""
+    total = sum(issued.values()) + 1
+    return max(shares, key=lambda t: shares[t] * total - issued.get(t, 0))
 
 
 class CuratorApp(AppHandler):
@@ -119,13 +131,18 @@ class CuratorApp(AppHandler):
         if options.trainer_group and options.trainer_group.lower() != "none" and len(self.throttled) > 1:
             raise ConfigError("--trainer-group names one trainer's group; with several policies each trainer's group is "
                               "af.<experiment>.<policy>.trainer (or pass --trainer-group none)")
+        shared = sum(options.region_share.values())
+        if any(v <= 0 for v in options.region_share.values()) or shared >= 1:
+            raise ConfigError("--region-share: each fraction above 0, together below 1 (the rest stays in region A)")
         self.rows: list[DatasetRow] = load_datasets(options.datasets)
         self.by_id = {r.prompt.prompt_id: r for r in self.rows}
         self.pool = [r.prompt for r in self.rows]
         self.stats: dict[str, PromptStats] = {}  # prompt_id -> latest PromptStats of the primary policy
         self.curated_by: dict[str, int] = dict.fromkeys(self.throttled, 0)  # policy -> sum of its stats' groups
         self.groups_seen: dict[str, dict[str, int]] = {p: {} for p in self.throttled}  # policy -> prompt -> groups
-        self.issued = 0  # tasks ever written to the tasks topic
+        self.issued = 0  # tasks ever written to the tasks topic(s)
+        self.issued_to: dict[str, int] = {}  # per tasks topic (--region-share)
+        self.task_shares: dict[str, float] = {}  # tasks topic -> share of the tasks (bind)
         self.issued_here = 0  # by this process
         self.skipped = 0  # prompts the strategy passed over
         self.backlog_by: dict[str, int] = dict.fromkeys(self.throttled, 0)  # policy -> samples its trainer has not consumed
@@ -147,6 +164,11 @@ class CuratorApp(AppHandler):
         super().bind(worker)
         self.slot = Slot(worker.control, self.name, "curator", "curator", self.defaults["curator"])
         self.tasks_topic = worker.topics.tasks
+        # Tasks of a region with a cluster of its own (MirrorMaker 2 carries them there): a topic of
+        # their own, which region A's nodes never read, so no task is rolled out in two regions.
+        shares = self.options.region_share
+        self.task_shares = {self.tasks_topic: 1.0 - sum(shares.values()),
+                            **{worker.topics.tasks_of(r): f for r, f in shares.items()}}
         given = self.options.trainer_group
         if given is not None and given.lower() == "none":
             self.trainer_groups: dict[str, str] = {}
@@ -155,7 +177,8 @@ class CuratorApp(AppHandler):
         self.train_topics = {p: worker.topics.train(p) for p in self.throttled}
         # Never subscribes: only reads watermarks and each trainer group's committed offsets.
         self._lag_consumer = Consumer(reader_config(worker.kafka, f"af-curator-{self._run}"))
-        self.issued = sum(high for _, high in self._watermarks(self.tasks_topic).values())
+        self.issued_to = {t: sum(high for _, high in self._watermarks(t).values()) for t in self.task_shares}
+        self.issued = sum(self.issued_to.values())
         log.info("curator: %d prompts, %d tasks issued so far", len(self.pool), self.issued)
 
     def on_recovered(self, table: str) -> None:
@@ -277,7 +300,9 @@ class CuratorApp(AppHandler):
         ref = strategy.ref(self.name, "curator")
         for prompt in selection.chosen:
             task = self._task(self.by_id[prompt.prompt_id], ref)
-            self.worker.send(self.tasks_topic, task, task.group_id)
+            topic = pick_topic(self.issued_to, self.task_shares) if len(self.task_shares) > 1 else self.tasks_topic
+            self.worker.send(topic, task, task.group_id)
+            self.issued_to[topic] = self.issued_to.get(topic, 0) + 1
             self.issued += 1
             self.issued_here += 1
         self.ahead = max(self.ahead_by().values(), default=0)

@@ -95,6 +95,8 @@ def run_app(
     max_tasks: int | None = typer.Option(None, help="curator: stop after this many tasks (0 = never)."),
     trainer_group: str | None = typer.Option(None, help="curator: trainer's consumer group (af.<exp>.<policy>.trainer; 'none' ignores it)."),
     throttle: list[str] = typer.Option([], "--throttle", help="curator: policies whose trainers bound tasks ahead (default: every --policy)."),
+    region_share: list[str] = typer.Option([], "--region-share", help="curator: REGION=FRACTION of the tasks to "
+                                           "af.<exp>.tasks.REGION, for a region fed by MirrorMaker 2 (repeatable)."),
     log_level: str = typer.Option("info", help="debug | info | warning"),
 ) -> None:
     """Run one worker of a stream app until SIGTERM / Ctrl-C; start more to split partitions."""
@@ -107,7 +109,8 @@ def run_app(
     curate_only = {"--group-timeout": group_timeout, "--min-group-size": min_group_size, "--emitted-ttl": emitted_ttl}
     curator_only = {"--dataset": dataset or None, "--n-samples": n_samples, "--max-ahead": max_ahead, "--workflow": workflow,
                     "--temperature": temperature, "--top-p": top_p, "--max-tokens": max_tokens, "--max-turns": max_turns,
-                    "--max-tasks": max_tasks, "--trainer-group": trainer_group, "--throttle": throttle or None}
+                    "--max-tasks": max_tasks, "--trainer-group": trainer_group, "--throttle": throttle or None,
+                    "--region-share": region_share or None}
     for owner, opts in (("curate", curate_only), ("curator", curator_only)):
         given = [k for k, v in opts.items() if v is not None]
         if given and name != owner:
@@ -130,6 +133,7 @@ def run_app(
         given = {"n_samples": n_samples, "max_ahead": max_ahead, "workflow": workflow, "max_tasks": max_tasks}
         options.curator = CuratorOptions(  # what is not given (or 0) keeps CuratorOptions' default
             datasets=dataset, policies=policy, trainer_group=trainer_group, throttle=throttle,
+            region_share=_shares(region_share),
             sampling=SamplingParams(temperature if temperature is not None else sp.temperature,
                                     top_p if top_p is not None else sp.top_p, max_tokens or sp.max_tokens, [],
                                     max_turns or sp.max_turns),
@@ -139,6 +143,20 @@ def run_app(
     worker = build_worker(name, settings, options)  # type: ignore[arg-type]
     console.print(f"{name} worker (Faust app {worker.group_id}, {guarantee}) for experiment {experiment}; Ctrl-C stops it")
     _run(worker)
+
+
+def _shares(given: list[str]) -> dict[str, float]:
+    """`--region-share b=0.4` -> {"b": 0.4}."""
+    from astraflow.errors import ConfigError
+
+    out = {}
+    for item in given:
+        region, _, frac = item.partition("=")
+        try:
+            out[region.strip()] = float(frac)
+        except ValueError:
+            raise ConfigError(f"--region-share {item!r}: expected REGION=FRACTION, e.g. b=0.4") from None
+    return out
 
 
 @app_app.command("list")
@@ -230,6 +248,8 @@ def process_run(
     instance_id: str | None = typer.Option(None, help="Instance name in metrics."),
     metrics_interval: float = typer.Option(10.0, help="Seconds between metrics records."),
     guarantee: str = typer.Option("exactly_once", help="exactly_once (Kafka transactions) | at_least_once."),
+    region_share: list[str] = typer.Option([], "--region-share", help="curator: REGION=FRACTION of the tasks to "
+                                           "af.<exp>.tasks.REGION, for a region fed by MirrorMaker 2 (repeatable)."),
     log_level: str = typer.Option("info", help="debug | info | warning"),
 ) -> None:
     """Run one worker of a user processor until SIGTERM / Ctrl-C; start more to split partitions."""

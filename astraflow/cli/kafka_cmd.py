@@ -236,3 +236,79 @@ def acls(
     for g in grants:
         table.add_row(g.principal, g.resource, g.name, g.pattern.lower(), ", ".join(g.operations), g.why)
     console.print(table)
+
+
+mirror_app = typer.Typer(help="MirrorMaker 2 between region A's cluster and region B's, for one experiment "
+                              "(docs/deploy.md, \"Across regions and hardware\").", no_args_is_help=True)
+app.add_typer(mirror_app, name="mirror")
+MIRROR_DIR = typer.Option(None, "--data-dir", help="Where mm2.properties, the pid file and the log live "
+                          "(default: ~/.cache/astraflow/mirror/EXP-REGION).")
+REGION = typer.Option("b", "--region", help="Region B's name: its tasks topic is af.EXP.tasks.REGION.")
+
+
+def _mirror_dir(data_dir: str | None, experiment: str, region: str):
+    from pathlib import Path
+
+    from astraflow.config import default_home
+
+    return Path(data_dir) if data_dir else default_home() / "mirror" / f"{experiment}-{region}"
+
+
+@mirror_app.command("up")
+@handle_errors
+def mirror_up(
+    ctx: typer.Context,
+    experiment: str = EXPERIMENT,
+    policy: list[str] = POLICIES,
+    source_bootstrap: str = typer.Option(..., "--source-bootstrap", help="Region A's cluster (the trainer's)."),
+    target_bootstrap: str = typer.Option(..., "--target-bootstrap", help="Region B's cluster (its nodes')."),
+    region: str = REGION,
+    replication_factor: int = typer.Option(1, "--replication-factor", help="Of the topics created on B and MM2's own."),
+    exactly_once: bool = typer.Option(False, "--exactly-once", help="KIP-618 exactly-once source support (see docs)."),
+    data_dir: str | None = MIRROR_DIR,
+) -> None:
+    """Create the experiment's topics on region B's cluster (and af.EXP.tasks.REGION on A), then
+    start MirrorMaker 2: that tasks topic, the weights and policies to B; rollouts, metrics and
+    the DLQ back to A. Logs to DATA_DIR/logs/mirror.log; `mirror down` stops it."""
+    from astraflow.kafka.local import LocalKafka
+    from astraflow.kafka.mirror import Mirror, MirrorPlan, prepare_topics
+
+    cfg = load(ctx)
+    plan = MirrorPlan(experiment, region, source_bootstrap, target_bootstrap, replication_factor=replication_factor,
+                      max_message_bytes=cfg.topics.max_message_bytes, exactly_once=exactly_once)
+    made = prepare_topics(plan, policy, cfg.topics)
+    for side, res in made.items():
+        console.print(f"region {side}: {sum(v == 'created' for v in res.values())} topic(s) created, "
+                      f"{sum(v == 'exists' for v in res.values())} existed")
+    local = LocalKafka(cfg.local_kafka)
+    local.resolve_jars(console.print)
+    mirror = Mirror(plan, _mirror_dir(data_dir, experiment, region), local.libs)
+    pid = mirror.up(echo=console.print)
+    console.print(f"[green]mirroring[/] pid={pid}; region {region}'s nodes: `raas serve --tasks-region {region}` at "
+                  f"{target_bootstrap}; the curator: `--region-share {region}=FRACTION`")
+
+
+@mirror_app.command("down")
+@handle_errors
+def mirror_down(experiment: str = EXPERIMENT, region: str = REGION, data_dir: str | None = MIRROR_DIR) -> None:
+    """Stop the MirrorMaker that `mirror up` started from this data directory (and nothing else)."""
+    from astraflow.kafka.mirror import Mirror, MirrorPlan
+
+    Mirror(MirrorPlan(experiment, region, "", ""), _mirror_dir(data_dir, experiment, region)).down(echo=console.print)
+
+
+@mirror_app.command("status")
+@handle_errors
+def mirror_status(experiment: str = EXPERIMENT, region: str = REGION, data_dir: str | None = MIRROR_DIR,
+                  lines: int = typer.Option(0, "-n", help="Also print this many lines of its log.")) -> None:
+    """Is the MirrorMaker of this experiment and region running? Exit code 3 when not."""
+    from astraflow.kafka.mirror import Mirror, MirrorPlan
+
+    mirror = Mirror(MirrorPlan(experiment, region, "", ""), _mirror_dir(data_dir, experiment, region))
+    pid = mirror.pid()
+    console.print(f"MirrorMaker {'[green]running[/] pid=' + str(pid) if pid else '[red]stopped[/]'} "
+                  f"config={mirror.properties} log={mirror.log}")
+    if lines:
+        console.print(mirror.log_tail(lines), markup=False, highlight=False)
+    if pid is None:
+        raise typer.Exit(3)

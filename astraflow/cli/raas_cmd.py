@@ -20,6 +20,8 @@ def serve(
     max_batch: int = typer.Option(16, help="Requests decoded together (torch backend)."),
     prefetch: int = typer.Option(16, help="Tasks fetched ahead of the running rollouts (uncommitted until done)."),
     region: str = typer.Option("local", help="Region label for metrics and trajectories."),
+    tasks_region: str | None = typer.Option(None, help="Read af.EXP.tasks.REGION instead of af.EXP.tasks: a region "
+                                            "with its own cluster fed by MirrorMaker 2 (`astraflow kafka mirror up`)."),
     node_id: str | None = typer.Option(None, help="Default: host-pid-random."),
     follow_weights: bool = typer.Option(True, help="Apply new policy versions from the weights topics."),
     search_corpus: str | None = typer.Option(None, help="JSONL or folder of .txt for the search tool."),
@@ -46,6 +48,6 @@ def serve(
 
     console.print(f"RaaS node serving {experiment}: policies {', '.join(pairs)} on {backend}, max_inflight={max_inflight}")
     serve_node(cfg, experiment, pairs, backend=backend, max_inflight=max_inflight, max_batch=max_batch, region=region,
-               prefetch=prefetch,
+               prefetch=prefetch, tasks_region=tasks_region,
                node_id=node_id, follow_weights=follow_weights, search_corpus=search_corpus, threads=threads, seed=seed,
                tokenizer=tokenizer, tool_latency=latency)

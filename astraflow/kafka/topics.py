@@ -48,6 +48,12 @@ class Topics:
     def tasks(self) -> str:
         return self._t("tasks")
 
+    def tasks_of(self, region: str) -> str:
+        """The tasks the curator gives one region of its own (`--region-share`), which that
+        region's nodes read (`raas serve --tasks-region`) and no other node does: a cluster of
+        that region receives them through MirrorMaker 2 (`astraflow.kafka.mirror`)."""
+        return self._t(f"tasks.{check_name('region', region)}")
+
     @property
     def rollouts(self) -> str:
         return self._t("rollouts")

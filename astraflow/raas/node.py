@@ -72,6 +72,7 @@ class NodeSettings:
     prefetch: int = 16  # tasks fetched ahead of the running rollouts (not started, not committed)
     tool_timeout_s: float = 10.0  # per tool call
     group_id: str | None = None  # default: af.<experiment>.raas
+    tasks_region: str | None = None  # read af.<experiment>.tasks.<region> (a region fed by MirrorMaker 2), not tasks
 
 
 def _resolve(fut: asyncio.Future) -> None:
@@ -113,7 +114,8 @@ class RaasNode:
 
     def _make_consumer(self) -> RecordConsumer[Task]:
         return RecordConsumer(
-            self.cfg.kafka, self.s.group_id or f"af.{self.s.experiment}.raas", [self.topics.tasks],
+            self.cfg.kafka, self.s.group_id or f"af.{self.s.experiment}.raas",
+            [self.topics.tasks_of(self.s.tasks_region) if self.s.tasks_region else self.topics.tasks],
             component="raas", dlq=self.dlq, expect=Task, on_assign=self._on_assign,
             on_revoke=self._on_revoke,
             # Tasks are small and a node waits on them: fetch as soon as any arrive.

@@ -19,13 +19,19 @@ log = logging.getLogger("astraflow.raas")
 
 def serve_node(cfg: AstraflowConfig, experiment: str, policies: dict[str, str], *, backend: str = "torch",
                max_inflight: int = 8, max_batch: int = 16, region: str = "local", node_id: str | None = None,
-               prefetch: int = 16,
+               prefetch: int = 16, tasks_region: str | None = None,
                follow_weights: bool = True, search_corpus: str | None = None, threads: int | None = None,
                seed: int | None = None, tokenizer: str | None = None,
                tool_latency: dict[str, tuple[float, float]] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # The operator creates the topics (`astraflow topics create`); checked before loading any model.
-    TopicAdmin(cfg.kafka).require(role_topics("raas", experiment, list(policies)), create_command(experiment, list(policies)))
+    needed = role_topics("raas", experiment, list(policies))
+    if tasks_region:
+        from astraflow.kafka.topics import Topics
+
+        t = Topics(experiment)
+        needed = [t.tasks_of(tasks_region) if n == t.tasks else n for n in needed]
+    TopicAdmin(cfg.kafka).require(needed, create_command(experiment, list(policies)))
     opts: dict[str, Any] = {}
     if backend == "torch":
         # The engine in its own process: workflows, serde and Kafka never hold its interpreter lock.
@@ -48,7 +54,8 @@ def serve_node(cfg: AstraflowConfig, experiment: str, policies: dict[str, str], 
 
                 wait_caught_up(cfg, experiment, backends, cfg.raas.catch_up_timeout_s)
         kw = {"node_id": node_id} if node_id else {}
-        settings = NodeSettings(experiment, max_inflight=max_inflight, region=region, prefetch=prefetch, **kw)
+        settings = NodeSettings(experiment, max_inflight=max_inflight, region=region, prefetch=prefetch,
+                                tasks_region=tasks_region, **kw)
         node = RaasNode(cfg, settings, backends, default_tools(search_corpus, tool_latency, seed))
         prometheus = _prometheus(experiment, node)
 

@@ -1,0 +1,104 @@
+"""MirrorMaker 2's configuration (astraflow.kafka.mirror) and the curator's task split between regions."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from astraflow.errors import ConfigError, LocalKafkaError
+from astraflow.kafka.mirror import IDENTITY, MirrorPlan, loop_free, mirror_properties, render
+from astraflow.kafka.topics import Topics
+from stream_apps.curator import CuratorOptions, pick_topic
+
+
+def plan(**kw) -> MirrorPlan:
+    return MirrorPlan("exp-1", "b", "127.0.0.1:19092", "127.0.0.1:29140", **kw)
+
+
+def mirrored(props: dict[str, str], flow: str, name: str) -> bool:
+    return any(re.fullmatch(p.strip(), name) for p in props[f"{flow}.topics"].split(","))
+
+
+def test_each_flow_mirrors_exactly_its_topics_and_none_loops() -> None:
+    t, props = Topics("exp-1"), mirror_properties(plan())
+    out, back = "a-exp-1->b-exp-1", "b-exp-1->a-exp-1"
+    assert props["clusters"] == "a-exp-1, b-exp-1" and props[f"{out}.enabled"] == props[f"{back}.enabled"] == "true"
+    for name in (t.tasks_of("b"), t.policies, t.weights("policy"), t.weights("critic-2")):
+        assert mirrored(props, out, name) and not mirrored(props, back, name), name
+    for name in (t.rollouts, t.metrics, t.dlq):
+        assert mirrored(props, back, name) and not mirrored(props, out, name), name
+    # Region A's own tasks, training data, control and every other experiment stay where they are.
+    for name in (t.tasks, t.tasks_of("c"), t.scored, t.train("policy"), t.control, t.feedback, "af.exp-10.rollouts",
+                 "af.exp-1x.tasks.b", "af.exp.1.rollouts", Topics("exp-2").weights("policy")):
+        assert not mirrored(props, out, name) and not mirrored(props, back, name), name
+    assert props["replication.policy.class"] == IDENTITY  # same names: no record may loop
+    assert loop_free(plan(), [t.tasks_of("b"), t.rollouts, t.weights("p"), t.metrics]) == []
+
+
+def test_local_settings_replication_factor_one_and_committed_reads() -> None:
+    props = mirror_properties(plan())
+    for key in ("replication.factor", "offset-syncs.topic.replication.factor", "checkpoints.topic.replication.factor",
+                "heartbeats.topic.replication.factor", "config.storage.replication.factor",
+                "offset.storage.replication.factor", "status.storage.replication.factor"):
+        assert props[key] == "1", key
+    assert props["a-exp-1.consumer.isolation.level"] == "read_committed"  # aborted weight chunks never cross
+    assert int(props["b-exp-1.producer.max.request.size"]) >= 16 * 1024 * 1024
+    assert "exactly.once.source.support" not in " ".join(props)
+    eos = mirror_properties(plan(exactly_once=True))
+    assert eos["a-exp-1.exactly.once.source.support"] == eos["b-exp-1.exactly.once.source.support"] == "enabled"
+    assert eos["dedicated.mode.enable.internal.rest"] == "true"
+
+
+def test_rendered_properties_keep_regex_backslashes() -> None:
+    """Java's .properties reader drops a lone backslash: `af\\.x` must be written `af\\\\.x`."""
+    text = render(mirror_properties(plan()))
+    line = next(x for x in text.splitlines() if x.startswith("b-exp-1->a-exp-1.topics"))
+    assert r"af\\.exp\-1\\.rollouts" in line or r"af\\.exp\\-1\\.rollouts" in line
+    assert "\\." not in line.replace("\\\\", "")
+
+
+def test_a_region_named_like_the_source_is_refused() -> None:
+    with pytest.raises(LocalKafkaError):
+        MirrorPlan("e", "a", "x", "y")
+    with pytest.raises(ConfigError):
+        MirrorPlan("e", "b.c", "x", "y")
+
+
+def test_pick_topic_keeps_every_prefix_near_the_shares() -> None:
+    shares = {"tasks": 0.7, "tasks.b": 0.3}
+    issued = {"tasks": 0, "tasks.b": 0}
+    for n in range(1, 101):
+        issued[pick_topic(issued, shares)] += 1
+        assert abs(issued["tasks.b"] - 0.3 * n) <= 1, (n, issued)
+    assert issued == {"tasks": 70, "tasks.b": 30}
+    # A restart with counts far off the shares (end offsets) catches up on the lagging topic first.
+    assert pick_topic({"tasks": 50, "tasks.b": 0}, shares) == "tasks.b"
+
+
+def test_region_shares_are_checked(tmp_path) -> None:
+    from stream_apps.curator import CuratorApp
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1", "reference": "2"}\n')
+    for bad in ({"b": 0.0}, {"b": 1.0}, {"b": 0.6, "c": 0.5}):
+        with pytest.raises(ConfigError, match="region-share"):
+            CuratorApp(CuratorOptions([data], ["policy"], region_share=bad))
+    CuratorApp(CuratorOptions([data], ["policy"], region_share={"b": 0.4}))
+
+
+def test_curator_sends_region_b_its_share_on_its_own_topic(tmp_path) -> None:
+    from stream_fakes import EXP, curator_on_fake_worker
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(f'{{"prompt": "q{i}", "answer": "{i}"}}\n' for i in range(5)))
+    app, w = curator_on_fake_worker(CuratorOptions([data], ["solver"], n_samples=2, max_ahead=10, trainer_group="none",
+                                                   region_share={"b": 0.4}))
+    t = Topics(EXP)
+    app.task_shares, app.issued_to = {t.tasks: 0.6, t.tasks_of("b"): 0.4}, {t.tasks: 0, t.tasks_of("b"): 0}  # as bind sets them
+    app.tick(0.0)
+    topics = [topic for topic, _, _ in w.sent]
+    assert len(topics) == 10 and topics.count(t.tasks_of("b")) == 4 and topics.count(t.tasks) == 6
+    ids = [task.task_id for _, task, _ in w.sent]
+    assert len(set(ids)) == 10  # each task goes to one region's topic only
+    assert app.issued == 10 and app.issued_to == {t.tasks: 6, t.tasks_of("b"): 4}
