@@ -10,6 +10,7 @@ slow records running concurrently.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from stream_fakes import FakeControl
@@ -163,3 +164,23 @@ def test_the_faust_native_entry_builds_the_same_engine_from_the_environment() ->
     for bad in ({"ASTRAFLOW_APP": "reward"}, {"ASTRAFLOW_EXPERIMENT": EXP, "ASTRAFLOW_APP": "curator"}):
         with pytest.raises(ConfigError):
             build_from_env(bad)
+
+
+def test_an_idle_worker_commits_early_a_busy_one_waits_for_the_interval() -> None:
+    engine = StreamEngine(RewardApp(), EngineSettings(EXP, KafkaSettings(), commit_idle_s=30.0, source_partitions=1))
+    commits: list[set[int]] = []
+
+    async def commit() -> None:
+        commits.append(set(engine._dirty))
+        engine._dirty = set()
+
+    engine.commit = commit  # type: ignore[method-assign]
+    engine._dirty = {0}
+    engine._active_at = time.monotonic()  # a record just arrived or finished
+    asyncio.run(engine.commit_if_idle())
+    assert commits == []  # busy: the commit interval batches
+    engine._active_at -= 31.0
+    asyncio.run(engine.commit_if_idle())
+    assert commits == [{0}]  # idle past commit_idle_s: committed now
+    asyncio.run(engine.commit_if_idle())
+    assert commits == [{0}]  # nothing produced since: nothing to commit
