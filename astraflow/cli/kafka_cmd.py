@@ -264,7 +264,8 @@ def mirror_up(
     target_bootstrap: str = typer.Option(..., "--target-bootstrap", help="Region B's cluster (its nodes')."),
     region: str = REGION,
     replication_factor: int = typer.Option(1, "--replication-factor", help="Of the topics created on B and MM2's own."),
-    exactly_once: bool = typer.Option(False, "--exactly-once", help="KIP-618 exactly-once source support (see docs)."),
+    exactly_once: bool = typer.Option(True, "--exactly-once/--at-least-once",
+                                      help="KIP-618 exactly-once source support (transactional writes), or not."),
     data_dir: str | None = MIRROR_DIR,
 ) -> None:
     """Create the experiment's topics on region B's cluster (and af.EXP.tasks.REGION on A), then

@@ -17,9 +17,13 @@ What crosses, per experiment EXP and region R (docs/deploy.md, "Across regions a
 Topic names stay the same on both sides (`IdentityReplicationPolicy`), so region B's roles need
 no other configuration than their bootstrap servers. Identity names cannot tell a mirrored
 record from a local one, so no record may loop: the two flows' topic sets are disjoint (checked
-here), and MM2 mirrors only the topics listed. MM2 is at-least-once (a restart replays from its
-last committed source offset): a trajectory may arrive twice in A, and curate drops a
-trajectory id it has already seen in its group (`duplicate_in_group`, `redelivered_trajectory`).
+here), and MM2 mirrors only the topics listed. By default MM2 runs with exactly-once source
+support (KIP-618, dedicated mode since Kafka 3.5, with KIP-710's internal REST listener on a
+free port): each batch it copies and its source offsets are committed in one transaction on the
+target, so a restarted MM2 copies nothing twice (every reader here is read_committed). Without
+it (`exactly_once=False`) MM2 is at-least-once (a restart replays from its last committed source
+offset) and curate drops a trajectory id it has already seen in its group
+(`duplicate_in_group`, `redelivered_trajectory`).
 
 Weights are published in transactions: MM2 reads them `read_committed`, so aborted chunks never
 cross; but transaction markers take offsets in A and are not copied, so offsets differ between
@@ -65,7 +69,7 @@ class MirrorPlan:
     source_region: str = "a"
     replication_factor: int = 1  # of MM2's own topics and the topics it creates (1: a one-node cluster)
     max_message_bytes: int = 16 * 1024 * 1024  # weight chunks: what MM2's producer must be able to send
-    exactly_once: bool = False  # KIP-618 exactly-once source support in dedicated mode
+    exactly_once: bool = True  # KIP-618 exactly-once source support in dedicated mode
 
     def __post_init__(self) -> None:
         check_name("region", self.region)

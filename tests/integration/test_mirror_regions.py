@@ -4,8 +4,9 @@ the same Maven jars (`astraflow.kafka.mirror`), unique topics.
 
 Region B's tasks (the curator's split) reach B and region A's do not; committed weight records
 reach B and aborted ones do not; B's rollouts and metrics come back to A; MM2 killed with
-kill -9 and restarted between two batches of rollouts (it is at-least-once: what it had not
-committed comes again), and curate's group store still emits every trajectory exactly once.
+kill -9 and restarted between two batches of rollouts (with exactly-once source support, the
+default, it writes nothing twice; at-least-once it copies again what it had not committed), and
+curate's group store emits every trajectory exactly once either way.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def test_mirror_carries_region_b_tasks_and_weights_out_and_rollouts_back(kafka: 
     try:
         b.up(**QUIET)
         kb = KafkaSettings(bootstrap_servers=b.bootstrap)
-        plan = MirrorPlan(exp, "b", kafka.bootstrap_servers, b.bootstrap)
+        plan = MirrorPlan(exp, "b", kafka.bootstrap_servers, b.bootstrap)  # exactly-once source support (the default)
         prepare_topics(plan, ["policy"], TopicSettings(partitions=2))
         mirror = Mirror(plan, tmp_path / "mm2", b.libs, heap_mb=256)
         mirror.up(**QUIET, timeout_s=150)

@@ -37,15 +37,15 @@ def test_each_flow_mirrors_exactly_its_topics_and_none_loops() -> None:
 
 
 def test_local_settings_replication_factor_one_and_committed_reads() -> None:
-    props = mirror_properties(plan())
+    props = mirror_properties(plan(exactly_once=False))
     for key in ("replication.factor", "offset-syncs.topic.replication.factor", "checkpoints.topic.replication.factor",
                 "heartbeats.topic.replication.factor", "config.storage.replication.factor",
                 "offset.storage.replication.factor", "status.storage.replication.factor"):
         assert props[key] == "1", key
     assert props["a-exp-1.consumer.isolation.level"] == "read_committed"  # aborted weight chunks never cross
     assert int(props["b-exp-1.producer.max.request.size"]) >= 16 * 1024 * 1024
-    assert "exactly.once.source.support" not in " ".join(props)
-    eos = mirror_properties(plan(exactly_once=True))
+    assert "exactly.once.source.support" not in " ".join(mirror_properties(plan(exactly_once=False)))
+    eos = mirror_properties(plan())  # the default
     assert eos["a-exp-1.exactly.once.source.support"] == eos["b-exp-1.exactly.once.source.support"] == "enabled"
     assert eos["dedicated.mode.enable.internal.rest"] == "true"
 
