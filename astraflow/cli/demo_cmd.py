@@ -20,12 +20,17 @@ def demo(
                                         "(solver-verifier: every policy, each also evaluated at least once)."),
     nodes: int = typer.Option(2, help="RaaS nodes."),
     n_samples: int | None = typer.Option(None, min=1, help="Samples per prompt (group size; default 8, scenarios "
-                                         "db/os/code: 4)."),
+                                         "db/os/code: 8)."),
     lr: float = typer.Option(3e-4, help="RL learning rate."),
-    batch_size: int | None = typer.Option(None, help="Trainer batch size (samples; 64, solver-verifier 32)."),
-    sft_steps: int | None = typer.Option(None, help="Warm-start SFT steps (default 900; scenarios db/os/code: 300; "
+    batch_size: int | None = typer.Option(None, help="Trainer batch size (samples; 64, solver-verifier 32, "
+                                          "scenarios db/os/code 16)."),
+    sft_steps: int | None = typer.Option(None, help="Warm-start SFT steps (default 900; scenarios db/os/code: 1200; "
                                          "solver-verifier: the solver's, the verifier gets 2/3 of them)."),
-    tool_fraction: float = typer.Option(0.3, help="Share of warm-start demonstrations that call the calculator (arith)."),
+    heldout: int | None = typer.Option(None, min=0, help="Held-out tasks evaluated after the learning phase "
+                                       "(scenarios db/os/code; default 200, 0: none)."),
+    tool_fraction: float | None = typer.Option(None, help="Share of warm-start demonstrations that call the tool "
+                                               "(arith: the calculator, default 0.3; db/os: sql/bash, default "
+                                               "0.3)."),
     scenario: str = typer.Option("arith", help="arith (the calculator agent), solver-verifier (two policies trained "
                                  "together), or an AgentBench-style environment through the OpenAI endpoint: db (SQL), "
                                  "os (sandboxed shell), code (hidden tests)."),
@@ -37,7 +42,7 @@ def demo(
 
     if scenario not in ("arith", "solver-verifier", "db", "os", "code"):
         raise typer.BadParameter(f"--scenario {scenario!r}: choose arith, solver-verifier, db, os or code")
-    if not 0.0 <= tool_fraction <= 1.0:
+    if tool_fraction is not None and not 0.0 <= tool_fraction <= 1.0:
         raise typer.BadParameter(f"--tool-fraction {tool_fraction}: give a share between 0 and 1")
 
     overrides = [f"kafka.bootstrap_servers={bootstrap}"] if bootstrap else []
@@ -63,13 +68,16 @@ def demo(
         from astraflow.demo.scenarios import ScenarioSettings, run_scenario
 
         steps = {"sft_steps": sft_steps} if sft_steps else {}
+        if tool_fraction is not None:
+            steps["tool_fraction"] = tool_fraction
         env = ScenarioSettings(scenario, minutes=minutes, versions=versions, n_samples=n_samples or ScenarioSettings.n_samples,
-                               **steps)
+                               lr=lr, batch_size=batch_size or ScenarioSettings.batch_size,
+                               n_heldout=ScenarioSettings.n_heldout if heldout is None else heldout, **steps)
         raise typer.Exit(run_scenario(cfg, env, run_dir, console))
     settings = DemoSettings(minutes=minutes, target_success=target, versions=versions, nodes=nodes,
                             n_samples=n_samples or DemoSettings.n_samples, lr=lr,
                             batch_size=batch_size or DemoSettings.batch_size, sft_steps=sft_steps or DemoSettings.sft_steps,
-                            tool_fraction=tool_fraction)
+                            tool_fraction=DemoSettings.tool_fraction if tool_fraction is None else tool_fraction)
     code = run_demo(cfg, settings, run_dir, console)
     raise typer.Exit(code)
 

@@ -1,6 +1,6 @@
 """Held-out reward of an environment scenario (`astraflow demo --scenario db|os|code`).
 
-`heldout_reward` runs the environment's workflow (the OpenAI-API agent against a per-rollout
+`heldout_rewards` runs the environment's workflow (the OpenAI-API agent against a per-rollout
 endpoint, in this process) on held-out dataset rows that neither the warm start nor training
 saw (`heldout_tasks`), with a torch backend of the given weights, and scores each trajectory with the
 environment's reward. `final_weights` reads the newest version a trainer published, the way a
@@ -11,6 +11,7 @@ final weights' mean reward on the same rows, sampled as in training and greedy.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -65,9 +66,9 @@ def heldout_tasks(scenario: str, n: int, seed: int, temperature: float, max_toke
             for i, row in enumerate(chosen)]
 
 
-def heldout_reward(model_dir: Path, weights: tuple[int, dict[str, Any]] | None, tasks: list[Task], reward: str,
-                   concurrency: int = 16) -> float:
-    """Mean reward of `tasks` run by the model in `model_dir` (with `weights` applied, when given)."""
+def heldout_rewards(model_dir: Path, weights: tuple[int, dict[str, Any]] | None, tasks: list[Task], reward: str,
+                    concurrency: int = 16) -> list[float]:
+    """The reward of each of `tasks` run by the model in `model_dir` (with `weights` applied, when given)."""
     from astraflow.dataflow.registry import REGISTRY
     from astraflow.dataflow.rewards import score_async
     from astraflow.raas.agent_api import AgentEndpoint
@@ -106,12 +107,26 @@ def heldout_reward(model_dir: Path, weights: tuple[int, dict[str, Any]] | None, 
         rewards = asyncio.run(run_all())
     finally:
         backend.close()
-    return sum(rewards) / max(len(rewards), 1)
+    return list(rewards)
+
+
+def mean_se(xs: list[float]) -> tuple[float, float]:
+    """(mean, standard error of the mean) of `xs`; the error is 0 below two values."""
+    n = len(xs)
+    if n == 0:
+        return 0.0, 0.0
+    mean = sum(xs) / n
+    if n < 2:
+        return mean, 0.0
+    var = sum((x - mean) ** 2 for x in xs) / (n - 1)
+    return mean, math.sqrt(var / n)
 
 
 def evaluate_run(cfg: AstraflowConfig, experiment: str, scenario: str, reward: str, model_dir: Path, n: int,
                  seed: int, max_tokens: int, max_turns: int, n_train: int) -> dict[str, Any]:
-    """The warm start's and the final weights' held-out reward, sampled (T=1) and greedy."""
+    """The warm start's and the final weights' held-out reward, sampled (T=1) and greedy, each with
+    its standard error (`_se`), and the change on the same tasks with the standard error of the
+    paired differences (`_change`, `_change_se`)."""
     final = final_weights(cfg, experiment, "policy")
     rows = len(heldout_tasks(scenario, n, seed, 1.0, max_tokens, max_turns, n_train))
     out: dict[str, Any] = {"heldout_rows": rows, "final_version": final[0] if final else 0}
@@ -119,10 +134,20 @@ def evaluate_run(cfg: AstraflowConfig, experiment: str, scenario: str, reward: s
         return out
     for label, temperature in (("sampled", 1.0), ("greedy", 0.0)):
         tasks = heldout_tasks(scenario, n, seed, temperature, max_tokens, max_turns, n_train)
-        out[f"heldout_{label}_warm_start"] = round(heldout_reward(model_dir, None, tasks, reward), 4)
-        out[f"heldout_{label}_final"] = round(heldout_reward(model_dir, final, tasks, reward), 4) if final else None
+        warm = heldout_rewards(model_dir, None, tasks, reward)
+        out[f"heldout_{label}_warm_start"], out[f"heldout_{label}_warm_start_se"] = _rounded(mean_se(warm))
+        out[f"heldout_{label}_final"] = out[f"heldout_{label}_final_se"] = None
+        if final:
+            last = heldout_rewards(model_dir, final, tasks, reward)
+            out[f"heldout_{label}_final"], out[f"heldout_{label}_final_se"] = _rounded(mean_se(last))
+            diffs = [b - a for a, b in zip(warm, last, strict=True)]
+            out[f"heldout_{label}_change"], out[f"heldout_{label}_change_se"] = _rounded(mean_se(diffs))
     return out
 
 
-__all__ = ["evaluate_run", "final_weights", "heldout_reward", "heldout_tasks"]
+def _rounded(pair: tuple[float, float]) -> tuple[float, float]:
+    return round(pair[0], 4), round(pair[1], 4)
+
+
+__all__ = ["evaluate_run", "final_weights", "heldout_rewards", "heldout_tasks", "mean_se"]
 

@@ -47,19 +47,28 @@ class ScenarioSettings:
     minutes: float = 6.0  # wall-time budget of the learning phase
     versions: int | None = None  # stop early once the trainer has published this many versions
     n_train: int = 2000  # training prompts
-    n_samples: int = 4  # samples per prompt (GRPO group size)
-    sft_steps: int = 300  # warm-start steps (about 2 s each on one free core: sequences of ~200 tokens)
-    sft_batch: int = 16  # warm-start batch
-    wrong_fraction: float = 0.4  # share of warm-start demonstrations that end with a wrong answer
+    n_samples: int = 8  # samples per prompt (GRPO group size)
+    sft_steps: int = 1200  # warm-start steps (db: 164 s in all on a free core, sequences of ~70 tokens)
+    sft_batch: int = 32  # warm-start batch
+    sft_lr: float = 1e-3  # warm-start peak learning rate
+    wrong_fraction: float = 0.0  # share of the warm start's tool-using demonstrations that end with a wrong answer
+    tool_fraction: float = 0.3  # share of warm-start demonstrations (db, os) that use the tool; the rest answer at once
     lr: float = 3e-4  # RL learning rate
     batch_size: int = 16  # trainer batch (samples)
     max_inflight: int = 8  # rollouts of the node
-    n_heldout: int = 48  # held-out rows evaluated after the learning phase (0: none)
+    n_heldout: int = 200  # held-out rows evaluated after the learning phase (0: none)
     seed: int = 0
 
 
-def demonstrations(scenario: str, n: int, wrong_fraction: float, seed: int) -> list[tuple[str, str]]:
-    """(prompt, completion) pairs in the endpoint's chat format (`astraflow.raas.agent_api.render`)."""
+def demonstrations(scenario: str, n: int, wrong_fraction: float, seed: int,
+                   tool_fraction: float = 1.0) -> list[tuple[str, str]]:
+    """(prompt, completion) pairs in the endpoint's chat format (`astraflow.raas.agent_api.render`).
+
+    db and os: a share `tool_fraction` of them runs the task's known solution through the tool
+    and answers from its output (a share `wrong_fraction` of those with a wrong number instead);
+    the others answer at once with the right value, which the agent cannot know without the
+    tool (it never sees the data): the warm start then calls the tool only sometimes, and RL has
+    a decision to learn (as the arithmetic demo's calculator)."""
     from astraflow.envs.database import GuardedDb, parse_spec, schema_text
     from astraflow.envs.datasets import env_dataset
     from astraflow.raas.workflows.envs import CODE_SYSTEM, SYSTEM
@@ -69,20 +78,24 @@ def demonstrations(scenario: str, n: int, wrong_fraction: float, seed: int) -> l
     for row in env_dataset(scenario, n, seed=seed + 1000):  # other rows than the training set's
         ref = json.loads(row["reference"])
         wrong = rng.random() < wrong_fraction
+        direct = rng.random() >= tool_fraction
         if scenario == "db":
             tables = parse_spec(ref["db"])
             db = GuardedDb(tables)
             result = db.run_text(ref["query"])
             db.close()
             user = f"{row['prompt']}\nTables:\n{schema_text(tables)}"
-            answer = str(rng.randint(0, 99)) if wrong else result.splitlines()[0]
-            completion = f"<sql>{ref['query']}</sql><result>{result}</result>Answer: {answer}"
+            right = result.splitlines()[0]
+            answer = str(rng.randint(0, 99)) if wrong and not direct else right
+            call = "" if direct else f"<sql>{ref['query']}</sql><result>{result}</result>"
+            completion = f"{call}Answer: {answer}"
             system = SYSTEM
         elif scenario == "os":
             sol = ref["solution"]
             shown = f"{sol['output']}\n[exit code 0]".strip()
-            answer = str(rng.randint(0, 99)) if wrong else sol["answer"]
-            completion = f"<bash>{sol['command']}</bash><result>{shown}</result>Answer: {answer}"
+            answer = str(rng.randint(0, 99)) if wrong and not direct else sol["answer"]
+            call = "" if direct else f"<bash>{sol['command']}</bash><result>{shown}</result>"
+            completion = f"{call}Answer: {answer}"
             user, system = row["prompt"], SYSTEM
         else:
             code = ref["solution"].replace("return", "return -1 +") if wrong else ref["solution"]
@@ -94,22 +107,25 @@ def demonstrations(scenario: str, n: int, wrong_fraction: float, seed: int) -> l
 
 def warm_model(s: ScenarioSettings, console: Console) -> Path:
     """The warm-started tiny model of the scenario, built once per settings in ~/.cache/astraflow."""
+    from astraflow.models.corpus import synthetic_corpus
     from astraflow.models.sft import sft
     from astraflow.models.tiny import init_tiny
 
-    key = hashlib.sha256(json.dumps([s.scenario, s.sft_steps, s.sft_batch, s.wrong_fraction, s.seed, 1]).encode()).hexdigest()[:10]
+    knobs = [s.scenario, s.sft_steps, s.sft_batch, s.sft_lr, s.wrong_fraction, s.tool_fraction, s.seed, 2]
+    key = hashlib.sha256(json.dumps(knobs).encode()).hexdigest()[:10]
 
     def progress(step: int, loss: float) -> None:
         if (step + 1) % 25 == 0:
             console.print(f"  step {step + 1}/{s.sft_steps}  loss {loss:.3f}")
 
     def build(tmp: Path) -> None:
-        console.print("Building a tiny Qwen2 model with a locally trained tokenizer...")
-        init_tiny(tmp, seed=s.seed)
+        demos = demonstrations(s.scenario, 1000, s.wrong_fraction, s.seed, s.tool_fraction)
+        console.print("Building a tiny Qwen2 model with a tokenizer trained on the synthetic corpus and the "
+                      f"{s.scenario} demonstrations...")
+        init_tiny(tmp, seed=s.seed, corpus=synthetic_corpus(seed=s.seed) + [p + c for p, c in demos])
         console.print(f"Warm-starting it with {s.sft_steps} SFT steps on {s.scenario} demonstrations "
                       f"({s.wrong_fraction:.0%} of them end with a wrong answer)...")
-        m = sft(tmp, demonstrations(s.scenario, 1000, s.wrong_fraction, s.seed), steps=s.sft_steps,
-                batch_size=s.sft_batch, seed=s.seed, on_step=progress)
+        m = sft(tmp, demos, steps=s.sft_steps, lr=s.sft_lr, batch_size=s.sft_batch, seed=s.seed, on_step=progress)
         console.print(f"  SFT loss {m.first_loss:.2f} -> {m.final_loss:.2f} in {m.seconds:.0f}s")
 
     return cached_model(f"{s.scenario}-{key}", console, build)

@@ -173,6 +173,34 @@ def test_scenario_demonstrations_are_in_the_endpoints_chat_format() -> None:
                 assert completion.endswith(f"Answer: {ref['solution']['answer']}")
 
 
+def test_scenario_demonstrations_without_the_tool_answer_at_once_with_the_right_value() -> None:
+    from astraflow.demo.scenarios import demonstrations
+
+    for scenario, tag in (("db", "<sql>"), ("os", "<bash>")):
+        assert all(c.startswith(tag) for _, c in demonstrations(scenario, 40, 0.0, 0, tool_fraction=1.0))
+        direct = demonstrations(scenario, 40, 1.0, 0, tool_fraction=0.0)  # wrong_fraction applies to tool use only
+        rows = env_dataset(scenario, 40, seed=1000)
+        for (_, completion), row in zip(direct, rows, strict=True):
+            ref = json.loads(row["reference"])
+            if scenario == "db":
+                db = GuardedDb(parse_spec(ref["db"]))
+                right = db.run_text(ref["query"]).splitlines()[0]
+                db.close()
+            else:
+                right = ref["solution"]["answer"]
+            assert completion == f"Answer: {right}"
+        mixed = demonstrations(scenario, 400, 0.0, 0, tool_fraction=0.5)
+        assert 150 < sum(c.startswith(tag) for _, c in mixed) < 250
+
+
+def test_mean_and_standard_error_of_heldout_rewards() -> None:
+    from astraflow.demo.env_eval import mean_se
+
+    assert mean_se([]) == (0.0, 0.0) and mean_se([1.0]) == (1.0, 0.0)
+    mean, se = mean_se([0.0, 1.0, 1.0, 0.0])
+    assert mean == 0.5 and se == pytest.approx((1 / 3) ** 0.5 / 2)  # sample variance 1/3, n = 4
+
+
 def test_policy_sequences_split_at_prompts_and_keep_policies_apart() -> None:
     from astraflow.dataflow.sequences import policy_sequences, sequence_sample_id
     from astraflow.records import Segment
