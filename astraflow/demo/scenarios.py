@@ -1,8 +1,9 @@
 """`astraflow demo --scenario db|os|code`: a tiny policy learns an AgentBench-style environment.
 
-Steps: a tiny model warm-started by SFT on the environment's demonstrations (its known solutions
-in the endpoint's chat format, one share of them replaced by a wrong answer so RL has something
-to fix; cached between runs) -> a generated dataset -> the experiment's topics -> curator, one
+Steps: a tiny model (its tokenizer trained on the synthetic corpus and the environment's
+demonstrations) warm-started by SFT on those demonstrations (the known solutions in the
+endpoint's chat format; in db and os only a share of them uses the tool, the others answer at
+once, so RL has a decision to learn; cached between runs) -> a generated dataset -> the experiment's topics -> curator, one
 RaaS node (the environment's workflow: the OpenAI-API agent against the node's per-rollout
 endpoint), reward (the environment's reward), curate and trainer as separate processes -> a
 line of figures every few seconds -> `summary.json` (mean reward per policy version) in the run
