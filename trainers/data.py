@@ -40,7 +40,7 @@ from torch.utils.data import IterableDataset
 
 from astraflow.config import KafkaSettings
 from astraflow.errors import KafkaLayerError, SerdeError, TopicError
-from astraflow.kafka.clients import RecordProducer, data_messages, watermarks
+from astraflow.kafka.clients import RecordProducer, consume_ready, data_messages, watermarks
 from astraflow.kafka.received import DeadLetterWriter, Received
 from astraflow.records import TrainSample
 from astraflow.rl.samples import (
@@ -202,8 +202,8 @@ class TrainStream(IterableDataset):
                 log.debug("group commit failed: %s", exc)
 
     def _fill(self, timeout_s: float) -> int:
-        """Poll once; decode into the buffer; returns how many records arrived."""
-        msgs = self._open().consume(500, timeout_s)
+        """Poll once (returning as soon as a record is there); decode into the buffer; returns how many records arrived."""
+        msgs = consume_ready(self._open(), 500, timeout_s)
         n = 0
         for msg in data_messages(msgs, self.topic):
             n += 1

@@ -124,6 +124,20 @@ def data_messages(msgs: Iterable[Message], where: str,
         elif err.code() != KafkaError._PARTITION_EOF:
             log.warning("Kafka error on %s: %s", where, err.str())
 
+def consume_ready(consumer: Consumer, max_records: int, timeout_s: float) -> list[Message]:
+    """Up to `max_records` messages, returned as soon as there is one: waits at most `timeout_s`
+    for the first, then takes what the client already holds. `Consumer.consume(n, t)` itself
+    returns only once it has n messages or t has passed, so a reader of small batches (a train
+    batch, a weights version, a few tasks) would wait out t after every record."""
+    msgs = consumer.consume(max_records, 0)
+    if msgs or timeout_s <= 0:
+        return msgs
+    first = consumer.poll(timeout_s)
+    if first is None:
+        return []
+    return [first, *consumer.consume(max_records - 1, 0)] if max_records > 1 else [first]
+
+
 # Commit errors that mean "the coordinator is away or moving", not "you lost the partition".
 _RETRIABLE_COMMIT = frozenset(
     {
@@ -267,7 +281,7 @@ class RecordConsumer(Generic[R]):
         A dead-lettered record counts as processed: its offset is committed with the next commit
         of its partition (the DLQ write is flushed before that commit).
         """
-        msgs = self._consumer.consume(max_records, timeout_s)
+        msgs = consume_ready(self._consumer, max_records, timeout_s)
         out: list[Received[R]] = []
         for msg in data_messages(msgs, ", ".join(self.topics)):
             try:

@@ -26,7 +26,7 @@ from confluent_kafka import OFFSET_BEGINNING, Message, TopicPartition
 
 from astraflow.config import KafkaSettings
 from astraflow.errors import SerdeError, WeightsError
-from astraflow.kafka.clients import RecordProducer, data_messages
+from astraflow.kafka.clients import RecordProducer, consume_ready, data_messages
 from astraflow.kafka.read import assigned_consumer
 from astraflow.kafka.received import DeadLetterWriter, Received
 from astraflow.kafka.topics import Topics
@@ -312,7 +312,7 @@ class KafkaWeightFollower:
     def poll(self, timeout_s: float = 1.0, max_records: int = 64) -> list[FollowEvent]:
         """Read what is available (waiting up to `timeout_s`) and return the version events."""
         events: list[FollowEvent] = []
-        for msg in data_messages(self._consumer.consume(max_records, timeout_s), self.topic):
+        for msg in data_messages(consume_ready(self._consumer, max_records, timeout_s), self.topic):
             try:
                 record = self.serde.loads(msg.value())
             except SerdeError as exc:  # the version it belongs to fails its checks as well
