@@ -40,13 +40,18 @@ publish), read to its end at start and followed live. It is the only place that 
 the trainer is at (samples' `min_version` tells how old a rollout is, not how far the trainer
 moved on). While no version of a policy is known (no trainer yet), nothing is stale.
 
-**State and exactly-once.** Groups in assembly, their members and the emitted group ids live
-in Faust tables (`stream_apps.groups.GroupStore`), backed by changelog topics and written in
-the transaction of the record that changed them, together with the outputs and the record's
-offset. A worker killed at any point, or a partition moved by a rebalance, leaves the next
-owner exactly the committed state: no group lost, none emitted twice, and partial groups keep
-assembling at once (no timeout to wait for). Timeouts are wall-clock, measured from a group's
-first member; an expired group is emitted (or dropped) in a transaction of its partition.
+**State and exactly-once.** Groups in assembly (their members' ids and source offsets) and the
+emitted group ids live in Faust tables (`stream_apps.groups.GroupStore`), backed by changelog
+topics and written in the transaction of the record that changed them, together with the
+outputs and the record's offset. A worker killed at any point, or a partition moved by a
+rebalance, leaves the next owner exactly the committed state: no group lost, none emitted
+twice, and partial groups keep assembling at once (no timeout to wait for). The members
+themselves stay in the worker's memory, not in a changelog (that would write every trajectory
+a second time); the next owner reads them again from `scored` at their offsets when their group
+leaves. A member the topic no longer has (its retention deleted it first) is counted as
+`member_gone` and logged; its group leaves without it. Timeouts are wall-clock, measured from
+a group's first member; an expired group is emitted (or dropped) in a transaction of its
+partition.
 Emitted ids are kept `--emitted-ttl` seconds (default a day), so a trajectory redelivered
 within that time is dropped as late. Prompt statistics resume from the `feedback` topic.
 """
@@ -103,7 +108,7 @@ class CurateApp(GroupSamples, AppHandler):
     expect = Trajectory
     sources = ("scored",)
     tick_interval_s = 0.25
-    tables = ("groups", "members", "emitted")
+    tables = ("groups", "emitted")
     prune_interval_s = 60.0  # how often emitted ids older than emitted_ttl_s are forgotten
 
     def __init__(
@@ -159,8 +164,8 @@ class CurateApp(GroupSamples, AppHandler):
         """Groups in assembly and emitted, in the worker's tables (new ones when the Faust app is rebuilt)."""
         groups = self.worker.table("groups")
         if self._store is None or self._store.groups is not groups:
-            self._store = GroupStore(groups, self.worker.table("members"), self.worker.table("emitted"),
-                                     self._decode, self.group_timeout_s, self.emitted_ttl_s)
+            self._store = GroupStore(groups, self.worker.table("emitted"), self._decode, self.worker.reread,
+                                     self.group_timeout_s, self.emitted_ttl_s)
         return self._store
 
     def _decode(self, value: bytes) -> Trajectory:
@@ -268,6 +273,12 @@ class CurateApp(GroupSamples, AppHandler):
     def _emit(self, group: Group) -> None:
         """The group's feedback and train samples (or dead letters), in the current transaction."""
         self._versions, self._drops = {}, []
+        if group.lost:
+            self.worker.drop("member_gone", len(group.lost))
+            log.error("group %s: %d member(s) no longer in %s (deleted by its retention before the group left): %s",
+                      group.group_id, len(group.lost), self.worker.source, ", ".join(group.lost[:8]))
+            if not group.members:
+                return
         incs = [self._member_incoming(m, t) for t, m in group.members.values()]
         # Statistics first, whatever happens to the samples: the curator counts every group
         # curate finished (max-ahead), and a prompt whose group broke a filter is still news.

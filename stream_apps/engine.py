@@ -148,6 +148,7 @@ class StreamEngine(EngineLifecycle):
         self._crashing: asyncio.Future[Any] | None = None
         self._seen_record = False  # per Faust app built: logged once, so supervisors see it is working
         self._bound = False  # handler.bind succeeded
+        self._rereader: Any = None  # consumer of `reread` (made at its first use)
 
     # ---- what handlers call ----------------------------------------------------------------------
 
@@ -183,6 +184,18 @@ class StreamEngine(EngineLifecycle):
         if partition is None:
             raise AstraflowError(f"table {table.name} written outside a record or partition transaction")
         self._outbox().append(_Out(table.changelog_topic.get_topic_name(), key, value, partition))
+
+    def reread(self, partition: int, offsets: list[int]) -> dict[int, bytes]:
+        """Values of the source's records at `offsets` of `partition`, read again (read_committed);
+        offsets the topic no longer has are left out (`astraflow.kafka.read.read_offsets`).
+        Blocks the worker while it reads: for state a worker takes over, not for every record."""
+        from astraflow.kafka.read import assigned_consumer, read_offsets
+
+        if self.source is None:
+            return {}
+        if self._rereader is None:
+            self._rereader = assigned_consumer(self.kafka, self.serde, f"{self.group_id}-reread")
+        return read_offsets(self._rereader, self.source, partition, offsets)
 
     def stop(self) -> None:
         """Asks the worker to stop (thread-safe); in-flight records finish, transactions commit."""

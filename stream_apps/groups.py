@@ -4,7 +4,8 @@
 (complete) or `timeout_s` passed since the first one (expired: curate emits it if it still has
 `min_size` members). It remembers emitted group ids, so a trajectory arriving after its group
 left (a redelivery, or a straggler past the timeout) is recognised as late. Its state lives in
-plain mappings of bytes, which curate backs with Faust tables.
+plain mappings of bytes, which curate backs with Faust tables; they hold where each member is
+in the source topic, not the member itself.
 
 `train_samples(trajectory, policy, ...)` makes one TrainSample per training sequence of the
 policy (`astraflow.dataflow.sequences.policy_sequences`): the policy's own segments, in order,
@@ -24,7 +25,6 @@ answer), which then replaces `reward` for that policy's sample.
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +54,7 @@ class Group:
     first_seen: float  # wall-clock time of its first member
     members: dict[str, tuple[Trajectory, Any]] = field(default_factory=dict)  # trajectory_id -> (trajectory, Member)
     complete: bool = False  # all `expected` members arrived (False: it timed out)
+    lost: list[str] = field(default_factory=list)  # members whose records the source no longer has (retention)
 
     @property
     def trajectories(self) -> list[Trajectory]:
@@ -82,31 +83,41 @@ class Pending:
     partition: int
     first_seen: float
     members: tuple[str, ...]  # trajectory ids, in arrival order
+    offsets: tuple[int, ...]  # the source offset of each member
 
 
 class GroupStore:
-    """Trajectories in, complete (or expired) groups out; all state in three bytes -> bytes mappings.
+    """Trajectories in, complete (or expired) groups out; the state in two bytes -> bytes mappings.
 
     In curate the mappings are Faust tables backed by changelog topics, written in the same
     transaction as the record that changed them, so a worker that takes a partition over (after
     a crash or a rebalance) finds every group in assembly and every group already emitted:
 
-    * `groups`: group id -> JSON {expected, partition, first_seen, members};
-    * `members`: `<group id>\\0<trajectory id>` -> 8-byte offset + the trajectory's bytes;
+    * `groups`: group id -> JSON {expected, partition, first_seen, members, offsets}: the ids of
+      the members that arrived, in arrival order, and the source offset of each;
     * `emitted`: group id -> JSON {at, partition, members, complete}, kept `emitted_ttl_s`. A
       trajectory of an emitted group arriving later is `redelivered` when it was among the members
       emitted (its samples already left: a redelivery, dropped), `late` when it was not (its group
       left without it, after a timeout: curate dead-letters it, so it is never lost unseen).
 
+    A member's bytes are not in the tables: the worker that read it keeps them in memory
+    (`held`), and a worker that took the partition over reads them again from the source topic
+    at their offsets when the group leaves (`fetch(partition, offsets)` -> {offset: bytes}).
+    They are committed records below the committed offset (the offsets joined the table in the
+    transaction that committed past them), so they are there to read while the topic's retention
+    keeps them; one that is not (deleted by retention) is reported in `Group.lost`.
+
     Times are wall-clock seconds, so timeouts survive restarts. `decode` turns a member's bytes
     back into a Trajectory.
     """
 
-    def __init__(self, groups: MutableMapping[bytes, bytes], members: MutableMapping[bytes, bytes],
-                 emitted: MutableMapping[bytes, bytes], decode: Callable[[bytes], Trajectory], timeout_s: float,
-                 emitted_ttl_s: float = 86_400.0) -> None:
-        self.groups, self.members, self.emitted = groups, members, emitted
+    def __init__(self, groups: MutableMapping[bytes, bytes], emitted: MutableMapping[bytes, bytes],
+                 decode: Callable[[bytes], Trajectory], fetch: Callable[[int, list[int]], dict[int, bytes]],
+                 timeout_s: float, emitted_ttl_s: float = 86_400.0) -> None:
+        self.groups, self.emitted = groups, emitted
+        self.held: dict[bytes, bytes] = {}  # `<group id>\0<trajectory id>` -> bytes, of members read by this worker
         self.decode = decode
+        self.fetch = fetch
         self.timeout_s = timeout_s
         self.emitted_ttl_s = emitted_ttl_s
 
@@ -115,11 +126,13 @@ class GroupStore:
         if raw is None:
             return None
         d = json.loads(raw)
-        return Pending(group_id, int(d["expected"]), int(d["partition"]), float(d["first_seen"]), tuple(d["members"]))
+        return Pending(group_id, int(d["expected"]), int(d["partition"]), float(d["first_seen"]), tuple(d["members"]),
+                       tuple(int(o) for o in d["offsets"]))
 
     def _put(self, p: Pending) -> None:
         self.groups[p.group_id.encode()] = json.dumps({"expected": p.expected, "partition": p.partition,
-                                                      "first_seen": p.first_seen, "members": list(p.members)}).encode()
+                                                      "first_seen": p.first_seen, "members": list(p.members),
+                                                      "offsets": list(p.offsets)}).encode()
 
     def add(self, traj: Trajectory, value: bytes, partition: int, offset: int, now: float) -> Added:
         gid = traj.group_id
@@ -127,11 +140,11 @@ class GroupStore:
         if emitted is not None:
             info = json.loads(emitted)
             return Added("redelivered" if traj.trajectory_id in info.get("members", ()) else "late", emitted=info)
-        p = self.pending(gid) or Pending(gid, max(traj.group_size, 1), partition, now, ())
+        p = self.pending(gid) or Pending(gid, max(traj.group_size, 1), partition, now, (), ())
         if traj.trajectory_id in p.members:
             return Added("duplicate")
-        self.members[_member_key(gid, traj.trajectory_id)] = struct.pack(">q", offset) + value
-        p = Pending(gid, p.expected, p.partition, p.first_seen, (*p.members, traj.trajectory_id))
+        self.held[_member_key(gid, traj.trajectory_id)] = value
+        p = Pending(gid, p.expected, p.partition, p.first_seen, (*p.members, traj.trajectory_id), (*p.offsets, offset))
         if len(p.members) >= p.expected:
             return Added("complete", self.take(p, now, complete=True))
         self._put(p)
@@ -149,11 +162,16 @@ class GroupStore:
     def take(self, p: Pending, now: float, complete: bool = False) -> Group:
         """Removes `p` from assembly, marks it emitted, and returns it with its members decoded."""
         group = Group(p.group_id, p.expected, p.partition, p.first_seen, complete=complete)
-        for tid in p.members:
-            raw = self.members.pop(_member_key(p.group_id, tid), None)
-            if raw is not None:
-                member = Member(p.partition, struct.unpack(">q", raw[:8])[0], raw[8:])
-                group.members[tid] = (self.decode(member.value), member)
+        values = {off: self.held.pop(_member_key(p.group_id, tid), None) for tid, off in zip(p.members, p.offsets, strict=True)}
+        missing = [off for off, value in values.items() if value is None]
+        if missing:  # members read by a previous owner of the partition
+            values.update(self.fetch(p.partition, missing))
+        for tid, off in zip(p.members, p.offsets, strict=True):
+            value = values.get(off)
+            if value is None:
+                group.lost.append(tid)
+                continue
+            group.members[tid] = (self.decode(value), Member(p.partition, off, value))
         self.groups.pop(p.group_id.encode(), None)
         self.emitted[p.group_id.encode()] = json.dumps({"at": now, "partition": p.partition, "members": list(p.members),
                                                         "complete": complete}).encode()
@@ -183,7 +201,7 @@ def forget_partitions(store: GroupStore, partitions: set[int], local: Callable[[
         d = json.loads(raw)
         if int(d["partition"]) in partitions:
             for tid in d["members"]:
-                local(store.members).pop(_member_key(key.decode(), tid), None)
+                store.held.pop(_member_key(key.decode(), tid), None)
             local(store.groups).pop(key, None)
             gone += 1
     for key, raw in list(store.emitted.items()):

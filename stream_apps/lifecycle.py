@@ -57,6 +57,7 @@ class EngineLifecycle:
     _dirty: set[int]
     _seen_record: bool
     _bound: bool
+    _rereader: Any
 
     async def _publish_metrics(self) -> None:
         raise NotImplementedError
@@ -177,6 +178,9 @@ class EngineLifecycle:
     def close(self) -> None:
         """Releases what outlives the app (the control reader, the handler's readers)."""
         self.handler.close()
+        if self._rereader is not None:
+            self._rereader.close()
+            self._rereader = None
         if self.control is not None:
             self.control.close()  # kept: tests and callers may still read what it last saw
 

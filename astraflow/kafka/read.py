@@ -59,3 +59,40 @@ def read_range(
         return out
     finally:
         consumer.close()
+
+
+SEEK_GAP = 256  # offsets between two wanted records above which `read_offsets` seeks instead of reading through
+
+
+def read_offsets(consumer: Consumer, topic: str, partition: int, offsets: list[int], timeout_s: float = 30.0) -> dict[int, bytes]:
+    """Raw values of the committed records at `offsets` of one partition, read with `consumer`
+    (assign() only, end-of-partition reported: `assigned_consumer`); reads through runs of close
+    offsets, seeks over gaps. An offset the partition no longer has (deleted by retention) or
+    never had as a data record is left out of the result; a partition that cannot be read
+    within `timeout_s` raises KafkaLayerError."""
+    want = sorted(set(offsets))
+    out: dict[int, bytes] = {}
+    deadline = time.monotonic() + timeout_s
+    i = 0
+    while i < len(want):
+        consumer.assign([TopicPartition(topic, partition, want[i])])
+        pos = want[i]
+        while i < len(want) and want[i] - pos <= SEEK_GAP:
+            if time.monotonic() > deadline:
+                raise KafkaLayerError(f"could not read {topic}[{partition}] at offsets {want[i:i + 5]}... in {timeout_s:.0f} s")
+            for msg in consumer.consume(64, 0.5):
+                err = msg.error()
+                if err is not None:
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        i = len(want)  # the rest is past the end: not there
+                        break
+                    continue
+                off = msg.offset()
+                pos = off + 1
+                while i < len(want) and want[i] < off:
+                    i += 1  # skipped by the broker: deleted, or not a data record
+                if i < len(want) and want[i] == off:
+                    out[off] = msg.value()
+                    i += 1
+    consumer.unassign()
+    return out

@@ -93,7 +93,7 @@ def test_stream_app_changelogs_are_as_durable_as_the_experiments_topics(cluster:
         build_app(engine)  # declares the changelogs, as a starting worker does
 
     asyncio.run(build())
-    names = [f"af.{exp}.curate-{table}-changelog" for table in ("groups", "members", "emitted")]
+    names = [f"af.{exp}.curate-{table}-changelog" for table in ("groups", "emitted")]
     md = metadata_with(admin, names)
     for name in names:
         assert len(md.topics[name].partitions) == 2, name

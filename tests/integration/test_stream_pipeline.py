@@ -208,7 +208,7 @@ def test_curate_restart_resumes_pending_groups_from_its_tables(kafka: KafkaSetti
     threads = start(worker)
     try:
         read_records(kafka, [topics.train("solver")], lambda out: len(out) >= 2)
-        time.sleep(0.5)  # a commit period: the half group's two members are in the table's changelog
+        time.sleep(0.5)  # a commit period: the half group's two members (their offsets) are in the table's changelog
         # Our transactional commits tell Faust's slow-processing check (no "Has not committed ... at
         # all since worker start" for a partition that commits): the done group's partition did.
         committed_at = worker.app.consumer._thread.tp_last_committed_at

@@ -65,7 +65,8 @@ class FakeWorker:
         self.stopped = False
         self.serde = AvroSerde()
         self.source = self.topics.scored
-        self.tables: dict[str, dict[bytes, bytes]] = {"groups": {}, "members": {}, "emitted": {}}
+        self.tables: dict[str, dict[bytes, bytes]] = {"groups": {}, "emitted": {}}
+        self.source_records: dict[tuple[int, int], bytes] = {}  # (partition, offset) -> what `reread` finds
 
     def send(self, topic: str, record: Any, key: Any = None) -> None:
         self.sent.append((topic, record, key))
@@ -81,6 +82,9 @@ class FakeWorker:
 
     def table(self, name: str) -> dict[bytes, bytes]:
         return self.tables[name]
+
+    def reread(self, partition: int, offsets: list[int]) -> dict[int, bytes]:
+        return {o: self.source_records[(partition, o)] for o in offsets if (partition, o) in self.source_records}
 
     def assigned(self) -> set[int]:
         return {0}

@@ -22,9 +22,9 @@ def test_curate_group_gives_per_policy_grpo_advantages_and_feedback() -> None:
     rewards = [1.0, 0.0, 1.0, 0.0]
     trajs = [two_policy_traj("g", i, 4, r, with_b=i < 3) for i, r in enumerate(rewards)]
     feed(app, trajs[:3])
-    assert w.sent == [] and len(w.tables["members"]) == 3  # held in the members table
+    assert w.sent == [] and len(app.store.held) == 3  # held in memory, their offsets in the groups table
     feed(app, trajs[3:])
-    assert not w.tables["groups"] and not w.tables["members"] and list(w.tables["emitted"]) == [b"g"]
+    assert not w.tables["groups"] and not app.store.held and list(w.tables["emitted"]) == [b"g"]
     adv = by_policy(w)
     # policy a: rewards 1,0,1,0 -> mean .5, std .5 -> +-0.5 / (0.5 + 1e-6)
     assert adv["a"] == pytest.approx({"g/0": 1.0, "g/1": -1.0, "g/2": 1.0, "g/3": -1.0}, abs=1e-5)

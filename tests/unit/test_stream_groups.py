@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -27,13 +28,22 @@ def traj(group: str, i: int, size: int, segments: list[Segment] | None = None, r
     )
 
 
+SOURCE: dict[tuple[int, int], bytes] = {}  # (partition, offset) -> bytes: the source topic a store reads members from
+
+
+def from_source(partition: int, offsets: list[int]) -> dict[int, bytes]:
+    return {o: SOURCE[(partition, o)] for o in offsets if (partition, o) in SOURCE}
+
+
 def store(timeout_s: float) -> GroupStore:
     serde = AvroSerde()
-    return GroupStore({}, {}, {}, lambda b: serde.loads(b, Trajectory), timeout_s)
+    return GroupStore({}, {}, lambda b: serde.loads(b, Trajectory), from_source, timeout_s)
 
 
 def add(st: GroupStore, t: Trajectory, now: float, partition: int = 0, offset: int = 0) -> Any:
-    return st.add(t, AvroSerde().dumps(t), partition, offset, now)
+    value = AvroSerde().dumps(t)
+    SOURCE[(partition, offset)] = value
+    return st.add(t, value, partition, offset, now)
 
 
 def test_group_completes_when_all_distinct_members_arrived() -> None:
@@ -46,7 +56,7 @@ def test_group_completes_when_all_distinct_members_arrived() -> None:
     assert [t.sample_index for t in done.group.trajectories] == [0, 1, 2]
     assert sorted(m.offset for m in done.group.tokens) == [5, 7, 9]  # where each member came from, for the DLQ
     assert add(st, traj("g", 1, 3), 0.4).status == "redelivered"  # its group already left, with it
-    assert not st.groups and not st.members and list(st.emitted) == [b"g"]
+    assert not st.groups and not st.held and list(st.emitted) == [b"g"]
 
 
 def test_groups_expire_after_the_timeout_oldest_first() -> None:
@@ -64,12 +74,32 @@ def test_groups_expire_after_the_timeout_oldest_first() -> None:
     assert add(st, traj("g1", 0, 4), 9.5).status == "redelivered"
 
 
-def test_state_is_plain_bytes_so_another_worker_resumes_it() -> None:
+def test_state_is_plain_bytes_so_another_worker_resumes_it_reading_members_again() -> None:
     st = store(timeout_s=5)
-    add(st, traj("g", 0, 2), 0.0, partition=1, offset=3)
-    again = GroupStore(dict(st.groups), dict(st.members), dict(st.emitted), st.decode, 5)  # e.g. rebuilt from the changelog
-    done = add(again, traj("g", 1, 2), 1.0, partition=1, offset=4)
-    assert done.status == "complete" and [t.sample_index for t in done.group.trajectories] == [0, 1]
+    add(st, traj("g", 0, 3), 0.0, partition=1, offset=3)
+    add(st, traj("g", 2, 3), 0.0, partition=1, offset=8)
+    entry = json.loads(st.groups[b"g"])  # ids and offsets, not the trajectories
+    assert entry["members"] == ["g/0", "g/2"] and entry["offsets"] == [3, 8] and len(st.groups[b"g"]) < 200
+    fetched: list[tuple[int, list[int]]] = []
+
+    def fetch(partition: int, offsets: list[int]) -> dict[int, bytes]:
+        fetched.append((partition, sorted(offsets)))
+        return from_source(partition, offsets)
+
+    again = GroupStore(dict(st.groups), dict(st.emitted), st.decode, fetch, 5)  # e.g. rebuilt from the changelog
+    assert not again.held  # the members' bytes stayed with the first worker
+    done = add(again, traj("g", 1, 3), 1.0, partition=1, offset=9)
+    assert done.status == "complete" and [t.sample_index for t in done.group.trajectories] == [0, 1, 2]
+    assert fetched == [(1, [3, 8])]  # only those it had not read itself, from the source, at their offsets
+    assert sorted(m.offset for m in done.group.tokens) == [3, 8, 9] and not done.group.lost
+
+
+def test_a_member_the_source_no_longer_has_is_reported_lost() -> None:
+    st = store(timeout_s=5)
+    add(st, traj("g", 0, 2), 0.0, partition=0, offset=40)
+    again = GroupStore(dict(st.groups), dict(st.emitted), st.decode, lambda p, offs: {}, 5)  # retention deleted offset 40
+    done = add(again, traj("g", 1, 2), 1.0, partition=0, offset=41)
+    assert done.status == "complete" and done.group.lost == ["g/0"] and list(done.group.members) == ["g/1"]
 
 
 def test_emitted_ids_are_pruned_after_their_ttl_per_partition() -> None:
@@ -87,7 +117,7 @@ def test_revoked_partitions_are_forgotten_locally() -> None:
     add(st, traj("g2", 0, 2), 0.0, partition=1)
     add(st, traj("done", 0, 1), 0.0, partition=1)
     assert forget_partitions(st, {1}, lambda m: m) == 1
-    assert list(st.groups) == [b"g1"] and len(st.members) == 1 and not st.emitted
+    assert list(st.groups) == [b"g1"] and len(st.held) == 1 and not st.emitted
 
 
 def test_each_policy_trains_on_its_own_segments_only() -> None:
