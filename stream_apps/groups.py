@@ -162,12 +162,13 @@ class GroupStore:
     def take(self, p: Pending, now: float, complete: bool = False) -> Group:
         """Removes `p` from assembly, marks it emitted, and returns it with its members decoded."""
         group = Group(p.group_id, p.expected, p.partition, p.first_seen, complete=complete)
-        values = {off: self.held.pop(_member_key(p.group_id, tid), None) for tid, off in zip(p.members, p.offsets, strict=True)}
-        missing = [off for off, value in values.items() if value is None]
+        values = {tid: self.held.pop(_member_key(p.group_id, tid), None) for tid in p.members}
+        missing = {tid: off for tid, off in zip(p.members, p.offsets, strict=True) if values[tid] is None}
         if missing:  # members read by a previous owner of the partition
-            values.update(self.fetch(p.partition, missing))
+            found = self.fetch(p.partition, list(missing.values()))
+            values.update({tid: found.get(off) for tid, off in missing.items()})
         for tid, off in zip(p.members, p.offsets, strict=True):
-            value = values.get(off)
+            value = values[tid]
             if value is None:
                 group.lost.append(tid)
                 continue
