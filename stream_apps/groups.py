@@ -100,8 +100,8 @@ class GroupStore:
       emitted (its samples already left: a redelivery, dropped), `late` when it was not (its group
       left without it, after a timeout: curate dead-letters it, so it is never lost unseen).
 
-    A member's bytes are not in the tables: the worker that read it keeps them in memory
-    (`held`), and a worker that took the partition over reads them again from the source topic
+    A member's bytes are not in the tables: the worker that read it keeps them in memory with
+    the decoded trajectory (`held`: decoded once), and a worker that took the partition over reads them again from the source topic
     at their offsets when the group leaves (`fetch(partition, offsets)` -> {offset: bytes}).
     They are committed records below the committed offset (the offsets joined the table in the
     transaction that committed past them), so they are there to read while the topic's retention
@@ -115,7 +115,7 @@ class GroupStore:
                  decode: Callable[[bytes], Trajectory], fetch: Callable[[int, list[int]], dict[int, bytes]],
                  timeout_s: float, emitted_ttl_s: float = 86_400.0) -> None:
         self.groups, self.emitted = groups, emitted
-        self.held: dict[bytes, bytes] = {}  # `<group id>\0<trajectory id>` -> bytes, of members read by this worker
+        self.held: dict[bytes, tuple[Trajectory, bytes]] = {}  # `<group id>\0<trajectory id>` -> (decoded, bytes), read here
         self.decode = decode
         self.fetch = fetch
         self.timeout_s = timeout_s
@@ -143,7 +143,7 @@ class GroupStore:
         p = self.pending(gid) or Pending(gid, max(traj.group_size, 1), partition, now, (), ())
         if traj.trajectory_id in p.members:
             return Added("duplicate")
-        self.held[_member_key(gid, traj.trajectory_id)] = value
+        self.held[_member_key(gid, traj.trajectory_id)] = (traj, value)
         p = Pending(gid, p.expected, p.partition, p.first_seen, (*p.members, traj.trajectory_id), (*p.offsets, offset))
         if len(p.members) >= p.expected:
             return Added("complete", self.take(p, now, complete=True))
@@ -162,17 +162,17 @@ class GroupStore:
     def take(self, p: Pending, now: float, complete: bool = False) -> Group:
         """Removes `p` from assembly, marks it emitted, and returns it with its members decoded."""
         group = Group(p.group_id, p.expected, p.partition, p.first_seen, complete=complete)
-        values = {tid: self.held.pop(_member_key(p.group_id, tid), None) for tid in p.members}
-        missing = {tid: off for tid, off in zip(p.members, p.offsets, strict=True) if values[tid] is None}
-        if missing:  # members read by a previous owner of the partition
-            found = self.fetch(p.partition, list(missing.values()))
-            values.update({tid: found.get(off) for tid, off in missing.items()})
+        held = {tid: self.held.pop(_member_key(p.group_id, tid), None) for tid in p.members}
+        missing = {tid: off for tid, off in zip(p.members, p.offsets, strict=True) if held[tid] is None}
+        found = self.fetch(p.partition, list(missing.values())) if missing else {}  # read by a previous owner
         for tid, off in zip(p.members, p.offsets, strict=True):
-            value = values[tid]
-            if value is None:
+            member = held[tid]
+            if member is None and (value := found.get(off)) is not None:
+                member = (self.decode(value), value)
+            if member is None:
                 group.lost.append(tid)
                 continue
-            group.members[tid] = (self.decode(value), Member(p.partition, off, value))
+            group.members[tid] = (member[0], Member(p.partition, off, member[1]))
         self.groups.pop(p.group_id.encode(), None)
         self.emitted[p.group_id.encode()] = json.dumps({"at": now, "partition": p.partition, "members": list(p.members),
                                                         "complete": complete}).encode()
