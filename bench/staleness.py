@@ -185,7 +185,8 @@ def main() -> None:
     ap.add_argument("--no-lag", action="store_true",
                     help="no weight lag: the plain dataflow schedule at bound K (samples then 1-3 versions stale)")
     ap.add_argument("--json", default="bench/results/staleness.json")
-    ap.add_argument("--plot", default="docs/img/staleness.png")
+    ap.add_argument("--plot", default="bench/results/staleness.png",
+                    help="where to draw the plot (docs/img/staleness.png is the documented figure: pass it to replace that)")
     ap.add_argument("--heldout", type=int, default=_rl.N_HELDOUT, help="held-out problems (2 episodes each) per snapshot")
     ap.add_argument("--report", default=None, help="only re-make table and plot from these JSON files (comma-separated)")
     ap.add_argument("--no-sync", action="store_true", help="skip the sync runs (when another invocation of the grid made them)")
