@@ -105,7 +105,10 @@ def unprivileged_argv(bwrap: str, prefix: str, uid: int) -> list[str]:
     needs a fully visible one) and a /tmp for bwrap's own new root; `setpriv` then drops to `uid`
     (no supplementary groups) and execs the sandbox's bwrap in that view."""
     setpriv = shutil.which("setpriv") or "setpriv"
-    argv = [bwrap, "--ro-bind", "/usr", "/usr"]
+    # --unshare-pid: the inner bwrap drops its parent-death signal when it changes credentials, and
+    # outlived a SIGKILLed host (1 run in 5, reparented to init); in a pid namespace of its own, the
+    # kernel kills it with the namespace's init, which dies with the outer bwrap, which dies with the host.
+    argv = [bwrap, "--unshare-pid", "--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         if os.path.islink(top):
             argv += ["--symlink", os.readlink(top), top]
