@@ -127,11 +127,13 @@ def _roles(exp: str, mode: str, workload: str, sigma: float, *, staleness: int, 
     return pipeline_roles(exp, spec, role_env(bootstrap))
 
 
-def create_experiment(cfg: AstraflowConfig, exp: str, *, filters_off: tuple[str, ...]) -> tuple[list, ControlWriter]:
-    """The experiment's topics, and its control topic set so: curator paused, curate's `filters_off` off.
+def create_experiment(cfg: AstraflowConfig, exp: str, *, filters_off: tuple[str, ...],
+                      policies: tuple[str, ...] = ("policy",)) -> tuple[list, ControlWriter]:
+    """The experiment's topics for `policies`, and its control topic set so: curator paused, curate's
+    `filters_off` off.
 
     Returns (topic specs, control writer)."""
-    specs = topic_specs(exp, ["policy"], cfg.topics)
+    specs = topic_specs(exp, list(policies), cfg.topics)
     TopicAdmin(cfg.kafka).create(specs, cfg.topics.replication_factor)
     control = ControlWriter(cfg.kafka, exp)
     control.set("curator", "pause", "on", issued_by="bench")

@@ -32,10 +32,9 @@ from confluent_kafka import Consumer
 from confluent_kafka.admin import AdminClient
 
 from astraflow.config import load_config
-from astraflow.control import ControlWriter
 from astraflow.demo.common import PY, curate_role, role_env
 from astraflow.demo.supervisor import Role, Supervisor
-from astraflow.kafka.topics import TopicAdmin, Topics, topic_specs
+from astraflow.kafka.topics import TopicAdmin, Topics
 from astraflow.records import Task
 from astraflow.weights.follow import KafkaWeightFollower
 
@@ -87,13 +86,9 @@ def run_pair_pipeline(policies: tuple[str, ...], models: dict[str, str], tasks: 
     exp = f"bench-pair-{uuid.uuid4().hex[:8]}"
     run_dir = Path(tempfile.gettempdir()) / "astraflow-bench" / exp
     run_dir.mkdir(parents=True, exist_ok=True)
-    specs = topic_specs(exp, list(policies), cfg.topics)
+    specs, control = _pipeline.create_experiment(cfg, exp, filters_off=("filter.zero_variance", "filter.length"),
+                                                 policies=policies)
     admin_t = TopicAdmin(cfg.kafka)
-    admin_t.create(specs, cfg.topics.replication_factor)
-    control = ControlWriter(cfg.kafka, exp)
-    control.set("curator", "pause", "on", issued_by="bench")
-    for slot in ("filter.zero_variance", "filter.length"):
-        control.set("curate", slot, "off", issued_by="bench")
     topics = Topics(exp)
     sup = Supervisor(run_dir / "logs")
     followers = {p: KafkaWeightFollower(cfg.kafka, exp, p, request_snapshots=False, requester="bench") for p in policies}

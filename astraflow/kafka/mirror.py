@@ -33,9 +33,7 @@ after that snapshot in B and picks up the next in-band snapshot (`trainer.snapsh
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -45,7 +43,7 @@ from typing import Any
 
 from astraflow.config import TopicSettings
 from astraflow.errors import LocalKafkaError
-from astraflow.kafka.nodes import LOG4J2, alive, require
+from astraflow.kafka.nodes import LOG4J2, alive, require, stop_pid
 from astraflow.kafka.topics import Topics, check_name
 
 Echo = Callable[..., Any]
@@ -258,14 +256,7 @@ class Mirror:
         if pid is None:
             echo("No MirrorMaker is running from this data directory")
             return False
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if alive(pid):
-            os.kill(pid, signal.SIGKILL)
-            while alive(pid):
-                time.sleep(0.1)
+        stop_pid(pid, timeout_s)
         echo(f"MirrorMaker (pid {pid}) stopped")
         return True
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -183,6 +184,18 @@ def alive(pid: int) -> bool:
                 os.waitpid(pid, os.WNOHANG)
             return False
     return True
+
+
+def stop_pid(pid: int, timeout_s: float) -> None:
+    """SIGTERM to `pid`, up to `timeout_s` for it to exit, then SIGKILL; returns once it is gone."""
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if alive(pid):
+        os.kill(pid, signal.SIGKILL)
+        while alive(pid):
+            time.sleep(0.1)
 
 
 def read_props(path: Path) -> dict[str, str]:

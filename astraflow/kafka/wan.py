@@ -23,7 +23,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -36,7 +35,7 @@ from typing import Any
 
 from astraflow.config import WanSettings
 from astraflow.errors import ToolMissingError, WanError
-from astraflow.kafka.nodes import alive
+from astraflow.kafka.nodes import alive, stop_pid
 
 Echo = Callable[..., Any]
 GO_FALLBACK = Path("/usr/local/go/bin/go")
@@ -127,12 +126,7 @@ class Wan:
         if pid is None:
             echo("No Toxiproxy is running from this data directory")
             return False
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10.0
-        while alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if alive(pid):
-            os.kill(pid, signal.SIGKILL)
+        stop_pid(pid, 10.0)
         echo(f"Toxiproxy (pid {pid}) stopped")
         return True
 
