@@ -262,10 +262,22 @@ class TrainStream(IterableDataset):
         self._buffered -= 1
         self._taken[item.partition] += 1
         expected = self.positions.get(item.partition, item.offset)
-        if item.offset > expected:
+        if item.offset > expected and self._lost_to_retention(item.partition, expected):
             self.skipped[item.partition] += item.offset - expected
-            log.warning("%s[%d]: offsets %d..%d are gone (retention?)", self.topic, item.partition, expected, item.offset - 1)
+            log.warning("%s[%d]: offsets %d..%d are gone (retention)", self.topic, item.partition, expected, item.offset - 1)
         self.positions[item.partition] = item.offset + 1
+
+    def _lost_to_retention(self, partition: int, expected: int) -> bool:
+        """Whether a gap before `expected` is records deleted by retention, not a transaction's marker.
+
+        Reading `read_committed`, every transaction leaves a gap (its commit marker, and an aborted
+        transaction's records): those are not losses. Records were lost only when the gap starts
+        below the partition's log start offset, which the client caches from its fetches.
+        """
+        if self._consumer is None:
+            return False
+        low, _ = self._consumer.get_watermark_offsets(TopicPartition(self.topic, partition), cached=True)
+        return 0 <= expected < low
 
     def next_batch(self) -> list[_Item] | None:
         """The next batch's items (dead-lettered ones included), or None when the stream ends."""
