@@ -158,6 +158,10 @@ class TopicSettings(FrozenSettings):
 
     partitions: int = 4
     """Partitions of the work topics (tasks, rollouts, scored, train): the parallelism ceiling."""
+    tasks_partitions: int | None = Field(None, ge=1)
+    """Partitions of `tasks` (None: `partitions`). The curator places each task in the partition
+    where it would wait least, so nodes of different speeds get shares that follow their speed;
+    that needs a few partitions per RaaS node (2-4x the nodes)."""
     replication_factor: int | None = None
     """Replicas per partition; None uses the cluster's `default.replication.factor` (1 on the single
     local broker, 3 on `kafka up --brokers 3`; set 3 explicitly on a production cluster)."""

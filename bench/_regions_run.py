@@ -49,7 +49,8 @@ class RegionsRun:
                                                    wan_proxy_port=p + 2, wan_port=p + 3, start_timeout_s=300.0))
         self.wan = Wan(WanSettings(data_dir=self.work / "wan", api_port=args.api_port, latency_ms=args.latency_ms,
                                    rate_kb_s=args.rate_kb_s))
-        self.cfg = load_config(env={}, overrides=[f"kafka.bootstrap_servers={self.kafka.bootstrap}"])
+        self.cfg = load_config(env={}, overrides=[f"kafka.bootstrap_servers={self.kafka.bootstrap}",
+                                                  f"topics.tasks_partitions={args.tasks_partitions}"])
         self.wan_kafka = KafkaSettings(bootstrap_servers=f"127.0.0.1:{p + 2}")
         self.topics = Topics(exp)
         self.sup = Supervisor(self.work / "logs")

@@ -63,6 +63,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-ahead", type=int, default=24, help="curator: tasks ahead of the trainer")
     ap.add_argument("--inflight", type=int, default=8, help="node: rollouts in flight")
     ap.add_argument("--prefetch", type=int, default=4, help="node: tasks fetched ahead")
+    ap.add_argument("--tasks-partitions", type=int, default=12,
+                    help="partitions of tasks (the curator places each task; a few per node)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)

@@ -155,6 +155,7 @@ class CuratorApp(AppHandler):
         self._lag_consumer: Any = None
         self._readers: dict[str, Any] = {}  # trainer group -> consumer that reads its committed offsets
         self._recovered = False  # the prompt_stats table was recovered: statistics are known
+        self.placer: Any = None  # region A's tasks: partition of each (astraflow.kafka.task_placer)
 
     def bind(self, worker: Any) -> None:
         from confluent_kafka import Consumer
@@ -179,6 +180,10 @@ class CuratorApp(AppHandler):
         self._lag_consumer = Consumer(reader_config(worker.kafka, f"af-curator-{self._run}"))
         self.issued_to = {t: sum(high for _, high in self._watermarks(t).values()) for t in self.task_shares}
         self.issued = sum(self.issued_to.values())
+        from astraflow.kafka.task_placer import TaskPlacer
+
+        # Each task goes to the partition where it would wait least, so work follows node speed.
+        self.placer = TaskPlacer(self._lag_consumer, worker.kafka, self.tasks_topic, f"af.{worker.settings.experiment}.raas")
         log.info("curator: %d prompts, %d tasks issued so far", len(self.pool), self.issued)
 
     def on_recovered(self, table: str) -> None:
@@ -272,6 +277,8 @@ class CuratorApp(AppHandler):
         self._observe()
         if now >= self._lag_due:
             self._lag_due = now + self.options.lag_interval_s
+            if self.placer is not None:
+                self.placer.observe(now)
             for policy in self.throttled:
                 curated = self.curated_by[policy]  # read BEFORE the backlog: see below the measurement
                 try:
@@ -301,7 +308,10 @@ class CuratorApp(AppHandler):
         for prompt in selection.chosen:
             task = self._task(self.by_id[prompt.prompt_id], ref)
             topic = pick_topic(self.issued_to, self.task_shares) if len(self.task_shares) > 1 else self.tasks_topic
-            self.worker.send(topic, task, task.group_id)
+            partition = self.placer.choose() if self.placer is not None and topic == self.tasks_topic else None
+            self.worker.send(topic, task, task.group_id, partition)
+            if partition is not None:
+                self.placer.sent(partition)
             self.issued_to[topic] = self.issued_to.get(topic, 0) + 1
             self.issued += 1
             self.issued_here += 1
@@ -345,6 +355,8 @@ class CuratorApp(AppHandler):
         }
 
     def close(self) -> None:
+        if self.placer is not None:
+            self.placer.close()
         for consumer in [self._lag_consumer, *self._readers.values()]:
             if consumer is not None:
                 consumer.close()

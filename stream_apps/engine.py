@@ -95,7 +95,7 @@ class _Out:
     topic: str
     key: bytes | None
     value: bytes | None
-    partition: int | None = None  # set for changelog writes (co-partitioned with the source)
+    partition: int | None = None  # changelog writes (co-partitioned with the source), placed tasks (curator)
 
 
 _OUTBOX: contextvars.ContextVar[list[_Out] | None] = contextvars.ContextVar("astraflow_outbox", default=None)
@@ -152,9 +152,10 @@ class StreamEngine(EngineLifecycle):
 
     # ---- what handlers call ----------------------------------------------------------------------
 
-    def send(self, topic: str, record: Any, key: str | bytes | None = None) -> None:
-        """Queues one output of the current record (encoding errors raise SerdeError to the handler)."""
-        self._outbox().append(_Out(topic, _key(key), self.serde.dumps(record)))
+    def send(self, topic: str, record: Any, key: str | bytes | None = None, partition: int | None = None) -> None:
+        """Queues one output of the current record (encoding errors raise SerdeError to the handler);
+        `partition`: that one, not the key's (the curator places tasks)."""
+        self._outbox().append(_Out(topic, _key(key), self.serde.dumps(record), partition))
         self.stats.records_out += 1
         self.stats.last_out_at = time.monotonic()
 

@@ -122,7 +122,7 @@ def topic_specs(experiment: str, policies: list[str], settings: TopicSettings) -
     compact = {"cleanup.policy": "compact", "min.cleanable.dirty.ratio": "0.1", "segment.ms": "600000"}
     big = str(settings.max_message_bytes)
     specs = [
-        TopicSpec(t.tasks, p, work),
+        TopicSpec(t.tasks, settings.tasks_partitions or p, work),
         TopicSpec(t.rollouts, p, {"cleanup.policy": "delete", "retention.ms": str(settings.rollouts_retention_ms)}),
         TopicSpec(t.scored, p, work),
         TopicSpec(t.feedback, p, compact),

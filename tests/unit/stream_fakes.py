@@ -68,7 +68,7 @@ class FakeWorker:
         self.tables: dict[str, dict[bytes, bytes]] = {"groups": {}, "emitted": {}}
         self.source_records: dict[tuple[int, int], bytes] = {}  # (partition, offset) -> what `reread` finds
 
-    def send(self, topic: str, record: Any, key: Any = None) -> None:
+    def send(self, topic: str, record: Any, key: Any = None, partition: int | None = None) -> None:
         self.sent.append((topic, record, key))
 
     def send_side(self, topic: str, record: Any, key: Any = None) -> None:
