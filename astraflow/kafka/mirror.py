@@ -11,8 +11,9 @@ What crosses, per experiment EXP and region R (docs/deploy.md, "Across regions a
   `af.EXP.tasks` and never this one), every policy's weights topic `af.EXP.<policy>.weights`
   and `af.EXP.policies` (the latest version per policy, compacted);
 * B -> A: `af.EXP.rollouts` (region B's trajectories, for the reward app in A), `af.EXP.metrics`
-  (so `astraflow status` in A sees region B's nodes) and `af.EXP.dlq` (tasks region B refused
-  stay accounted for).
+  (so `astraflow status` in A sees region B's nodes), `af.EXP.dlq` (tasks region B refused
+  stay accounted for) and `af.EXP.control` (a weight follower in B that cannot catch up asks the
+  trainer in A for a snapshot there; nothing else writes B's control topic).
 
 Topic names stay the same on both sides (`IdentityReplicationPolicy`), so region B's roles need
 no other configuration than their bootstrap servers. Identity names cannot tell a mirrored
@@ -27,8 +28,8 @@ offset) and curate drops a trajectory id it has already seen in its group
 
 Weights are published in transactions: MM2 reads them `read_committed`, so aborted chunks never
 cross; but transaction markers take offsets in A and are not copied, so offsets differ between
-the clusters. A follower in B that seeks to a snapshot offset named in A's metadata lands at or
-after that snapshot in B and picks up the next in-band snapshot (`trainer.snapshot_every_versions`).
+the clusters. MM2 keeps record timestamps, so a follower in B finds a snapshot by the timestamp
+of its manifest record (`latest_snapshot_ts_ms` in every manifest), not by A's offset.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class MirrorPlan:
     def inbound(self) -> list[str]:
         """Regexes of the topics that come back from the region to A."""
         t = self.topics
-        return [re.escape(t.rollouts), re.escape(t.metrics), re.escape(t.dlq)]
+        return [re.escape(t.rollouts), re.escape(t.metrics), re.escape(t.dlq), re.escape(t.control)]
 
 
 def _matches(patterns: list[str], name: str) -> bool:

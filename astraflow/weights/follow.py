@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, Message, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, KafkaException, Message, TopicPartition
 
 from astraflow.config import KafkaSettings
 from astraflow.errors import SerdeError, WeightsError
@@ -45,7 +45,12 @@ from astraflow.weights.verify import (
     check_uri,
     fetch_bounded,
 )
-from astraflow.weights.versions import SNAPSHOT_OFFSET, ask_trainer_for_snapshot, latest_policy_version
+from astraflow.weights.versions import (
+    SNAPSHOT_OFFSET,
+    SNAPSHOT_TS,
+    ask_trainer_for_snapshot,
+    latest_policy_version,
+)
 
 log = logging.getLogger("astraflow.weights")
 
@@ -62,6 +67,7 @@ class SnapshotHint:
     uri: str | None  # where the store holds it, when claim-checked
     offset: int | None  # offset of its manifest on the weights topic, when known
     manifest: PolicyVersion | None = None  # its own manifest, when seen (its sha256 verifies a fetch)
+    ts_ms: int | None = None  # Kafka timestamp of its manifest record (finds it on a mirrored cluster too)
 
 
 @dataclass(frozen=True)
@@ -251,15 +257,19 @@ class WeightFollower:
         have = -1 if self.chain.version is None else self.chain.version
         n = self.newest
         if n is not None and n.latest_snapshot is not None and n.latest_snapshot > have:
-            raw = n.metadata.get(SNAPSHOT_OFFSET)
             self.snapshot_hint = SnapshotHint(
                 n.latest_snapshot,
                 n.latest_snapshot_uri,
-                int(raw) if raw and raw.isdigit() else None,
+                _number(n.metadata.get(SNAPSHOT_OFFSET)),
                 self._snapshots.get(n.latest_snapshot),
+                _number(n.metadata.get(SNAPSHOT_TS)),
             )
         result = ApplyResult(ApplyStatus.SNAPSHOT_NEEDED, self.chain.version, reason, error)
         return FollowEvent(m.version, m.kind, result, offset)
+
+
+def _number(raw: str | None) -> int | None:
+    return int(raw) if raw and raw.isdigit() else None
 
 
 class KafkaWeightFollower:
@@ -305,9 +315,24 @@ class KafkaWeightFollower:
         """Start reading at `offset`, else at the latest snapshot's manifest, else the beginning."""
         if offset is None:
             latest = latest_policy_version(self.kafka, self.topics, self.policy, timeout_s, self.serde)
-            raw = latest.metadata.get(SNAPSHOT_OFFSET) if latest is not None else None
-            offset = int(raw) if raw else OFFSET_BEGINNING
+            meta = latest.metadata if latest is not None else {}
+            found = self._locate(_number(meta.get(SNAPSHOT_OFFSET)), _number(meta.get(SNAPSHOT_TS)), timeout_s)
+            offset = OFFSET_BEGINNING if found is None else found
         self._consumer.assign([TopicPartition(self.topic, 0, offset)])
+
+    def _locate(self, offset: int | None, ts_ms: int | None, timeout_s: float = 10.0) -> int | None:
+        """Offset of a snapshot's manifest on the cluster read: the first record at or after its
+        Kafka timestamp when the manifest names one (right on a cluster fed by MirrorMaker 2, whose
+        offsets differ from the publisher's), else the publisher's offset."""
+        if ts_ms is not None:
+            try:
+                got = self._consumer.offsets_for_times([TopicPartition(self.topic, 0, ts_ms)], timeout=timeout_s)
+            except KafkaException as exc:
+                log.warning("cannot look up the snapshot at %d ms on %s (%s); using its offset", ts_ms, self.topic, exc)
+            else:
+                if got and got[0].offset >= 0:
+                    return got[0].offset
+        return offset
 
     def poll(self, timeout_s: float = 1.0, max_records: int = 64) -> list[FollowEvent]:
         """Read what is available (waiting up to `timeout_s`) and return the version events."""
@@ -351,8 +376,9 @@ class KafkaWeightFollower:
         if hint is None or hint == self._acted:
             return False
         self._acted = hint
-        if hint.offset is not None and hint.offset < at:  # replays the snapshot and every delta after it
-            self._consumer.seek(TopicPartition(self.topic, 0, hint.offset))
+        target = self._locate(hint.offset, hint.ts_ms)
+        if target is not None and target < at:  # replays the snapshot and every delta after it
+            self._consumer.seek(TopicPartition(self.topic, 0, target))
             return True
         if hint.uri is not None:
             events += self.follower.load_hinted(hint)

@@ -41,7 +41,13 @@ from astraflow.weights.encoder import (
     split_chunks,
 )
 from astraflow.weights.store import WeightStore
-from astraflow.weights.versions import OFFSET, SNAPSHOT_OFFSET, last_published_version, latest_policy_version
+from astraflow.weights.versions import (
+    OFFSET,
+    SNAPSHOT_OFFSET,
+    SNAPSHOT_TS,
+    last_published_version,
+    latest_policy_version,
+)
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +112,7 @@ class WeightPublisher:
         self.encoder = VersionEncoder(policy, settings)
         self.latest: PolicyVersion | None = None  # last version published by this process
         self.committed: PolicyVersion | None = None  # latest version on `policies` when `start` ran
-        self._snapshot: tuple[int, str | None, int] | None = None  # (version, uri, weights-topic offset)
+        self._snapshot: tuple[int, str | None, int, int] | None = None  # (version, uri, weights-topic offset, timestamp ms)
         self._snapshot_requested = False
         self._lineage: list[Any] = []  # records sent with the version being published (lineage topic)
         self._txn_ready = False
@@ -244,14 +250,19 @@ class WeightPublisher:
         m.num_chunks = len(chunks)
         if self._snapshot is not None and not is_snap:
             m.latest_snapshot, m.latest_snapshot_uri = self._snapshot[0], self._snapshot[1]
-            m.metadata = {**m.metadata, SNAPSHOT_OFFSET: str(self._snapshot[2])}
+            m.metadata = {**m.metadata, SNAPSHOT_OFFSET: str(self._snapshot[2]), SNAPSHOT_TS: str(self._snapshot[3])}
         elif is_snap:
             m.latest_snapshot, m.latest_snapshot_uri = m.version, m.uri
         offsets: list[int] = []
+        stamps: list[int] = []  # the manifest record's Kafka timestamp (ms)
         topic = self.topics.weights(self.policy)
-        self.producer.send(
-            topic, m, key=self.policy, on_delivery=lambda err, msg: err is None and offsets.append(msg.offset())
-        )
+
+        def delivered(err: Any, msg: Any) -> None:
+            if err is None:
+                offsets.append(msg.offset())
+                stamps.append(msg.timestamp()[1])
+
+        self.producer.send(topic, m, key=self.policy, on_delivery=delivered)
         for chunk in chunks:
             self.producer.send(topic, chunk, key=self.policy)
         self._flush()
@@ -260,8 +271,8 @@ class WeightPublisher:
         if not offsets:
             raise KafkaLayerError(f"no delivery report for version {m.version} on {topic}")
         if is_snap:
-            self._snapshot = (m.version, m.uri, offsets[0])
-            m.metadata = {**m.metadata, SNAPSHOT_OFFSET: str(offsets[0])}
+            self._snapshot = (m.version, m.uri, offsets[0], stamps[0])
+            m.metadata = {**m.metadata, SNAPSHOT_OFFSET: str(offsets[0]), SNAPSHOT_TS: str(stamps[0])}
         latest = replace(m, metadata={**m.metadata, OFFSET: str(offsets[0])})
         for record in self._lineage:  # before the manifest: a version is announced with its lineage
             self.producer.send(self.topics.lineage, record, key=self.policy)

@@ -18,6 +18,10 @@ from astraflow.records import Control, PolicyVersion, WeightChunk
 from astraflow.serde import AvroSerde
 
 SNAPSHOT_OFFSET = "latest_snapshot_offset"  # metadata: weights-topic offset of the latest snapshot's manifest
+# metadata: Kafka timestamp (ms) of the latest snapshot's manifest record. MirrorMaker 2 keeps record
+# timestamps but not offsets (transaction markers are not copied), so a follower on a mirrored cluster
+# finds the snapshot by this time (`offsets_for_times`), where the offset would land past it.
+SNAPSHOT_TS = "latest_snapshot_ts_ms"
 OFFSET = "offset"  # metadata (policies topic only): weights-topic offset of this version's manifest
 CONTROL_APP = "trainer"  # Control records asking a trainer for a snapshot: app, slot "<policy>.snapshot"
 

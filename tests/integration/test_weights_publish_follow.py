@@ -156,3 +156,65 @@ def test_a_second_publisher_of_the_policy_fences_the_first(kafka: KafkaSettings,
     assert new.publish({"w": torch.full((8,), 3.0)}).version == 1
     latest = latest_policy_version(kafka, Topics(experiment), "policy")
     assert latest is not None and latest.version == 1
+
+
+def _copy_like_mirrormaker(kafka: KafkaSettings, src: str, dst: str) -> list[bytes]:
+    """Copies the committed records of `src` to (empty) `dst` with their keys and timestamps, as
+    MirrorMaker 2 does: transaction markers are not copied, so offsets differ. Returns the values
+    copied (the i-th is at offset i in `dst`)."""
+    from confluent_kafka import Consumer, Producer, TopicPartition
+
+    from astraflow.kafka.clients import reader_config, watermarks
+
+    consumer = Consumer(reader_config(kafka, f"copy-{dst}"))
+    producer = Producer(kafka.client_config())
+    _, high = watermarks(consumer, src, 0)
+    consumer.assign([TopicPartition(src, 0, 0)])
+    values: list[bytes] = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        msg = consumer.poll(0.5)
+        if msg is not None and msg.error() is None:
+            producer.produce(dst, msg.value(), msg.key(), partition=0, timestamp=msg.timestamp()[1])
+            values.append(msg.value())
+        position = consumer.position([TopicPartition(src, 0)])[0].offset
+        if position >= high:
+            break
+    producer.flush(10)
+    consumer.close()
+    return values
+
+
+def test_a_follower_on_a_mirrored_cluster_finds_the_snapshot_by_its_time(
+        kafka: KafkaSettings, make_experiment) -> None:
+    """MirrorMaker 2 keeps record timestamps but not offsets (A's transaction markers are not
+    copied): the offset of the latest snapshot that A's manifests name lies past that snapshot in
+    the copy. A follower there starts at the snapshot found by its manifest record's timestamp and
+    holds the latest version at once, without waiting for the next snapshot."""
+    a, b = make_experiment("mm-a"), make_experiment("mm-b")
+    publisher = WeightPublisher(kafka, a, "policy", PublishSettings(snapshot_every=4, chunk_bytes=4096),
+                                transactional_id=Topics(a).publisher_id("policy"))  # as the trainer: a marker per version
+    assert publisher.start() is None
+    published = _publish_versions(publisher, 7)  # snapshots 0 and 4; deltas 5, 6 name snapshot 4
+    publisher.close()
+    ta, tb = Topics(a), Topics(b)
+    from astraflow.records import PolicyVersion
+    from astraflow.serde import AvroSerde
+    from astraflow.weights.versions import SNAPSHOT_OFFSET
+
+    copied = [AvroSerde().loads(v) for v in _copy_like_mirrormaker(kafka, ta.weights("policy"), tb.weights("policy"))]
+    assert _copy_like_mirrormaker(kafka, ta.policies, tb.policies)
+    latest = latest_policy_version(kafka, tb, "policy")
+    assert latest is not None and latest.version == 6 and latest.latest_snapshot == 4
+    # The premise: A's offset of snapshot 4's manifest lies past that manifest in the copy.
+    there = next(i for i, r in enumerate(copied) if isinstance(r, PolicyVersion) and r.version == 4)
+    assert int(latest.metadata[SNAPSHOT_OFFSET]) > there
+    f = KafkaWeightFollower(kafka, b, "policy", request_snapshots=False, report_refusals=False)
+    try:
+        f.start()
+        events = follow_until(f, 6, timeout_s=30)
+        assert f.follower.version == 6, [(e.version, e.result.status) for e in events]
+        assert events[0].version == 4 and events[0].result.status == ApplyStatus.APPLIED  # the snapshot, found by time
+        assert bits_equal(dict(f.follower.state), published[6][1])
+    finally:
+        f.close()
