@@ -2,8 +2,9 @@
 
 `CpuQuota(name, cpus)` creates `/sys/fs/cgroup/cpu/astraflow-<name>` with
 `cpu.cfs_quota_us = cpus * cpu.cfs_period_us` (0.3: at most 30% of one core, however idle the
-machine is), `add(pid)` moves a process into it (children it starts later inherit it; `add_group` moves a
-whole process group, children already started included), and
+machine is), `add(pid)` moves a process into it (children it starts later inherit it; `add_tree`
+moves a process and every descendant already started, such as a RaaS node's engine process, which
+runs in a session and process group of its own), and
 `remove()` moves whatever is left back to the root group and deletes the group. The benchmark
 calls `remove()` in a `finally`, so no group outlives its run.
 """
@@ -42,16 +43,20 @@ class CpuQuota:
     def add(self, pid: int) -> None:
         (self.path / "cgroup.procs").write_text(str(pid))
 
-    def add_group(self, pgid: int) -> int:
-        """Moves every process of process group `pgid` (a role and the processes it started, such
-        as a node's engine process) into the group; returns how many."""
-        moved = 0
+    def add_tree(self, pid: int) -> int:
+        """Moves process `pid` and all its descendants into the group; returns how many."""
+        children: dict[int, list[int]] = {}
         for stat in Path("/proc").glob("[0-9]*/stat"):
             with contextlib.suppress(OSError, ValueError, IndexError):
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-                if int(fields[2]) == pgid:  # after the name: state, ppid, pgrp
-                    self.add(int(stat.parent.name))
-                    moved += 1
+                fields = stat.read_text().rsplit(")", 1)[1].split()  # after the name: state, ppid, ...
+                children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        moved, todo = 0, [pid]
+        while todo:
+            p = todo.pop()
+            with contextlib.suppress(OSError):  # exited meanwhile
+                self.add(p)
+                moved += 1
+            todo += children.get(p, [])
         return moved
 
     def throttled_s(self) -> float:

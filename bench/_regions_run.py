@@ -139,7 +139,7 @@ class RegionsRun:
         _, _, slowed = next(n for n in NODES if n[0] == name)
         role = self.nodes[name]
         if slowed and self.quota is not None and role.proc is not None:
-            self.quota.add_group(role.proc.pid)
+            self.quota.add_tree(role.proc.pid)
 
     # ---- reading back ----------------------------------------------------------------------------
 
