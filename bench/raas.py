@@ -15,7 +15,9 @@ The plain loop is forced to `--tokens` tokens (`min_new_tokens`); the node stops
 eos like any rollout, so the comparison is made on tokens/s (the random tiny model rarely
 samples eos: the mean lengths are printed). Time to first token (TTFT): from the moment a
 request reaches the engine (node) or its batch's `generate` call starts (plain) to its first
-sampled token. Usage: python bench/raas.py [--quick] [--json OUT]
+sampled token. For the node, the engine's own counters: rows sampled per decoding step (16 is a
+full batch) and the share of the measured time it spent stepping (the rest it waited for
+requests). Usage: python bench/raas.py [--quick] [--json OUT]
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class Row:
     tokens: int
     seconds: float
     ttft_ms: float  # mean submit -> first token
+    mean_batch: float | None = None  # node: rows sampled per engine step
+    busy: float | None = None  # node: share of the measured time the engine spent stepping
 
     @property
     def rollouts_per_s(self) -> float:
@@ -90,10 +94,11 @@ def node_run(kafka: KafkaSettings, model: Path, tasks: int, tokens: int, infligh
 
         elapsed = asyncio.run(main())
         ttft = statistics.fmean(backend.ttft_s) * 1000
-        generated = backend.tokens_generated
+        stats = backend.stats()  # as of the last result
         backend.close()
         label = f"node max-inflight {inflight}" + (f", groups of {group}" if group > 1 else "")
-        return Row(label, tasks * group, generated, elapsed, ttft)
+        return Row(label, tasks * group, stats["tokens_generated"], elapsed, ttft,
+                   stats["rows_sampled"] / max(1, stats["steps"]), stats["busy_us"] / 1e6 / elapsed)
     finally:
         admin.delete([s.name for s in specs])
 
@@ -162,9 +167,11 @@ def main() -> None:
     rows += [plain_run(model, tasks, args.tokens, batch, 1, args.threads) for batch in (1, 16)]
     rows.append(node_run(kafka, model, grouped, args.tokens, 16, args.group, args.threads))
     rows.append(plain_run(model, grouped, args.tokens, 16, args.group, args.threads))
-    print(f"{'setup':<44} {'rollouts/s':>10} {'tokens/s':>9} {'mean len':>8} {'TTFT ms':>8}")
+    print(f"{'setup':<44} {'rollouts/s':>10} {'tokens/s':>9} {'mean len':>8} {'TTFT ms':>8} {'rows/step':>9} {'busy':>5}")
     for r in rows:
-        print(f"{r.setup:<44} {r.rollouts_per_s:>10.1f} {r.tokens_per_s:>9.0f} {r.tokens / r.rollouts:>8.1f} {r.ttft_ms:>8.1f}")
+        engine = "" if r.mean_batch is None else f" {r.mean_batch:>9.1f} {r.busy:>5.0%}"
+        print(f"{r.setup:<44} {r.rollouts_per_s:>10.1f} {r.tokens_per_s:>9.0f} {r.tokens / r.rollouts:>8.1f} "
+              f"{r.ttft_ms:>8.1f}{engine}")
     single = rows[2].tokens_per_s / rows[4].tokens_per_s
     group = rows[5].tokens_per_s / rows[6].tokens_per_s
     print(f"node (max-inflight 16) vs plain batched generate, tokens/s: single-sample {single:.2f}x, "
@@ -172,7 +179,8 @@ def main() -> None:
     write_json(args.json, "raas", {
         "tasks": tasks, "threads": args.threads, "grouped_tasks": grouped, "group": args.group, "new_tokens": args.tokens,
         "rows": [{"setup": r.setup, "rollouts_per_s": r.rollouts_per_s, "tokens_per_s": r.tokens_per_s,
-                  "mean_new_tokens": r.tokens / r.rollouts, "ttft_ms": r.ttft_ms} for r in rows],
+                  "mean_new_tokens": r.tokens / r.rollouts, "ttft_ms": r.ttft_ms, "engine_rows_per_step": r.mean_batch,
+                  "engine_busy_share": r.busy} for r in rows],
         "ratio_node16_vs_plain_batched_tokens": single, "ratio_grouped_node16_vs_plain_tokens": group})
 
 

@@ -222,3 +222,24 @@ def test_cached_prefix_of_older_weights_is_recomputed_unless_allowed(tiny_model_
         if lag == 0:  # a fresh prefill under version 1: exactly version 1's distribution
             model.load_state_dict(v1)
             np.testing.assert_allclose(g.logprobs, _reference(model, prompt, g.token_ids, 1.0), atol=2e-5)
+
+
+def test_the_llama_family_forward_matches_transformers_forward(tiny_model_dir: Path) -> None:
+    """The tiny model (Qwen2) takes decoder.py's forward (so every test above checks it against
+    transformers); greedy decoding through transformers' own forward gives the same tokens and
+    logprobs; a model of another layout gets no fast forward."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from astraflow.raas.backends.decoder import decoder_forward
+
+    fast, plain = _engine(tiny_model_dir), _engine(tiny_model_dir)
+    assert fast.fast_forward is not None
+    plain.fast_forward = None
+    arrivals = {0: [(i, GenerateRequest(_prompt(i, 5 + 3 * i), 12, temperature=0.0)) for i in range(3)],
+                4: [(9, GenerateRequest(_prompt(9, 20), 12, temperature=0.0))]}
+    a, b = _run(fast, arrivals), _run(plain, arrivals)
+    assert sorted(a) == sorted(b) == [0, 1, 2, 9]
+    for rid in a:
+        np.testing.assert_array_equal(a[rid].token_ids, b[rid].token_ids)
+        np.testing.assert_allclose(a[rid].logprobs, b[rid].logprobs, atol=1e-4)
+    assert decoder_forward(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))) is None

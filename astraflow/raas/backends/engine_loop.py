@@ -199,5 +199,8 @@ def result_frame(f: Finished, stats: dict[str, int]) -> tuple[dict[str, Any], by
 
 
 def engine_stats(engine: SlotEngine) -> dict[str, int]:
-    return {"steps": engine.steps, "tokens_generated": engine.tokens_generated,
-            "prefill_tokens": engine.prefill_tokens, "reused_tokens": engine.reused_tokens, "version": engine.version}
+    """The engine's counters: forward steps, rows sampled over them, generated / prefilled /
+    reused-from-cache tokens, microseconds spent stepping, the version served."""
+    return {"steps": engine.steps, "rows_sampled": engine.rows_sampled, "tokens_generated": engine.tokens_generated,
+            "prefill_tokens": engine.prefill_tokens, "reused_tokens": engine.reused_tokens,
+            "busy_us": int(engine.busy_s * 1e6), "version": engine.version}

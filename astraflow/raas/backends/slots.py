@@ -42,6 +42,7 @@ import torch
 
 from astraflow.errors import AstraflowError
 from astraflow.raas.backends.base import GenerateRequest, Generation
+from astraflow.raas.backends.decoder import decoder_forward
 from astraflow.raas.backends.kv_cache import SlotKVCache
 from astraflow.raas.backends.sampling import sample_tokens
 from astraflow.weights.layout import ModelLayout
@@ -115,6 +116,7 @@ class SlotEngine:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.cache = SlotKVCache(cfg.num_hidden_layers, self.slots, kv_heads, head_dim, model.dtype, self.device)
+        self.fast_forward = decoder_forward(model)  # None: transformers' own forward (decoder.py)
         self.slot_tokens: list[list[int]] = [[] for _ in range(self.slots)]  # tokens cached in each slot
         self.slot_version: list[int] = [version] * self.slots  # oldest weights version among its columns
         self.slot_row: list[_Row | None] = [None] * self.slots
@@ -127,6 +129,8 @@ class SlotEngine:
         self.tokens_generated = 0  # tokens of finished requests
         self.prefill_tokens = 0  # prompt tokens computed
         self.reused_tokens = 0  # prompt tokens taken from a cached prefix instead
+        self.rows_sampled = 0  # rows sampled, summed over steps (/ steps: the mean batch)
+        self.busy_s = 0.0  # time spent in step() with work to do
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -173,12 +177,13 @@ class SlotEngine:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self) -> list[Finished]:
         """Admits what fits, runs one forward over every active row, samples; returns what ended."""
         self._admit()
         if not self.active:
             return []
+        t_step = time.perf_counter()
         self.steps += 1
         fed = [r for r in self.active if r.leader is None]
         prefill = [r for r in fed if len(r.feed) > 1]
@@ -227,6 +232,8 @@ class SlotEngine:
             gen = Generation(np.asarray(r.ids, np.int32), np.asarray(r.lps, np.float32), np.asarray(r.vers, np.int32),
                              text, reason)
             done.append(Finished(r.rid, gen, ttft_s=r.first_token_s or 0.0))
+        self.rows_sampled += len(rows)
+        self.busy_s += time.perf_counter() - t_step
         return done
 
     def _admit(self) -> None:
@@ -307,14 +314,18 @@ class SlotEngine:
         masks = {"full_attention": full[:, None]}
         if "sliding_attention" in self.layer_types and self.window:
             masks["sliding_attention"] = (full & ((cols > pos3 - self.window) | ~valid[:, :, None]))[:, None]
-        out = self.model(input_ids=ids, attention_mask=masks, position_ids=torch.where(valid, pos, 0),
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        pos_ids = torch.where(valid, pos, 0)
+        if self.fast_forward is not None:
+            logits = self.fast_forward(ids, masks, pos_ids, self.cache)
+        else:
+            logits = self.model(input_ids=ids, attention_mask=masks, position_ids=pos_ids, past_key_values=self.cache,
+                                use_cache=True, logits_to_keep=1).logits[:, -1, :]
         for r in rows:
             if len(r.feed) > 1 or not r.ids:
                 self.prefill_tokens += len(r.feed)
             self.slot_tokens[r.slot].extend(r.feed)
             self.slot_version[r.slot] = min(self.slot_version[r.slot], self.version)
-        return out.logits[:, -1, :].float()
+        return logits.float()
 
     def _hit_stop(self, ids: list[int], stops: list[str]) -> bool:
         if not stops:
@@ -324,7 +335,7 @@ class SlotEngine:
 
     # ---- checks --------------------------------------------------------------------------------
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def self_check(self) -> None:
         """Runs a short prompt through the slot cache (prefill, one decoded token, a fork) and
         compares with a plain forward; raises BackendError for a model this engine cannot drive."""
@@ -343,7 +354,8 @@ class SlotEngine:
         if len(got) != 2 or any(abs(g - lp0) > 1e-3 for g in got):
             raise BackendError(f"{type(self.model).__name__}: the slot engine's logits differ from a plain forward "
                                f"({got} vs {lp0:.5f}); this architecture is not supported by the torch backend")
-        self.steps = self.tokens_generated = self.prefill_tokens = self.reused_tokens = 0
+        self.steps = self.tokens_generated = self.prefill_tokens = self.reused_tokens = self.rows_sampled = 0
+        self.busy_s = 0.0
         self.slot_tokens = [[] for _ in range(self.slots)]
 
 

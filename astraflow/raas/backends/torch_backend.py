@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from astraflow.raas.backends.base import GenerateRequest, Generation, model_context_length
-from astraflow.raas.backends.engine_loop import EngineLoop
+from astraflow.raas.backends.engine_loop import EngineLoop, engine_stats
 from astraflow.raas.backends.sampling import sample_tokens
 from astraflow.raas.backends.slots import BackendError, Finished, load_engine
 from astraflow.weights.layout import ModelLayout
@@ -148,12 +148,11 @@ class TorchBackend:
         return self._hardware
 
     def stats(self) -> dict[str, int]:
-        """Engine counters: forward steps, generated / prefilled / reused-from-cache tokens, version."""
+        """Engine counters (`engine_loop.engine_stats`): forward steps, rows sampled, generated /
+        prefilled / reused-from-cache tokens, time spent stepping, version."""
         if self._proc is not None:
             return dict(self._proc.stats)
-        e = self.engine
-        return {"steps": e.steps, "tokens_generated": e.tokens_generated, "prefill_tokens": e.prefill_tokens,
-                "reused_tokens": e.reused_tokens, "version": e.version}
+        return engine_stats(self.engine)
 
     def refresh_stats(self) -> None:
         """Process engine: asks the child for its counters (they arrive with its answer)."""
