@@ -7,7 +7,8 @@ keys/values of one token sequence from column 0. Every `step()`:
 2. runs ONE forward pass over every active row: a decoding row feeds its last sampled token, an
    admitted row feeds the part of its prompt that is not cached yet (rows are left-aligned into
    a [rows, longest feed] block; a 4-D mask and per-row position ids make each row see exactly
-   its own cached columns);
+   its own cached columns) (Llama-family models through `decoder.py`'s forward, others
+   through transformers');
 3. samples one token per row with the row's own temperature and top-p, checks its stop
    conditions (eos, stop strings, max_tokens, the model's context length) and releases a
    finished row's slot at once, so the next step can admit a new request there.
