@@ -86,6 +86,26 @@ def test_staggered_requests_with_own_sampling_match_a_full_forward(tiny_model_di
             assert logits.argmax(-1).tolist() == g.token_ids.tolist()
 
 
+def test_short_prompts_joining_decoding_rows_are_packed_and_match_a_full_forward(tiny_model_dir: Path, ref) -> None:
+    """A prompt admitted next to decoding rows goes in a packed forward (one row of every fed
+    token, each seeing only its own slot), in both forwards the engine has; every logprob still
+    equals transformers' full forward."""
+    for llama_forward in (True, False):
+        engine = _engine(tiny_model_dir)
+        if not llama_forward:
+            engine.fast_forward = None
+        packed = []
+        plain_packed = engine._packed
+        engine._packed = lambda *a, packed=packed, plain=plain_packed: packed.append(1) or plain(*a)  # type: ignore[method-assign]
+        reqs = {i: GenerateRequest(_prompt(i, 4 + 3 * (i % 3)), 16 - i, 1.0) for i in range(7)}
+        arrivals = {0: [(i, reqs[i]) for i in range(3)], 3: [(3, reqs[3])], 6: [(4, reqs[4])], 7: [(5, reqs[5])],
+                    9: [(6, reqs[6])]}
+        out = _run(engine, arrivals)
+        assert len(packed) >= 3 and set(out) == set(reqs)
+        for i, r in reqs.items():
+            np.testing.assert_allclose(out[i].logprobs, _reference(ref, r.prompt_ids, out[i].token_ids, 1.0), atol=2e-5)
+
+
 def test_group_prefills_its_prompt_once_and_forks_the_cache(tiny_model_dir: Path, ref) -> None:
     engine = _engine(tiny_model_dir, max_batch=8)
     prompt = _prompt(42, 20)

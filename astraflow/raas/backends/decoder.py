@@ -26,12 +26,13 @@ import torch.nn.functional as F
 # Causal LMs whose decoder layer is the one described above (in transformers 4.4x-5.x).
 ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
 
-Forward = Callable[[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, Any], torch.Tensor]
+Forward = Callable[[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, Any, torch.Tensor | None], torch.Tensor]
 
 
 def decoder_forward(model: Any) -> Forward | None:
-    """A forward (ids [B, Q], masks per layer type [B, 1, Q, W], position ids [B, Q], cache) ->
-    logits [B, vocab] after each row's last position; None if `model` is not of that shape."""
+    """A forward (ids [B, Q], masks per layer type [B, 1, Q, W], position ids [B, Q], cache, last)
+    -> logits [B, vocab] after each row's last position, or with `last` (a packed forward, B = 1)
+    [len(last), vocab] at those positions; None if `model` is not of that shape."""
     if type(model).__name__ not in ARCHITECTURES:
         return None
     base = model.model
@@ -47,7 +48,8 @@ def decoder_forward(model: Any) -> Forward | None:
     if getattr(model.config, "final_logit_softcapping", None) or getattr(model.config, "logit_scale", None):
         return None
 
-    def forward(ids: torch.Tensor, masks: dict[str, torch.Tensor], pos: torch.Tensor, cache: Any) -> torch.Tensor:
+    def forward(ids: torch.Tensor, masks: dict[str, torch.Tensor], pos: torch.Tensor, cache: Any,
+                last: torch.Tensor | None = None) -> torch.Tensor:
         B, Q = ids.shape
         x = F.embedding(ids, base.embed_tokens.weight)
         cos, sin = base.rotary_emb(x, pos)
@@ -67,8 +69,8 @@ def decoder_forward(model: Any) -> Forward | None:
             gate = mlp.act_fn(F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias))
             up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
             x = x + F.linear(gate * up, mlp.down_proj.weight, mlp.down_proj.bias)
-        last = _rms(x[:, -1], base.norm)
-        return F.linear(last, model.lm_head.weight, getattr(model.lm_head, "bias", None))
+        h = _rms(x[:, -1] if last is None else x[0, last], base.norm)
+        return F.linear(h, model.lm_head.weight, getattr(model.lm_head, "bias", None))
 
     return forward
 

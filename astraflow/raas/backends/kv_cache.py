@@ -28,6 +28,7 @@ class SlotKVCache:
         self._write: torch.Tensor | None = None
         self._span: tuple[int, int] | None = None  # rows are the slots lo..hi-1: return views
         self._width = 0
+        self._packed = False
 
     def _empty(self, capacity: int) -> torch.Tensor:
         s, h, d = self.shape
@@ -45,14 +46,19 @@ class SlotKVCache:
                 buf[i] = new
         self.capacity = cap
 
-    def prepare(self, rows: list[int], write: torch.Tensor, width: int) -> None:
-        """Next forward: row i is slot rows[i], its token j goes to column write[i, j]."""
+    def prepare(self, rows: list[int], write: torch.Tensor, width: int, row_of: torch.Tensor | None = None) -> None:
+        """Next forward: row i is slot rows[i], its token j goes to column write[i, j] (-1: a
+        padding position, written to the scratch column). Packed (`row_of` given): the forward
+        has one row of tokens, token t belongs to row row_of[t] and goes to column write[0, t];
+        `update` then returns the rows' columns side by side, [1, heads, rows x width, dim]."""
         self._rows = torch.tensor(rows, device=self.device)
         col = torch.where(write < 0, self.capacity, write)
-        self._write = (self._rows[:, None] * (self.capacity + 1) + col).reshape(-1).to(self.device)
+        slot = self._rows[:, None] if row_of is None else self._rows[row_of][None, :]
+        self._write = (slot * (self.capacity + 1) + col).reshape(-1).to(self.device)
         lo = rows[0]
         self._span = (lo, lo + len(rows)) if rows == list(range(lo, lo + len(rows))) else None
         self._width = width
+        self._packed = row_of is not None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *_: Any, **__: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,6 +72,8 @@ class SlotKVCache:
             k, v = K[lo:hi, : self._width], V[lo:hi, : self._width]
         else:
             k, v = K[self._rows, : self._width], V[self._rows, : self._width]
+        if self._packed:
+            k, v = k.reshape(1, -1, h, d), v.reshape(1, -1, h, d)
         return k.transpose(1, 2), v.transpose(1, 2)
 
     def copy(self, src: int, dst: int, n: int) -> None:

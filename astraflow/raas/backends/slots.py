@@ -296,37 +296,72 @@ class SlotEngine:
         self.slot_used[row.slot] = self.steps
 
     def _forward(self, rows: list[_Row]) -> torch.Tensor:
-        """One forward over `rows`; returns the logits [rows, vocab] after each row's last fed token."""
+        """One forward over `rows`; returns the logits [rows, vocab] after each row's last fed token.
+
+        Rows feeding one token each (decoding), or prompts of similar lengths, go as a [rows,
+        longest feed] block, left-padded. A step where a few short prompts join decoding rows
+        would pad every row to the prompt's length (16 rows x 15 positions for 30 real tokens):
+        then the tokens are packed into ONE row of all fed tokens instead, and the mask lets each
+        token see only its own slot's columns (`_packed`)."""
         feeds = [r.feed for r in rows]
-        q_max = max(len(f) for f in feeds)
-        ids = torch.tensor([[self.pad_id] * (q_max - len(f)) + f for f in feeds], device=self.device)
+        q_list = [len(f) for f in feeds]
+        q_max, total = max(q_list), sum(q_list)
         lens = torch.tensor([len(self.slot_tokens[r.slot]) for r in rows], device=self.device)
-        q = torch.tensor([len(f) for f in feeds], device=self.device)
-        rel = torch.arange(q_max, device=self.device)[None, :] - (q_max - q)[:, None]  # <0: padding
-        valid = rel >= 0
-        pos = lens[:, None] + rel
-        width = int((lens + q).max())
-        self.cache.ensure(width)
-        self.cache.prepare([r.slot for r in rows], torch.where(valid, pos, -1), width)
-        cols = torch.arange(width, device=self.device)[None, None, :]
-        pos3 = pos[:, :, None]
-        # Padding queries look at column 0 only (never an empty row: softmax of nothing is NaN).
-        full = torch.where(valid[:, :, None], cols <= pos3, cols == 0)
-        masks = {"full_attention": full[:, None]}
-        if "sliding_attention" in self.layer_types and self.window:
-            masks["sliding_attention"] = (full & ((cols > pos3 - self.window) | ~valid[:, :, None]))[:, None]
-        pos_ids = torch.where(valid, pos, 0)
-        if self.fast_forward is not None:
-            logits = self.fast_forward(ids, masks, pos_ids, self.cache)
+        slots = [r.slot for r in rows]
+        if q_max > 1 and len(rows) * q_max > 2 * total:
+            ids, masks, pos_ids, last = self._packed(feeds, q_list, lens, slots)
         else:
-            logits = self.model(input_ids=ids, attention_mask=masks, position_ids=pos_ids, past_key_values=self.cache,
-                                use_cache=True, logits_to_keep=1).logits[:, -1, :]
+            ids = torch.tensor([[self.pad_id] * (q_max - len(f)) + f for f in feeds], device=self.device)
+            q = torch.tensor(q_list, device=self.device)
+            rel = torch.arange(q_max, device=self.device)[None, :] - (q_max - q)[:, None]  # <0: padding
+            valid = rel >= 0
+            pos = lens[:, None] + rel
+            width = int((lens + q).max())
+            self.cache.ensure(width)
+            self.cache.prepare(slots, torch.where(valid, pos, -1), width)
+            cols = torch.arange(width, device=self.device)[None, None, :]
+            pos3 = pos[:, :, None]
+            # Padding queries look at column 0 only (never an empty row: softmax of nothing is NaN).
+            full = torch.where(valid[:, :, None], cols <= pos3, cols == 0)
+            masks = {"full_attention": full[:, None]}
+            if "sliding_attention" in self.layer_types and self.window:
+                masks["sliding_attention"] = (full & ((cols > pos3 - self.window) | ~valid[:, :, None]))[:, None]
+            pos_ids, last = torch.where(valid, pos, 0), None
+        if self.fast_forward is not None:
+            logits = self.fast_forward(ids, masks, pos_ids, self.cache, last)
+        else:
+            out = self.model(input_ids=ids, attention_mask=masks, position_ids=pos_ids, past_key_values=self.cache,
+                             use_cache=True, logits_to_keep=1 if last is None else last).logits
+            logits = out[:, -1, :] if last is None else out[0]
         for r in rows:
             if len(r.feed) > 1 or not r.ids:
                 self.prefill_tokens += len(r.feed)
             self.slot_tokens[r.slot].extend(r.feed)
             self.slot_version[r.slot] = min(self.slot_version[r.slot], self.version)
         return logits.float()
+
+    def _packed(self, feeds: list[list[int]], q_list: list[int], lens: torch.Tensor, slots: list[int]
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """Inputs of a packed forward: ids and position ids [1, tokens], masks [1, 1, tokens,
+        rows x width] (row i's columns are i*width .. i*width + width - 1, see
+        `SlotKVCache.prepare(packed=True)`), and each row's last token index."""
+        dev = self.device
+        q = torch.tensor(q_list, device=dev)
+        row_of = torch.repeat_interleave(torch.arange(len(feeds), device=dev), q)  # [tokens]
+        starts = torch.cumsum(q, 0) - q
+        pos = lens[row_of] + torch.arange(int(q.sum()), device=dev) - starts[row_of]
+        width = int((lens + q).max())
+        self.cache.ensure(width)
+        self.cache.prepare(slots, pos[None, :], width, row_of=row_of)
+        cols = torch.arange(len(feeds) * width, device=dev)
+        col_row, col_pos = cols // width, cols % width
+        mine = col_row[None, :] == row_of[:, None]
+        full = mine & (col_pos[None, :] <= pos[:, None])
+        masks = {"full_attention": full[None, None]}
+        if "sliding_attention" in self.layer_types and self.window:
+            masks["sliding_attention"] = (full & (col_pos[None, :] > pos[:, None] - self.window))[None, None]
+        ids = torch.tensor([[t for f in feeds for t in f]], device=dev)
+        return ids, masks, pos[None, :], starts + q - 1
 
     def _hit_stop(self, ids: list[int], stops: list[str]) -> bool:
         if not stops:
