@@ -30,8 +30,14 @@ the demo's roles as separate processes on Kafka (curator, reward, curate, one tr
 one RaaS node serving both), same models, prompts, reward, batch sizes and steps; its clock runs
 from the first task on Kafka to both policies' last weights at the benchmark's followers.
 
-Usage: python bench/multi_policy.py [--quick] [--sigmas 0.5,1.5] [--steps N] [--staleness K] [--seed S]
+Usage: python bench/multi_policy.py [--quick] [--sigmas 0.5,1.5] [--steps N] [--staleness K] [--seeds 0,1]
        [--modes trainer-centred,dataflow,pipeline] [--json OUT]
+
+With several `--seeds` (each its own training and held-out problems, tool delays and sampling;
+every schedule of a seed against that seed's trainer-centred run) it also reports, per sigma and
+schedule, the mean over seeds of each ratio and of each final figure, the paired difference of
+finals from the baseline's, and their standard errors: over seeds (spread of the seeds' figures
+/ sqrt(seeds)) and, for finals, from held-out sampling alone (binomial, per seed).
 
 Each rollout engine runs in a process of its own, as on a RaaS node (`--in-process-engines`: in
 this one, where its decode loop takes turns with the learners for the interpreter lock). Each run
@@ -301,6 +307,7 @@ def main() -> None:
     ap.add_argument("--target-gain", type=float, default=0.05, help="target = warm-start figure + this, per policy")
     ap.add_argument("--heldout", type=int, default=None, help=f"held-out problems (and judgements) (default {_rl.N_HELDOUT}, quick 32)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default=None, help="several seeds, e.g. 0,1 (default: --seed)")
     ap.add_argument("--modes", default="trainer-centred,dataflow",
                     help="schedules to run, of " + ",".join(MODES) + " (trainer-centred is the baseline, always run)")
     ap.add_argument("--in-process-engines", action="store_true",
@@ -313,43 +320,96 @@ def main() -> None:
     modes = ["trainer-centred", *[m for m in args.modes.split(",") if m and m != "trainer-centred"]]
     if unknown := [m for m in modes if m not in MODES]:
         ap.error(f"unknown mode(s) {unknown}: use {', '.join(MODES)}")
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
     torch.set_num_threads(1)
     paths = models()
     rows: list[dict[str, Any]] = []
     for sigma in sigmas:
-        runs = {}
-        for mode in modes:
-            print(f"sigma {sigma}: {mode} ({args.steps} steps x {_rl.SLOTS} samples per policy) ...", flush=True)
-            runs[mode] = r = one_run(mode, sigma, args, paths)
-            print(f"  {r.wall_s:.1f}s, {r.cpu_s / r.wall_s:.2f} cores busy, load {r.load[0]}->{r.load[1]}, {r.trajectories} rollouts; " + "; ".join(
-                f"{p} {x.trained / r.wall_s:.1f} samples/s, " + " ".join(f"{s:.3f}@{t:.0f}s" for _, t, s in x.score)
-                for p, x in r.policies.items()), flush=True)
-        base = runs["trainer-centred"]
-        targets = {p: base.policies[p].score[0][2] + args.target_gain for p in POLICIES}
-        rows += [r.summary(targets) for r in runs.values()]
+        for seed in seeds:
+            args.seed = seed
+            runs = {}
+            for mode in modes:
+                print(f"sigma {sigma}, seed {seed}: {mode} ({args.steps} steps x {_rl.SLOTS} samples per policy) ...", flush=True)
+                runs[mode] = r = one_run(mode, sigma, args, paths)
+                print(f"  {r.wall_s:.1f}s, {r.cpu_s / r.wall_s:.2f} cores busy, load {r.load[0]}->{r.load[1]}, {r.trajectories} rollouts; " + "; ".join(
+                    f"{p} {x.trained / r.wall_s:.1f} samples/s, " + " ".join(f"{s:.3f}@{t:.0f}s" for _, t, s in x.score)
+                    for p, x in r.policies.items()), flush=True)
+            base = runs["trainer-centred"]
+            targets = {p: base.policies[p].score[0][2] + args.target_gain for p in POLICIES}
+            rows += [{**r.summary(targets), "seed": seed} for r in runs.values()]
     print()
-    print(f"{'sigma':>5} {'mode':<16} {'wall s':>7} {'cores':>5} {'policy':<9} {'samples/s':>9} {'busy':>5} {'start->final':>13} {'to target':>10}")
+    print(f"{'sigma':>5} {'seed':>4} {'mode':<16} {'wall s':>7} {'cores':>5} {'policy':<9} {'samples/s':>9} {'busy':>5} {'start->final':>13} {'to target':>10}")
     headline = []
     for x in rows:
         for p in POLICIES:
             y = x[p]
             tt = f"{y['time_to_target_s']:.0f}s" if y["time_to_target_s"] is not None else "not reached"
-            print(f"{x['sigma']:>5} {x['mode']:<16} {x['wall_s']:>7.1f} {x['cores_used']:>5.2f} {p:<9} {y['trained_per_s']:>9.1f} "
-                  f"{y['trainer_busy']:>5.0%} {y['start']:>6.3f}->{y['final']:.3f} {tt:>10}")
-    for sigma in sigmas:
-        s = next(x for x in rows if x["sigma"] == sigma and x["mode"] == "trainer-centred")
-        for d in (x for x in rows if x["sigma"] == sigma and x["mode"] != "trainer-centred"):
-            parts = []
-            for p in POLICIES:
-                a, b = d[p]["time_to_target_s"], s[p]["time_to_target_s"]
-                tt = f"time to target {b / a:.2f}x" if a and b else "time to target: not reached by both"
-                parts.append(f"{p} samples/s {d[p]['trained_per_s'] / s[p]['trained_per_s']:.2f}x, {tt}")
-            headline.append(f"sigma {sigma} {d['mode']}: " + "; ".join(parts))
+            print(f"{x['sigma']:>5} {x['seed']:>4} {x['mode']:<16} {x['wall_s']:>7.1f} {x['cores_used']:>5.2f} {p:<9} "
+                  f"{y['trained_per_s']:>9.1f} {y['trainer_busy']:>5.0%} {y['start']:>6.3f}->{y['final']:.3f} {tt:>10}")
+    for x in rows:
+        if x["mode"] == "trainer-centred":
+            continue
+        base = next(b for b in rows if (b["sigma"], b["seed"], b["mode"]) == (x["sigma"], x["seed"], "trainer-centred"))
+        x["vs_trainer_centred"] = {p: ratios(x[p], base[p]) for p in POLICIES}
+        headline.append(f"sigma {x['sigma']} seed {x['seed']} {x['mode']}: " + "; ".join(
+            f"{p} samples/s {v['samples_per_s']:.2f}x, " + (f"time to target {v['time_to_target']:.2f}x" if v["time_to_target"]
+                                                           else "time to target: not reached by both")
+            for p, v in x["vs_trainer_centred"].items()))
     print("vs trainer-centred: " + " | ".join(headline))
+    summary = over_seeds(rows, sigmas, modes, args.heldout) if len(seeds) > 1 else []
+    for line in summary:
+        print(line["text"])
     _common.write_json(args.json, "multi_policy", {
         "median_s": args.median_s, "steps_per_policy": args.steps, "samples_per_step": _rl.SLOTS, "lr": _rl.LR,
-        "staleness": args.staleness, "rows": rows, "headline": headline, "load_average": _loadavg(),
+        "staleness": args.staleness, "seeds": seeds, "rows": rows, "headline": headline,
+        "over_seeds": [{k: v for k, v in line.items() if k != "text"} for line in summary], "load_average": _loadavg(),
     })
+
+
+def ratios(run: dict[str, Any], base: dict[str, Any]) -> dict[str, float | None]:
+    """A schedule's figures of one policy against the trainer-centred run's (same sigma and seed)."""
+    a, b = run["time_to_target_s"], base["time_to_target_s"]
+    return {"samples_per_s": run["trained_per_s"] / base["trained_per_s"], "time_to_target": b / a if a and b else None,
+            "final_minus_baseline": run["final"] - base["final"]}
+
+
+def _mean_se(xs: list[float]) -> tuple[float, float | None]:
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, None
+    return m, (sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) ** 0.5
+
+
+def over_seeds(rows: list[dict[str, Any]], sigmas: list[float], modes: list[str], heldout: int) -> list[dict[str, Any]]:
+    """Per sigma, schedule and policy: means over seeds with standard errors (see the module doc).
+    Held-out figures are means of 2 x `heldout` episodes, so each has a binomial s.e. of its own."""
+    out = []
+    for sigma in sigmas:
+        for mode in modes:
+            runs = [x for x in rows if x["sigma"] == sigma and x["mode"] == mode]
+            for p in POLICIES:
+                finals = [x[p]["final"] for x in runs]
+                final, final_se = _mean_se(finals)
+                sampling_se = (sum(f * (1 - f) / (2 * heldout) for f in finals) ** 0.5) / len(finals)
+                line: dict[str, Any] = {"sigma": sigma, "mode": mode, "policy": p, "seeds": len(runs), "final": final,
+                                        "final_se_seeds": final_se, "final_se_sampling": sampling_se}
+                text = (f"sigma {sigma} {mode:<16} {p:<9} final {final:.3f} (s.e. {final_se or 0:.3f} over seeds, "
+                        f"{sampling_se:.3f} sampling)")
+                if mode != "trainer-centred":
+                    r = [x["vs_trainer_centred"][p] for x in runs]
+                    diff, diff_se = _mean_se([v["final_minus_baseline"] for v in r])
+                    speed = _mean_se([v["samples_per_s"] for v in r])
+                    reached = [v["time_to_target"] for v in r if v["time_to_target"]]
+                    ttt = _mean_se(reached) if reached else (None, None)
+                    line.update(final_minus_baseline=diff, final_minus_baseline_se=diff_se, samples_per_s=speed[0],
+                                samples_per_s_se=speed[1], time_to_target=ttt[0], time_to_target_se=ttt[1],
+                                time_to_target_seeds=len(reached))
+                    text += (f"; minus baseline {diff:+.3f} (s.e. {diff_se or 0:.3f}); samples/s {speed[0]:.2f}x "
+                             f"(s.e. {speed[1] or 0:.2f}); time to target " +
+                             (f"{ttt[0]:.2f}x (s.e. {ttt[1] or 0:.2f}, {len(reached)} seeds)" if reached else "not reached"))
+                line["text"] = text
+                out.append(line)
+    return out
 
 
 def _cpu_s(job: Job) -> float:

@@ -11,17 +11,17 @@ statistics curate publishes for every finished group) into the Faust table `prom
 ones, backed by the changelog topic
 `af.<experiment>.curator-prompt_stats-changelog` and written in the transaction of the feedback
 record, so a restarted worker, or one that takes the partitions over, starts from exactly the
-statistics the committed feedback offsets imply), and a timer issues tasks.
+statistics the committed feedback offsets imply), and a short timer issues tasks.
 With `--region-share b=0.4` (a region with a Kafka cluster of its own, fed by MirrorMaker 2:
 `astraflow kafka mirror up`), 40% of the tasks go to `af.<experiment>.tasks.b` instead, which
 only region b's nodes read (`raas serve --tasks-region b`), interleaved so that every prefix
 keeps close to the shares: a fixed share, not one that follows each region's speed.
-Run one curator worker per experiment: the task accounting below is global. Every tick
-(0.2 s) it measures how many tasks are ahead of the trainer, and if fewer than
-`--max-ahead`, asks the curator strategy (slot `curator`, default `accept_all`) for that many
-prompts, given the prompts' latest statistics from `feedback` (those of the first `--policy`: the task's main policy),
-and writes one Task per prompt (`--n-samples` samples: one group) to `tasks`, keyed by group
-id, with lineage `StrategyRef("curator", "curator", name, version)`.
+Run one curator worker per experiment: the task accounting below is global. Whenever fewer
+than `--max-ahead` tasks are ahead of the trainer (see **Issuing**), it asks the curator
+strategy (slot `curator`, default `accept_all`) for that many prompts, given the prompts'
+latest statistics from `feedback` (those of the first `--policy`: the task's main policy), and
+writes one Task per prompt (`--n-samples` samples: one group) to `tasks`, keyed by group id,
+with lineage `StrategyRef("curator", "curator", name, version)`.
 
 **Tasks ahead** (in tasks; everything restart-safe because it comes from Kafka), for each
 policy P of `--throttle` (default: every `--policy`), and the curator keeps the largest
@@ -35,9 +35,15 @@ than max-ahead; the others never wait for it anywhere else):
 * `curated(P)`: groups curate has finished, emitted or filtered out: the sum of `groups` over
   P's PromptStats (each record is cumulative, so compaction loses nothing, and a record read
   twice changes nothing), from the `prompt_stats` table;
-* `train_backlog(P)`: samples in `<P>.train` P's trainer has not consumed: end offsets minus
-  the committed offsets of the trainer's consumer group (`af.<experiment>.<P>.trainer`, what
-  `astraflow train` commits); a partition without a commit counts from its start.
+* `train_backlog(P)`: samples in `<P>.train` P's trainer has not consumed: per partition, the
+  last stable offset (the end of what read_committed readers see: records of a transaction
+  curate has not committed yet are not there, and their groups are not in `curated(P)` either)
+  minus the committed offset of the trainer's consumer group (`af.<experiment>.<P>.trainer`,
+  what `astraflow train` commits when it takes a batch); a partition without a commit counts
+  from its start. Curate's transactions leave markers between the samples, which offsets would
+  count as samples: the trainer's commit metadata says how many samples it already holds past
+  its offset and up to where it has read (`astraflow.kafka.backlog`), so only offsets past that
+  count by offset. The figure can only be too high (fewer tasks issued, never more).
   `--trainer-group none` leaves the trainers out (then only tasks not yet curated are counted);
   with one policy, `--trainer-group GROUP` names its trainer's group.
 
@@ -49,22 +55,35 @@ curate dropped its group), which bounds staleness by about max-ahead / (tasks pe
 A group that never reaches curate (every rollout of it lost before `scored`) keeps its slot
 until the curator restarts with a larger max-ahead; curate publishes statistics even for
 groups it drops as incomplete, so lost trajectories alone do not leak slots.
+
+**Issuing.** Tasks go out on a short tick (50 ms) as soon as the count leaves room. The count is
+`issued` (exact, kept by this process) with `curated` and `train_backlog` as of the last
+measurement of the trainers' backlogs: figures that only fall as time passes (groups curated
+later are counted in `issued - curated` in full, samples trained later in the backlog), so a
+count from an older measurement is never below the truth and issuing on it never exceeds
+max-ahead. The backlogs are measured again (two small requests per policy, in a thread, so
+that feedback keeps being read meanwhile: the committed offsets of its trainer's group and the
+train topic's end offsets) while the count leaves no room, every `lag_interval_s` (each tick),
+so a trainer taking a batch frees its slots within a tick; at the next tick after feedback
+arrives (curate may have dropped a group); and once a second for the gauges.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import KafkaException
+from confluent_kafka import Consumer, KafkaException
 
 from astraflow.errors import AstraflowError, ConfigError
+from astraflow.kafka.backlog import pending_samples
 from astraflow.kafka.received import Received
 from astraflow.records import PromptStats, SamplingParams, Task
 from stream_apps.datasets import DatasetRow, load_datasets
@@ -74,6 +93,7 @@ from stream_apps.slots import Slot, SlotDefault
 log = logging.getLogger("astraflow.stream.curator")
 
 DEFAULTS = {"curator": SlotDefault("accept_all")}
+PLACE_INTERVAL_S = 0.2  # how often the placement observes the nodes' committed offsets
 PAUSE_ON = frozenset({"on", "true", "1", "yes", "pause", "paused"})
 
 
@@ -96,7 +116,8 @@ class CuratorOptions:
     batch: int = 64  # most tasks issued per tick
     trainer_group: str | None = None  # one policy: its trainer's consumer group; "none" ignores the trainers
     throttle: Sequence[str] = ()  # policies whose progress bounds tasks ahead (empty: every policy)
-    lag_interval_s: float = 0.2  # how often the trainer's backlog is measured (every tick)
+    lag_interval_s: float = 0.05  # how often the trainers' backlogs are measured while no task can be issued
+    gauge_interval_s: float = 1.0  # how often they are measured otherwise (gauges)
     region_share: dict[str, float] = field(default_factory=dict)  # region -> fraction of tasks to af.<exp>.tasks.<region>
 
 
@@ -113,7 +134,7 @@ class CuratorApp(AppHandler):
     name = "curator"
     sources = ("feedback",)
     expect = PromptStats
-    tick_interval_s = 0.2
+    tick_interval_s = 0.05  # issues when room is made (measuring first when due); returns at once otherwise
     tables = ("prompt_stats",)
 
     def __init__(self, options: CuratorOptions, defaults: dict[str, SlotDefault] | None = None) -> None:
@@ -150,15 +171,19 @@ class CuratorApp(AppHandler):
         self.paused = False
         self._zv = [0, 0, 0]  # zero-variance groups seen since the last observe(): easy, hard, total
         self._run = uuid.uuid4().hex[:6]
-        self._lag_due = 0.0
+        self._lag_due = 0.0  # next backlog measurement while blocked
+        self._gauge_due = 0.0  # ...and while not
+        self._admin: Any = None  # end offsets of the train topics
+        self._partitions: dict[str, list[int]] = {}  # train topic -> its partitions (read once, as the trainer does)
         self._curated_at_lag: dict[str, int] = dict.fromkeys(self.throttled, 0)  # `curated_by` when the backlogs were measured
         self._lag_consumer: Any = None
         self._readers: dict[str, Any] = {}  # trainer group -> consumer that reads its committed offsets
         self._recovered = False  # the prompt_stats table was recovered: statistics are known
         self.placer: Any = None  # region A's tasks: partition of each (astraflow.kafka.task_placer)
+        self._place_due = 0.0  # next observation of the nodes' progress (placement)
 
     def bind(self, worker: Any) -> None:
-        from confluent_kafka import Consumer
+        from confluent_kafka.admin import AdminClient
 
         from astraflow.kafka.clients import reader_config
 
@@ -178,6 +203,7 @@ class CuratorApp(AppHandler):
         self.train_topics = {p: worker.topics.train(p) for p in self.throttled}
         # Never subscribes: only reads watermarks and each trainer group's committed offsets.
         self._lag_consumer = Consumer(reader_config(worker.kafka, f"af-curator-{self._run}"))
+        self._admin = AdminClient(worker.kafka.client_config())
         self.issued_to = {t: sum(high for _, high in self._watermarks(t).values()) for t in self.task_shares}
         self.issued = sum(self.issued_to.values())
         from astraflow.kafka.task_placer import TaskPlacer
@@ -212,6 +238,7 @@ class CuratorApp(AppHandler):
         key = inc.key_str or ""
         if self._on_feedback(key, inc.record) and inc.value is not None:
             self.worker.table("prompt_stats")[key.encode()] = inc.value
+            self._lag_due = 0.0  # a group curate dropped frees its slot: measure at the next tick
 
     def _on_feedback(self, key: str, stats: PromptStats | None) -> bool:
         """Takes newer statistics of a prompt (primary or throttled policy); returns whether it did."""
@@ -248,53 +275,101 @@ class CuratorApp(AppHandler):
         return max(self.backlog_by.values(), default=0)
 
     def measure_backlog(self, policy: str) -> int:
-        """Train samples of `policy` its trainer has not consumed yet (0 when trainers are ignored)."""
+        """Train samples of `policy` its trainer has not consumed yet (0 when trainers are ignored):
+        the end offsets first (read_committed: the last stable offsets), then the committed ones."""
         group = self.trainer_groups.get(policy)
         if group is None:
             return 0
-        from confluent_kafka import Consumer, TopicPartition
+        from confluent_kafka import IsolationLevel, TopicPartition
+        from confluent_kafka.admin import OffsetSpec
 
         from astraflow.kafka.clients import reader_config
 
         topic = self.train_topics[policy]
-        marks = self._watermarks(topic)
-        # committed() reads the offsets of the consumer's own group: one short-lived reader per trainer group.
+        parts = self._partitions.get(topic)
+        if parts is None:
+            parts = self._partitions[topic] = sorted(self._watermarks(topic))
+
+        def offsets(spec: Any, which: list[int]) -> dict[int, int]:
+            asked = self._admin.list_offsets({TopicPartition(topic, p): spec for p in which},
+                                             isolation_level=IsolationLevel.READ_COMMITTED, request_timeout=10.0)
+            return {tp.partition: f.result().offset for tp, f in asked.items()}
+
+        ends = offsets(OffsetSpec.latest(), parts)
+        # committed() reads the offsets of the consumer's own group: one reader per trainer group.
         reader = self._readers.get(group)
         if reader is None:
             reader = self._readers[group] = Consumer(reader_config(self.worker.kafka, group))
-        committed = reader.committed([TopicPartition(topic, p) for p in marks], timeout=10.0)
-        done = {tp.partition: tp.offset for tp in committed}
-        return sum(high - max(low, done.get(p, -1)) for p, (low, high) in marks.items())
+        done = {tp.partition: tp for tp in reader.committed([TopicPartition(topic, p) for p in parts], timeout=10.0)}
+        fresh = [p for p in parts if p not in done or done[p].offset < 0]  # never committed: from the partition's start
+        start = offsets(OffsetSpec.earliest(), fresh) if fresh else {}
+        return sum(max(0, ends[p] - start[p]) if p in start else pending_samples(ends[p], done[p].offset, done[p].metadata)
+                   for p in parts)
 
     def ahead_by(self) -> dict[str, int]:
         """Tasks ahead per throttled policy, with the counts taken at the last backlog measurement."""
         return {p: tasks_ahead(self.issued, self._curated_at_lag[p], self.backlog_by[p], self.options.n_samples)
                 for p in self.throttled}
 
-    def tick(self, now: float) -> None:
-        if not self._recovered:
-            return  # statistics not known yet: nothing to count or choose from
-        self._observe()
-        if now >= self._lag_due:
-            self._lag_due = now + self.options.lag_interval_s
-            if self.placer is not None:
-                self.placer.observe(now)
-            for policy in self.throttled:
-                curated = self.curated_by[policy]  # read BEFORE the backlog: see below the measurement
-                try:
-                    self.backlog_by[policy] = self.measure_backlog(policy)
-                    self._curated_at_lag[policy] = curated
-                except (KafkaException, AstraflowError) as exc:  # a slow broker: keep the last figures, retry next tick
-                    log.warning("could not measure the %s trainer's backlog (%s); using the last value", policy, exc)
-        control = self.worker.control.get("pause")
-        self.paused = control is not None and control.strategy.lower() in PAUSE_ON
-        # Groups curated since the backlog was measured are in `curated` but their samples are not
-        # in `backlog` yet: counting them as done would issue more than max-ahead. So `curated` is
-        # the count taken just before that measurement (a group counts as ahead a little longer).
+    def room(self) -> int:
+        """Tasks that may be issued now, by the count of the last measurement (see the module doc)."""
         self.ahead = max(self.ahead_by().values(), default=0)
         room = self.options.max_ahead - self.ahead
         if self.options.max_tasks:
             room = min(room, self.options.max_tasks - self.issued_here)
+        return room
+
+    def _backlogs(self, place_at: float | None = None) -> dict[str, int | Exception]:
+        """Each throttled policy's backlog, or why it could not be measured (runs in a thread);
+        with `place_at`, the placement observes the nodes' progress first."""
+        if place_at is not None and self.placer is not None:
+            self.placer.observe(place_at)
+        out: dict[str, int | Exception] = {}
+        for policy in self.throttled:
+            try:
+                out[policy] = self.measure_backlog(policy)
+            except (KafkaException, AstraflowError) as exc:
+                out[policy] = exc
+        return out
+
+    async def measure(self, place_at: float | None = None) -> None:
+        """The trainers' backlogs, and `curated` as it was just before (see below). The requests
+        run in a thread: the event loop meanwhile reads feedback (a blocked loop would leave groups
+        counted twice, in the backlog and as not curated, for longer)."""
+        # Groups curated after the backlog was measured are in `curated` but their samples are not
+        # in the backlog: counting them as done would issue more than max-ahead. So `curated` is
+        # read BEFORE the measurement (a group counts as ahead a little longer).
+        curated = dict(self.curated_by)
+        for policy, backlog in (await asyncio.to_thread(self._backlogs, place_at)).items():
+            if isinstance(backlog, Exception):  # a slow broker: keep the last figures, retry later
+                log.warning("could not measure the %s trainer's backlog (%s); using the last value", policy, backlog)
+                continue
+            self.backlog_by[policy] = backlog
+            self._curated_at_lag[policy] = curated[policy]
+
+    def tick(self, now: float) -> Awaitable[None] | None:
+        """Issues what the count allows; measures the backlogs first when due (then returns that work)."""
+        if not self._recovered:
+            return None  # statistics not known yet: nothing to count or choose from
+        self._observe()
+        control = self.worker.control.get("pause")
+        self.paused = control is not None and control.strategy.lower() in PAUSE_ON
+        place_at = None
+        if self.placer is not None and now >= self._place_due:  # the placement's own pace
+            self._place_due, place_at = now + PLACE_INTERVAL_S, now
+        if (now >= self._lag_due and self.room() <= 0) or now >= self._gauge_due or place_at is not None:
+            self._lag_due, self._gauge_due = now + self.options.lag_interval_s, now + self.options.gauge_interval_s
+            return self._measured_then_issue(place_at)
+        self.issue()
+        return None
+
+    async def _measured_then_issue(self, place_at: float | None) -> None:
+        await self.measure(place_at)
+        self.issue()
+
+    def issue(self) -> None:
+        """As many tasks as the count leaves room for (at most `batch`)."""
+        room = self.room()
         if self.paused or room <= 0:
             if self.options.max_tasks and self.issued_here >= self.options.max_tasks:
                 log.info("curator: issued the %d tasks asked for; stopping", self.issued_here)
@@ -315,7 +390,7 @@ class CuratorApp(AppHandler):
             self.issued_to[topic] = self.issued_to.get(topic, 0) + 1
             self.issued += 1
             self.issued_here += 1
-        self.ahead = max(self.ahead_by().values(), default=0)
+        self.room()
 
     def _task(self, row: DatasetRow, ref: Any) -> Task:
         task_id = f"{self._run}-{self.issued_here}"

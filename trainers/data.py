@@ -40,6 +40,7 @@ from torch.utils.data import IterableDataset
 
 from astraflow.config import KafkaSettings
 from astraflow.errors import KafkaLayerError, SerdeError, TopicError
+from astraflow.kafka.backlog import commit_metadata
 from astraflow.kafka.clients import RecordProducer, consume_ready, data_messages, watermarks
 from astraflow.kafka.received import DeadLetterWriter, Received
 from astraflow.records import TrainSample
@@ -192,14 +193,35 @@ class TrainStream(IterableDataset):
         self._stop = True
 
     def commit(self, offsets: dict[int, int]) -> None:
-        """Informational group commit of trained offsets (the checkpoint is the truth)."""
-        if self._consumer is not None and offsets:
-            try:
-                self._consumer.commit(
-                    offsets=[TopicPartition(self.topic, p, o) for p, o in offsets.items()], asynchronous=True
-                )
-            except KafkaException as exc:  # lag display only: never stop training for it
-                log.debug("group commit failed: %s", exc)
+        """Group commit of trained offsets: the lag display and the curator's count of samples not
+        trained yet read it (the checkpoint is the truth of what was trained).
+
+        A partition read up to `offsets` (nothing taken past them) is committed past the offsets
+        that hold no sample (the transaction markers curate's exactly-once commits leave, aborted
+        records): up to the next record the stream holds, or to the consumer's position when it
+        holds none; and with the metadata of `astraflow.kafka.backlog` (samples held past the
+        offset, read up to where), so that markers further on are not counted as samples either.
+        Counted as samples, they would make the curator, which keeps at most max-ahead tasks
+        between itself and the trainer, issue fewer tasks than there is room for."""
+        if self._consumer is None or not offsets:
+            return
+        try:
+            if self._buffered < self.max_buffered:
+                self._fill(0)  # the client passes the markers it fetched (and moves its position) while polled
+            read = {tp.partition: tp.offset for tp in self._consumer.position(
+                [TopicPartition(self.topic, p) for p, o in offsets.items() if o == self.positions.get(p)])}
+            marks = []
+            for p, o in offsets.items():
+                meta: dict[str, str] = {}
+                if p in read:  # nothing taken beyond the trained records: every record read since is held
+                    held = self._buffers.get(p) or ()
+                    o = max(o, held[0].offset if held else read[p])
+                    if read[p] >= o:
+                        meta["metadata"] = commit_metadata(len(held), read[p])
+                marks.append(TopicPartition(self.topic, p, o, **meta))
+            self._consumer.commit(offsets=marks, asynchronous=True)
+        except KafkaException as exc:  # never stop training for it (the curator measures again)
+            log.debug("group commit failed: %s", exc)
 
     def _fill(self, timeout_s: float) -> int:
         """Poll once (returning as soon as a record is there); decode into the buffer; returns how many records arrived."""

@@ -245,6 +245,7 @@ class PolicyTrainer(L.LightningModule):
         metrics["staleness_max"] = float(max(lags, default=0))
         metrics["policy_version"] = float(self.policy_version)
         metrics["loss_control_version"] = float(self.loss_control_version)
+        metrics["step_s"] = time.perf_counter() - now  # forward, backward and optimizer steps of this batch
         self.last_metrics, self.last_staleness = metrics, hist
         self.log_dict({f"train/{k}": v for k, v in metrics.items()}, on_step=True, batch_size=len(lags))
         self.log_dict({f"staleness/{k}": float(v) for k, v in hist.items()}, on_step=True, batch_size=len(lags))

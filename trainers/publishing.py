@@ -142,6 +142,7 @@ class DurablePublication(L.Callback):
         self._saved_step = -1
         self._published_step = -1
         self.last_checkpoint_s = 0.0  # seconds the last checkpoint took (reported in metrics)
+        self.last_publish_s = 0.0  # seconds the last publication took, its checkpoint included (metrics)
 
     # -- Lightning state ------------------------------------------------------------------------
 
@@ -205,6 +206,7 @@ class DurablePublication(L.Callback):
 
     def publish_durably(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         """Finite check, checkpoint (promising the version), log lines, publish."""
+        t0 = time.perf_counter()
         weights = self._weights(trainer)
         version = self.publisher.encoder.next_version if trainer.is_global_zero else None
         version = trainer.strategy.broadcast(version, src=0)
@@ -219,6 +221,7 @@ class DurablePublication(L.Callback):
         self.crash("after_publish")
         self.unpublished, self.pending = [], False
         self._set_version(trainer, module, int(version))
+        self.last_publish_s = time.perf_counter() - t0
 
     def reconcile(self, trainer: L.Trainer, module: L.LightningModule, resumed: bool) -> None:
         """What the restored state means for the weights topic; see the module docstring."""
@@ -279,7 +282,8 @@ class DurablePublication(L.Callback):
         elif self.batches % self.checkpoint_every == 0:
             self._checkpoint(trainer)
         if hasattr(pl_module, "last_metrics"):
-            pl_module.last_metrics = {**pl_module.last_metrics, "checkpoint_s": self.last_checkpoint_s}
+            pl_module.last_metrics = {**pl_module.last_metrics, "checkpoint_s": self.last_checkpoint_s,
+                                      "publish_s": self.last_publish_s}
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_step != self._published_step:

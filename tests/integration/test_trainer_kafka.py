@@ -316,3 +316,60 @@ def test_the_trainer_does_not_create_topics_it_tells_the_operator_to(
         run_training(cfg)
     assert Topics(experiment).train("policy") in str(exc.value) and Topics(experiment).weights("policy") in str(exc.value)
     assert TopicAdmin(kafka).list(f"af.{experiment}.") == {}
+
+
+def test_the_group_commit_counts_samples_not_transaction_markers(kafka: KafkaSettings, experiment: str) -> None:
+    """Curate writes the train topic in transactions, which leave a marker after their records. The
+    curator counts the samples waiting for the trainer from its group commit: the trainer commits
+    past the markers that follow what it trained, and says in the commit's metadata how many
+    samples it holds past it, so neither a marker before nor one after them counts as a sample."""
+    import numpy as np
+    from confluent_kafka import Producer
+
+    from astraflow.kafka.backlog import pending_samples
+    from astraflow.records import TrainSample
+    from trainers.batching import BatchLimits
+    from trainers.data import TrainStream
+
+    topic, serde = Topics(experiment).train("policy"), AvroSerde()
+
+    def sample(i: int) -> bytes:
+        n = 6
+        return serde.dumps(TrainSample(f"s{i}", f"t{i}", f"g{i // 4}", "p", "policy", np.arange(3, 3 + n, dtype=np.int32),
+                                       np.array([0, 0, 1, 1, 1, 1], np.uint8), np.full(n, -1.0, np.float32),
+                                       np.array([-1, -1, 0, 0, 0, 0], np.int32), 1.0, 1.0, 0))
+
+    producer = Producer({**kafka.client_config(), "transactional.id": f"{experiment}-curate"})
+    producer.init_transactions(30)
+    for txn in range(2):  # two transactions of 4 samples on partition 0: records 0-3, marker 4, records 5-8, marker 9
+        producer.begin_transaction()
+        for i in range(4):
+            producer.produce(topic, sample(4 * txn + i), partition=0)
+        producer.commit_transaction(30)
+    group = f"{experiment}.trainer-test"
+    stream = TrainStream(kafka, topic, "policy", limits=BatchLimits(4), max_wait_s=30, group_id=group)
+    reader = Consumer({**kafka.client_config(), "group.id": group, "enable.auto.commit": False})
+
+    def committed(before: int) -> tuple[int, int]:  # the commit is asynchronous: wait until it lands
+        deadline = time.monotonic() + 30
+        while True:
+            [tp] = reader.committed([TopicPartition(topic, 0)], timeout=10)
+            if tp.offset != before or time.monotonic() > deadline:
+                return tp.offset, pending_samples(10, tp.offset, tp.metadata)  # samples waiting, as the curator counts them
+
+    try:
+        batches = iter(stream)
+        first = next(batches)
+        assert first["meta"]["offsets"][0] == 4
+        deadline = time.monotonic() + 30
+        while stream._buffered < 4 and time.monotonic() < deadline:  # the stream has read the second transaction too
+            stream._fill(0.2)
+        stream.commit(first["meta"]["offsets"])
+        assert committed(-1001) == (5, 4)  # past the first marker; 4 samples waiting, not 5 offsets
+        second = next(batches)
+        assert second["meta"]["offsets"][0] == 9
+        stream.commit(second["meta"]["offsets"])
+        assert committed(5) == (10, 0)  # past the last marker: nothing waiting
+    finally:
+        stream.close()
+        reader.close()

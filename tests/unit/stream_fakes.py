@@ -165,3 +165,12 @@ def curator_on_fake_worker(options: CuratorOptions) -> tuple[CuratorApp, FakeWor
     w.tables["prompt_stats"] = {}
     app.on_recovered("prompt_stats")  # the worker recovered the curator's (empty) statistics table
     return app, w
+
+
+def tick(app: CuratorApp, now: float) -> None:
+    """One tick of the curator, run to its end (it returns an awaitable when it measures first)."""
+    import asyncio
+
+    result = app.tick(now)
+    if result is not None:
+        asyncio.run(result)  # type: ignore[arg-type]

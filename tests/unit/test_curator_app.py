@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from stream_fakes import FakeWorker, curator_on_fake_worker
+from stream_fakes import FakeWorker, curator_on_fake_worker, tick
 
 from astraflow.kafka.received import Received
 from astraflow.records import PromptStats
@@ -30,25 +30,46 @@ def make_curator(tmp_path: Any, max_ahead: int = 3, max_tasks: int = 0) -> tuple
 
 def test_curator_keeps_at_most_max_ahead_tasks_until_feedback_arrives(tmp_path: Any) -> None:
     app, w = make_curator(tmp_path, max_ahead=3)
-    app.tick(0.0)
-    app.tick(1.0)
+    tick(app, 0.0)
+    tick(app, 1.0)
     assert len(w.sent) == 3 and app.ahead == 3
     task = w.sent[0][1]
     assert task.n_samples == 2 and task.policies == ["solver"] and task.group_id == task.task_id == w.sent[0][2]
     assert task.reference.startswith('{"answer"') and task.lineage[0].name == "accept_all"
     app._on_feedback(f"solver/{task.prompt_id}", PromptStats(task.prompt_id, "d", "solver", 1, 2, 1, 1, 1, 0, 4, 0, 0))
     app._on_feedback("other/x", PromptStats("x", "d", "other", 9, 2, 1, 1, 1, 0, 4, 0, 0))  # another policy: ignored
-    app.tick(2.0)
+    tick(app, 2.0)
     assert len(w.sent) == 4 and app.curated == 1
     w.control.set("curator", "pause", "on")
     app._on_feedback(f"solver/{task.prompt_id}", PromptStats(task.prompt_id, "d", "solver", 3, 6, 1, 1, 1, 0, 4, 0, 0))
-    app.tick(3.0)
+    tick(app, 3.0)
     assert len(w.sent) == 4 and app.paused
     w.control.set("curator", "pause", "off")
     w.control.set("curator", "curator", "curriculum_ordered", shuffle="false", advance_at="2")
-    app.tick(4.0)
+    tick(app, 4.0)
     assert len(w.sent) == 6 and w.sent[-1][1].lineage[0].name == "curriculum_ordered"
     assert {w.sent[-1][1].prompt_id, w.sent[-2][1].prompt_id} == {"d/0"}  # only the easiest level
+
+
+def test_curator_measures_the_trainers_while_blocked_and_issues_on_the_tick_room_is_made(tmp_path: Any) -> None:
+    app, w = make_curator(tmp_path, max_ahead=2)
+    serde, backlog, measured = AvroSerde(), [0], []
+    app.measure_backlog = lambda policy: measured.append(policy) or backlog[0]  # type: ignore[method-assign]
+    tick(app, 0.0)  # the first tick measures (gauges), then issues
+    assert len(w.sent) == 2 and len(measured) == 1
+    tick(app, 0.001)  # blocked, measured less than lag_interval_s ago: no request to Kafka
+    assert len(measured) == 1
+    backlog[0] = 4  # both groups curated: their 4 samples wait for the trainer
+    for _, task, _ in w.sent:
+        stats = PromptStats(task.prompt_id, "d", "solver", 1, 2, 1, 1, 1, 0, 4, 0, 0)
+        app.handle(Received(stats, "feedback", 0, 0, f"solver/{task.prompt_id}".encode(), 0, serde.dumps(stats), {}))
+    tick(app, 0.002)  # feedback arrived: measured at once; curated 2 but 4 samples not trained: still 2 ahead
+    assert len(measured) == 2 and app.ahead == 2 and len(w.sent) == 2
+    backlog[0] = 0  # the trainer took the batch
+    tick(app, 0.01)
+    assert len(measured) == 2 and len(w.sent) == 2  # not due yet
+    tick(app, app.options.lag_interval_s + 0.002)  # due: measured, and the 2 freed slots are filled on this tick
+    assert len(measured) == 3 and len(w.sent) == 4 and app.ahead == 2
 
 
 def test_curator_keeps_prompt_statistics_in_its_table_and_recovers_them(tmp_path: Any) -> None:
@@ -71,8 +92,8 @@ def test_curator_keeps_prompt_statistics_in_its_table_and_recovers_them(tmp_path
 
 def test_curator_stops_after_max_tasks(tmp_path: Any) -> None:
     app, w = make_curator(tmp_path, max_ahead=10, max_tasks=2)
-    app.tick(0.0)
-    app.tick(1.0)
+    tick(app, 0.0)
+    tick(app, 1.0)
     assert len(w.sent) == 2 and w.stopped
 
 
@@ -82,7 +103,7 @@ def test_curator_feeds_greso_the_zero_variance_share_it_sees(tmp_path: Any) -> N
     greso = app.slot.get().impl
     for i in range(4):  # four groups came back, all of them all-solved: far above the 25% target
         app._on_feedback(f"solver/d/{i}", PromptStats(f"d/{i}", "d", "solver", 1, 2, 1.0, 1.0, 1, 0, 4, 1, 0))
-    app.tick(0.0)
+    tick(app, 0.0)
     # all-solved share 100% > its target: skip more easy prompts; all-failed share 0%: skip fewer hard ones
     assert greso.p_easy == pytest.approx(0.4) and greso.p_hard == pytest.approx(0.6)
     assert app.curated == 4 and app._zv == [0, 0, 0]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from stream_fakes import FakeWorker, curator_on_fake_worker, feed, gen_segment, make_curate
+from stream_fakes import FakeWorker, curator_on_fake_worker, feed, gen_segment, make_curate, tick
 
 from astraflow.errors import ConfigError
 from astraflow.records import PromptStats, Segment, Trajectory
@@ -74,28 +74,28 @@ def stats(policy: str, prompt: str, groups: int) -> PromptStats:
 
 def test_the_curator_waits_for_the_slowest_of_its_policies(tmp_path: Path) -> None:
     app, w = make_curator(tmp_path, ["a", "b", "c"])
-    app.tick(0.0)
+    tick(app, 0.0)
     assert len(w.sent) == 2 and w.sent[0][1].policies == ["a", "b", "c"]
     first = w.sent[0][1].prompt_id
     for p in ("a", "b"):
         app._on_feedback(f"{p}/{first}", stats(p, first, 1))
-    app.tick(1.0)
+    tick(app, 1.0)
     assert len(w.sent) == 2 and app.ahead_by() == {"a": 1, "b": 1, "c": 2}  # c's group is not curated yet
     app._on_feedback(f"c/{first}", stats("c", first, 1))
-    app.tick(2.0)
+    tick(app, 2.0)
     assert len(w.sent) == 3 and app.curated == 1
     app.measure_backlog = lambda policy: 4 if policy == "b" else 0  # b's trainer has 2 groups of samples to go
-    app.tick(3.0)
+    tick(app, 3.0)
     assert len(w.sent) == 3 and app.ahead == 4
     assert app.gauges()["tasks_ahead.b"] == 4 and app.gauges()["train_backlog.b"] == 4
 
 
 def test_throttling_on_some_policies_only(tmp_path: Path) -> None:
     app, w = make_curator(tmp_path, ["a", "b"], throttle=("a",))
-    app.tick(0.0)
+    tick(app, 0.0)
     for _, task, _ in w.sent:
         app._on_feedback(f"a/{task.prompt_id}", stats("a", task.prompt_id, 1))  # b never reports: not throttled
-    app.tick(1.0)
+    tick(app, 1.0)
     assert len(w.sent) == 4
     with pytest.raises(ConfigError, match="not among the tasks' policies"):
         make_curator(tmp_path, ["a", "b"], throttle=("z",))
