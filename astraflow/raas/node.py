@@ -162,6 +162,12 @@ class RaasNode:
                     # Full for a moment: fetch nothing, keep what librdkafka holds, and wake as soon
                     # as a rollout ends so that its slot is refilled from the buffer at once.
                     await self._wait_slot(timeout)
+                elif self._pending and self.inflight >= self.s.max_inflight:
+                    # Buffered tasks wait for a slot: top the buffer up without blocking, then wake
+                    # as soon as a rollout ends (a blocking poll held a freed slot empty until it
+                    # returned: up to its timeout once the topic has nothing more).
+                    self._pending.extend(await asyncio.to_thread(self.consumer.poll_batch, room, 0))
+                    await self._wait_slot(timeout)
                 else:
                     self._pending.extend(await asyncio.to_thread(self.consumer.poll_batch, room, timeout))
                 self._slot_freed.clear()  # a rollout ending from here on wakes the next wait
