@@ -211,8 +211,10 @@ class TopicReader:
 class Ledger:
     """Issued tasks, dead letters and the trained-sample log of one experiment (see the module doc)."""
 
-    def __init__(self, kafka: KafkaSettings, tasks_topic: str, dlq_topic: str, trained_log: Path) -> None:
-        self.tasks_reader = TopicReader(kafka, tasks_topic)
+    def __init__(self, kafka: KafkaSettings, tasks_topic: str, dlq_topic: str, trained_log: Path,
+                 more_tasks_topics: tuple[str, ...] = ()) -> None:
+        # more_tasks_topics: a region's own tasks topic (`--region-share`), issued like the others
+        self.tasks_readers = [TopicReader(kafka, t) for t in (tasks_topic, *more_tasks_topics)]
         self.dlq_reader = TopicReader(kafka, dlq_topic)
         self.trained_log = trained_log
         self.tasks: dict[str, IssuedTask] = {}
@@ -226,7 +228,7 @@ class Ledger:
     def refresh(self, timeout_s: float = 30.0) -> None:
         from astraflow.records import Task
 
-        for rec, ts in self.tasks_reader.read(timeout_s):
+        for rec, ts in [x for r in self.tasks_readers for x in r.read(timeout_s)]:
             if isinstance(rec, Task):
                 if rec.task_id in self.tasks:
                     self.duplicate_tasks += 1
@@ -268,5 +270,6 @@ class Ledger:
         return tally(tasks, self.steps, self.accounted, twice_lines)
 
     def close(self) -> None:
-        self.tasks_reader.close()
+        for r in self.tasks_readers:
+            r.close()
         self.dlq_reader.close()

@@ -10,6 +10,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from _cpuquota import CpuQuota
 from _ledger import Ledger, TopicReader
@@ -52,6 +53,15 @@ class RegionsRun:
         self.cfg = load_config(env={}, overrides=[f"kafka.bootstrap_servers={self.kafka.bootstrap}",
                                                   f"topics.tasks_partitions={args.tasks_partitions}"])
         self.wan_kafka = KafkaSettings(bootstrap_servers=f"127.0.0.1:{p + 2}")
+        # --via mm2: region B has a cluster of its own (port + 10), fed by MirrorMaker 2, which runs in
+        # region B and reaches A's cluster through the WAN link; B's node and follower use B's cluster.
+        self.kafka_b: LocalKafka | None = None
+        self.mirror: Any = None
+        self.region_kafka = self.wan_kafka  # what region B's node and the benchmark's follower bootstrap at
+        if args.via == "mm2":
+            self.kafka_b = LocalKafka(LocalKafkaSettings(data_dir=self.work / "kafka-b", port=p + 10, controller_port=p + 11,
+                                                         start_timeout_s=300.0, heap_mb=256))
+            self.region_kafka = KafkaSettings(bootstrap_servers=self.kafka_b.bootstrap)
         self.topics = Topics(exp)
         self.sup = Supervisor(self.work / "logs")
         self.nodes: dict[str, Role] = {}
@@ -71,6 +81,8 @@ class RegionsRun:
         a = self.a
         self.kafka.up(echo=lambda *_: None)
         self.wan.up([Link("kafka-1", a.port + 2, a.port + 3)], echo=print)
+        if self.kafka_b is not None:
+            self.kafka_b.up(echo=lambda *_: None)
         model = _rl.tiny_model_dir()
         tasks, _ = _rl.make_tasks(a.prompts, a.seed, "a")
         self.spec = PipelineSpec(
@@ -79,7 +91,16 @@ class RegionsRun:
             trainer_sets=(f"trainer.trained_log={self.trained_log}", "trainer.publish_dtype=bfloat16",
                           f"trainer.snapshot_every_versions={a.snapshot_every}", "trainer.max_staleness=null"))
         _, self.control = create_experiment(self.cfg, self.exp, filters_off=FILTERS_OFF)
+        if self.kafka_b is not None:
+            from astraflow.kafka.mirror import Mirror, MirrorPlan, prepare_topics
+
+            plan = MirrorPlan(self.exp, "b", self.kafka.wan_bootstrap or "", self.kafka_b.bootstrap)
+            prepare_topics(plan, ["policy"], self.cfg.topics)
+            self.mirror = Mirror(plan, self.work / "mirror", libs=self.kafka.libs)
+            self.mirror.up(echo=print, timeout_s=300.0)
         for role in pipeline_roles(self.exp, self.spec, role_env(self.kafka.bootstrap), nodes=0):
+            if role.name == "curator" and self.kafka_b is not None:  # a fixed share of the tasks for region B
+                role.cmd += ["--region-share", f"b={a.region_share}"]
             self.sup.start(role)
         from confluent_kafka import Consumer
         from confluent_kafka.admin import AdminClient
@@ -87,7 +108,8 @@ class RegionsRun:
         self.probe = Consumer({**self.cfg.kafka.client_config(), "group.id": f"{self.exp}-probe", "log_level": 2})
         wait_ready(AdminClient(self.cfg.kafka.client_config()), [f"af.{self.exp}.reward", f"af.{self.exp}.curate"],
                    self.probe, self.topics.weights("policy"), self.sup, 300.0)
-        self.ledger = Ledger(self.cfg.kafka, self.topics.tasks, self.topics.dlq, self.trained_log)
+        self.ledger = Ledger(self.cfg.kafka, self.topics.tasks, self.topics.dlq, self.trained_log,
+                             (self.topics.tasks_of("b"),) if self.kafka_b is not None else ())
         self.r_roll = TopicReader(self.cfg.kafka, self.topics.rollouts)
         self.r_metrics = TopicReader(self.cfg.kafka, self.topics.metrics)
         self.r_weights = TopicReader(self.cfg.kafka, self.topics.weights("policy"))
@@ -98,10 +120,11 @@ class RegionsRun:
 
     def node_role(self, name: str, region: str) -> Role:
         s, i = self.spec, [n for n, _, _ in NODES].index(name)
-        boot = self.kafka.bootstrap if region == "a" else self.kafka.wan_bootstrap
+        boot = self.kafka.bootstrap if region == "a" else self.region_kafka.bootstrap_servers
+        own = ["--tasks-region", region] if region != "a" and self.kafka_b is not None else []
         return Role(name, [*PY, "raas", "serve", "-e", self.exp, "-p", f"policy={s.model_dir}", "--max-inflight",
                            str(s.node_inflight), "--max-batch", str(s.node_inflight), "--prefetch", str(s.node_prefetch),
-                           "--threads", "1", "--seed", str(s.seed + i), "--node-id", name, "--region", region],
+                           "--threads", "1", "--seed", str(s.seed + i), "--node-id", name, "--region", region, *own],
                     role_env(boot or ""))
 
     def stop_node(self, name: str) -> None:
@@ -185,7 +208,7 @@ class RegionsRun:
         """Region B's view of the weights (runs in a thread): when each version is applied there."""
         from astraflow.weights.follow import KafkaWeightFollower
 
-        f = KafkaWeightFollower(self.wan_kafka, self.exp, "policy", request_snapshots=False,
+        f = KafkaWeightFollower(self.region_kafka, self.exp, "policy", request_snapshots=False,
                                 requester="bench-regions", report_refusals=False)
         try:
             f.start(timeout_s=60.0)
@@ -269,6 +292,8 @@ class RegionsRun:
         """Stops every role, so that every region-B connection closes: Toxiproxy 2.5 adds a
         connection's bytes to its counters only when the connection ends."""
         self.sup.stop_all()
+        if self.mirror is not None:  # MM2's connections through the link close with it
+            self.mirror.down(echo=lambda *_: None)
         self.wan_bytes["end"] = self.wan.bytes().get("kafka-1", {})
 
     def close(self) -> None:
@@ -281,7 +306,11 @@ class RegionsRun:
             self.probe.close()
         if self.quota is not None:
             self.quota.remove()
+        if self.mirror is not None:
+            self.mirror.down(echo=lambda *_: None)
         self.wan.down(echo=lambda *_: None)
+        if self.kafka_b is not None:
+            self.kafka_b.down(echo=lambda *_: None)
         self.kafka.down(echo=lambda *_: None)
 
 
@@ -301,7 +330,8 @@ def print_table(r: dict) -> None:
     print(f"{'node':10} {'region':6} {'alone r/s':>9} {'rel.speed':>9} {'mixed r/s':>9} {'share':>6} "
           f"{'expected':>8} {'dev':>6} {'idle':>5}")
     def f(x: float | None, spec: str, width: int) -> str:
-        return f"{'n/a':>{width}}" if x is None else format(x, f"{width}{spec}")
+        sign, rest = (spec[0], spec[1:]) if spec[0] in "+- " else ("", spec)  # the sign goes before the width
+        return f"{'n/a':>{width}}" if x is None else format(x, f"{sign}{width}{rest}")
 
     for n in r["nodes"]:
         print(f"{n['node']:10} {n['region']:6} {f(n['alone_rps'], '.2f', 9)} {f(n['rel_speed'], '.2f', 9)} "

@@ -63,6 +63,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-ahead", type=int, default=24, help="curator: tasks ahead of the trainer")
     ap.add_argument("--inflight", type=int, default=8, help="node: rollouts in flight")
     ap.add_argument("--prefetch", type=int, default=4, help="node: tasks fetched ahead")
+    ap.add_argument("--via", choices=("wan", "mm2"), default="wan",
+                    help="region B reaches A's cluster over the WAN (wan), or has its own cluster fed by MirrorMaker 2 "
+                         "over the WAN (mm2: the curator gives it --region-share of the tasks)")
+    ap.add_argument("--region-share", type=float, default=1 / 3,
+                    help="with --via mm2: the fixed share of the tasks for region B (default: its share of the nodes)")
     ap.add_argument("--tasks-partitions", type=int, default=12,
                     help="partitions of tasks (the curator places each task; a few per node)")
     ap.add_argument("--max-tokens", type=int, default=16)
@@ -104,10 +109,10 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         stop.set()
         run.close()
-    print_table(report)
     out = Path(a.json or Path(__file__).parent / "results" / "regions.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    out.write_text(json.dumps(report, indent=1) + "\n")  # before printing: the figures are kept whatever happens
+    print_table(report)
     print(f"figures in {out}")
     return report
 
