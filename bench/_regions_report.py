@@ -20,7 +20,8 @@ def _r(x: float | None, nd: int = 2) -> float | None:
 def build(run: RegionsRun) -> dict[str, Any]:
     seen, m, a = run.seen, run.marks, run.a
     t0, t1 = m["mixed_start"], m["mixed_end"]
-    alone = {n: c[1] / c[2] for n, c in run.calib.items()}
+    # counted now that every trajectory has been read back (at the end of a phase the reader may lag)
+    alone = {n: run.count(n, c[0], c[0] + c[2]) / c[2] for n, c in run.calib.items()}
     total_alone = sum(alone.values()) or 1.0
     fastest = max(alone.values(), default=0.0) or 1.0
     mixed_total = run.count(None, t0, t1) or 1

@@ -231,9 +231,10 @@ class RegionsRun:
             self.slow_down(name)
             first = time.time()
             self.wait(self.a.calib_s)
-            n = self.count(name, first, first + self.a.calib_s)
+            n = self.count(name, first, first + self.a.calib_s)  # so far: the report counts again, once all is read
             self.calib[name] = (first, n, self.a.calib_s)
-            print(f"calibrate {name}: {n / self.a.calib_s:.2f} rollouts/s alone (first after {first - t:.0f}s)", flush=True)
+            print(f"calibrate {name}: {n / self.a.calib_s:.2f} rollouts/s alone so far (first after {first - t:.0f}s)",
+                  flush=True)
             self.stop_node(name)
 
     def mixed(self) -> None:

@@ -10,10 +10,15 @@ places every task itself, from what Kafka says about each partition:
 * rate(p) = an exponentially weighted moving average (time constant `tau_s`) of how fast the
   committed offset of p advances, sampled only while p had a backlog (an idle partition keeps
   the rate it had when it was busy: having nothing to do does not make its node slow);
-* the task goes to the partition with the smallest expected wait (backlog(p) + 1) / rate(p).
+* the task goes to the partition whose backlog is the shortest in time, backlog(p) / rate(p);
+  among equals (empty partitions) to the one where it would be done first, (backlog(p) + 1) / rate(p).
 
-So each partition holds a backlog in proportion to the speed of the node that owns it, and a
-node's share of the tasks follows its speed (a node owning several partitions gets their sum).
+So each partition holds a backlog in proportion to the speed of the node that owns it: an empty
+partition is refilled before any other gets a second task, so no node runs dry while tasks wait
+elsewhere, and a node's share of the tasks follows its speed (a node owning several partitions
+gets their sum). (Shortest expected completion alone, (backlog + 1) / rate, would send every
+task to the fast nodes while they hold fewer tasks than speed ratio - 1, and leave slow nodes idle
+with tasks waiting: the latency of one task, not the throughput of all.)
 A partition not measured yet (a new topic) counts at the mean of the measured rates (or
 `prior_rate`), and its first measurement starts from there, so every partition is tried; the rate used is at least `floor` times the fastest
 partition's, so a partition whose node has sped up is offered a task now and then and its rate
@@ -89,8 +94,14 @@ class Placement:
         return sum(known) / len(known) if known else self.prior_rate
 
     def choose(self) -> int:
-        """The partition for the next task (ties: the lowest number); call `sent` once written."""
-        return min(range(len(self.parts)), key=lambda p: (self.expected_wait(p), p))
+        """The partition for the next task; call `sent` once written. The one whose backlog is the
+        shortest in time (backlog / rate), so that every partition holds work in proportion to its
+        rate and none runs dry while another holds tasks; among equals (empty ones) the one where
+        the task would be done first ((backlog + 1) / rate), then the lowest number."""
+        return min(range(len(self.parts)), key=lambda p: (self._drain_time(p), self.expected_wait(p), p))
+
+    def _drain_time(self, p: int) -> float:
+        return self.expected_wait(p) * self.parts[p].backlog / (self.parts[p].backlog + 1)
 
     def sent(self, p: int) -> None:
         """A task was written to `p` (counts in its backlog until the next observation sees it)."""

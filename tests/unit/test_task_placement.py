@@ -62,6 +62,19 @@ def test_a_slow_node_gets_a_share_in_proportion_to_its_speed():
         assert abs(got[node] - expected) / expected < 0.15, got
 
 
+def test_under_light_load_no_node_runs_dry_while_tasks_wait_elsewhere():
+    """Few tasks outstanding (fewer than the fast nodes could hold): the slow node still gets its
+    share, not nothing; every partition holds a task before any holds two."""
+    owners = {p: p % 3 for p in range(12)}
+    sim = Sim(owners, {0: 5.0, 1: 1.0, 2: 5.0}, outstanding=8)
+    sim.run(60)
+    before = dict(sim.by_node)
+    sim.run(120)
+    got = shares({n: sim.by_node[n] - before[n] for n in sim.by_node})
+    for node, expected in {0: 5 / 11, 1: 1 / 11, 2: 5 / 11}.items():
+        assert abs(got[node] - expected) / expected < 0.15, got
+
+
 def test_an_even_spread_would_give_the_slow_node_more_than_its_share():
     """The comparison the policy is for: placing round-robin, the slow node's partitions fill up
     and (with a bounded number of tasks outstanding) the fast nodes run dry."""
