@@ -48,6 +48,8 @@ from astraflow.raas.backends.kv_cache import SlotKVCache
 from astraflow.raas.backends.sampling import sample_tokens
 from astraflow.weights.layout import ModelLayout
 
+PACKED_MASK_MAX = 1 << 22  # mask entries of a packed forward (tokens x rows x width), 4 MiB of bools
+
 
 class BackendError(AstraflowError):
     """Raised when a backend cannot load its model, refuses a request, or fails while generating."""
@@ -302,13 +304,15 @@ class SlotEngine:
         longest feed] block, left-padded. A step where a few short prompts join decoding rows
         would pad every row to the prompt's length (16 rows x 15 positions for 30 real tokens):
         then the tokens are packed into ONE row of all fed tokens instead, and the mask lets each
-        token see only its own slot's columns (`_packed`)."""
+        token see only its own slot's columns (`_packed`; its mask has tokens x rows x width
+        entries, so only while that stays under PACKED_MASK_MAX)."""
         feeds = [r.feed for r in rows]
         q_list = [len(f) for f in feeds]
         q_max, total = max(q_list), sum(q_list)
         lens = torch.tensor([len(self.slot_tokens[r.slot]) for r in rows], device=self.device)
         slots = [r.slot for r in rows]
-        if q_max > 1 and len(rows) * q_max > 2 * total:
+        width = max(len(self.slot_tokens[r.slot]) + n for r, n in zip(rows, q_list, strict=True))
+        if q_max > 1 and len(rows) * q_max > 2 * total and total * len(rows) * width <= PACKED_MASK_MAX:
             ids, masks, pos_ids, last = self._packed(feeds, q_list, lens, slots)
         else:
             ids = torch.tensor([[self.pad_id] * (q_max - len(f)) + f for f in feeds], device=self.device)
