@@ -193,26 +193,25 @@ class SlotEngine:
         # A long prompt padded next to one-token rows would cost every row its length: split then.
         groups = [fed] if not prefill or max(len(r.feed) for r in prefill) <= 16 else \
             [prefill, [r for r in fed if len(r.feed) == 1]]
-        logits_of: dict[int, torch.Tensor] = {}
-        for rows in groups:
-            if rows:
-                out = self._forward(rows)
-                for i, r in enumerate(rows):
-                    logits_of[id(r)] = out[i]
-        for r in self.active:
-            if r.leader is not None:  # fork: the leader's prompt cache and first-token logits
-                n = len(self.slot_tokens[r.leader.slot])
-                self.cache.copy(r.leader.slot, r.slot, n)
-                self.slot_tokens[r.slot] = list(self.slot_tokens[r.leader.slot])
-                self.slot_version[r.slot] = self.slot_version[r.leader.slot]
-                self.reused_tokens += n
-                logits_of[id(r)] = logits_of[id(r.leader)]
+        outs = [(rows, self._forward(rows)) for rows in groups if rows]
         rows = list(self.active)
-        for r in rows:
-            r.leader = None
+        if len(outs) == 1 and len(outs[0][0]) == len(rows):  # no fork, one forward: already in row order
+            logits = outs[0][1]
+        else:
+            logits_of = {id(r): out[i] for fed_rows, out in outs for i, r in enumerate(fed_rows)}
+            for r in rows:
+                if r.leader is not None:  # fork: the leader's prompt cache and first-token logits
+                    n = len(self.slot_tokens[r.leader.slot])
+                    self.cache.copy(r.leader.slot, r.slot, n)
+                    self.slot_tokens[r.slot] = list(self.slot_tokens[r.leader.slot])
+                    self.slot_version[r.slot] = self.slot_version[r.leader.slot]
+                    self.reused_tokens += n
+                    logits_of[id(r)] = logits_of[id(r.leader)]
+                    r.leader = None
+            logits = torch.stack([logits_of[id(r)] for r in rows])
         temps = torch.tensor([r.req.temperature for r in rows], device=self.device)
         top_ps = torch.tensor([r.req.top_p for r in rows], device=self.device)
-        tokens, lps = sample_tokens(torch.stack([logits_of[id(r)] for r in rows]), temps, top_ps, self.gen)
+        tokens, lps = sample_tokens(logits, temps, top_ps, self.gen)
         now = time.perf_counter()
         done: list[Finished] = []
         for r, t, lp in zip(rows, tokens.tolist(), lps.tolist(), strict=True):
