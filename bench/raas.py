@@ -7,7 +7,10 @@ Runs, in one process and one run, on the tiny model with `--tokens` new tokens a
   serve` runs it), at max-inflight 1, 4 and 16; beside the same prompts through a plain
   transformers loop (`model.generate`, KV cache) one at a time and batched 16 at a time;
 * grouped tasks (n = `--group`, GRPO-style: every sample of a task shares its prompt): the node
-  at max-inflight 16, beside `model.generate(num_return_sequences=n)` on 16 / n prompts a batch.
+  at max-inflight 16, beside `model.generate(num_return_sequences=n)` on 16 / n prompts a batch;
+* both workloads through the node's engine alone (`SlotEngine`, 16 rows, every request queued at
+  once, stepped in this process): what is lost between it and the node is the node's (its
+  loop, the IPC to the engine process, Kafka), not the engine's.
 
 Same model, prompts, sampling (temperature 1, no top-k/top-p), token budget and torch threads
 (`--threads`, default 1) on both sides.
@@ -103,6 +106,28 @@ def node_run(kafka: KafkaSettings, model: Path, tasks: int, tokens: int, infligh
         admin.delete([s.name for s in specs])
 
 
+def engine_run(model_dir: Path, tasks: int, tokens: int, group: int, threads: int) -> Row:
+    """The slot engine alone, in this process, stepped in a loop with `max_batch` 16 and every
+    request queued at once: what the node's engine can do without the node, IPC or Kafka."""
+    from astraflow.raas.backends.base import GenerateRequest
+    from astraflow.raas.backends.slots import load_engine
+
+    engine, _ = load_engine(str(model_dir), max_batch=16, cache_slots=None, device=None, version=0, seed=0,
+                            threads=threads, max_cache_lag=0)
+    prompts = [engine.tokenizer.encode(make_task(i).prompt, add_special_tokens=True) for i in range(tasks)]
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        for k in range(group):
+            engine.submit(i * group + k, GenerateRequest(list(p), tokens, temperature=1.0))
+    ttfts = []
+    while engine.has_work():
+        ttfts += [f.ttft_s for f in engine.step()]
+    elapsed = time.perf_counter() - t0
+    label = "engine alone, 16 rows (no node, IPC, Kafka)" + (f", groups of {group}" if group > 1 else "")
+    return Row(label, tasks * group, engine.tokens_generated, elapsed, statistics.fmean(ttfts) * 1000,
+               engine.rows_sampled / max(1, engine.steps), engine.busy_s / elapsed)
+
+
 def plain_run(model_dir: Path, tasks: int, tokens: int, batch: int, group: int, threads: int) -> Row:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
@@ -167,6 +192,8 @@ def main() -> None:
     rows += [plain_run(model, tasks, args.tokens, batch, 1, args.threads) for batch in (1, 16)]
     rows.append(node_run(kafka, model, grouped, args.tokens, 16, args.group, args.threads))
     rows.append(plain_run(model, grouped, args.tokens, 16, args.group, args.threads))
+    rows += [engine_run(model, tasks, args.tokens, 1, args.threads),
+             engine_run(model, grouped, args.tokens, args.group, args.threads)]
     print(f"{'setup':<44} {'rollouts/s':>10} {'tokens/s':>9} {'mean len':>8} {'TTFT ms':>8} {'rows/step':>9} {'busy':>5}")
     for r in rows:
         engine = "" if r.mean_batch is None else f" {r.mean_batch:>9.1f} {r.busy:>5.0%}"
@@ -176,12 +203,16 @@ def main() -> None:
     group = rows[5].tokens_per_s / rows[6].tokens_per_s
     print(f"node (max-inflight 16) vs plain batched generate, tokens/s: single-sample {single:.2f}x, "
           f"groups of {args.group} {group:.2f}x")
+    engine_single, engine_group = rows[7].tokens_per_s / rows[4].tokens_per_s, rows[8].tokens_per_s / rows[6].tokens_per_s
+    print(f"engine alone vs plain batched generate, tokens/s: single-sample {engine_single:.2f}x, "
+          f"groups of {args.group} {engine_group:.2f}x")
     write_json(args.json, "raas", {
         "tasks": tasks, "threads": args.threads, "grouped_tasks": grouped, "group": args.group, "new_tokens": args.tokens,
         "rows": [{"setup": r.setup, "rollouts_per_s": r.rollouts_per_s, "tokens_per_s": r.tokens_per_s,
                   "mean_new_tokens": r.tokens / r.rollouts, "ttft_ms": r.ttft_ms, "engine_rows_per_step": r.mean_batch,
                   "engine_busy_share": r.busy} for r in rows],
-        "ratio_node16_vs_plain_batched_tokens": single, "ratio_grouped_node16_vs_plain_tokens": group})
+        "ratio_node16_vs_plain_batched_tokens": single, "ratio_grouped_node16_vs_plain_tokens": group,
+        "ratio_engine_vs_plain_batched_tokens": engine_single, "ratio_grouped_engine_vs_plain_tokens": engine_group})
 
 
 if __name__ == "__main__":
