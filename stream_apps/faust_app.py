@@ -146,8 +146,8 @@ def build_app(engine: StreamEngine) -> faust.App:
         producer_max_batch_size=1024 * 1024,  # aiokafka's 16 KiB default puts one 50 KB trajectory per request
         consumer_max_fetch_size=max(4 * 1024 * 1024, engine.serde.max_record_bytes + 64 * 1024),
         stream_buffer_maxsize=512,
-        **s.faust_overrides,
     )
+    conf.update(s.faust_overrides)  # replaces any of the settings above
     app = faust.App(engine.group_id, **conf)
     app.astraflow_engine = engine  # type: ignore[attr-defined]
     app.transport.TransactionManager = ExactTransactionManager  # type: ignore[misc]

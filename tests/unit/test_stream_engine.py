@@ -184,3 +184,12 @@ def test_an_idle_worker_commits_early_a_busy_one_waits_for_the_interval() -> Non
     assert commits == [{0}]  # idle past commit_idle_s: committed now
     asyncio.run(engine.commit_if_idle())
     assert commits == [{0}]  # nothing produced since: nothing to commit
+
+
+def test_faust_overrides_replace_the_engine_settings() -> None:
+    settings = EngineSettings("unit", KafkaSettings(), guarantee="at_least_once", source_partitions=1,
+                              faust_overrides={"producer_linger": 0.02, "stream_buffer_maxsize": 64})
+    engine = StreamEngine(RewardApp(), settings)
+    app = engine.build()
+    assert app.conf.producer_linger == 0.02
+    assert app.conf.stream_buffer_maxsize == 64
