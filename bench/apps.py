@@ -18,6 +18,11 @@ record consumed until its consumer group's committed offsets cover all N inputs 
 Records/s through the pipeline = N / (stage 1 time + stage 2 time), with each stage's best
 time over `--repeats` fresh experiments (shared machines are noisy).
 
+Restarts: after its stages, each app's exactly-once worker is started again with one more
+group of records in its source; the time from its start to its first record is a restarted
+worker's start-up (curate's includes the recovery of its tables from their changelogs, which
+end in a transaction marker; reward has no tables: the start-up alone, for comparison).
+
 Usage: python bench/apps.py [--quick] [--json OUT] [--records N] [--tokens 4096]
 """
 
@@ -125,6 +130,27 @@ def our_stage(kafka: KafkaSettings, app: str, experiment: str, src: str, n: int,
     return end - worker.stats.first_in_at
 
 
+def restart(kafka: KafkaSettings, app: str, experiment: str, src: str, options: AppOptions | None,
+            tokens: int) -> float:
+    """Starts the exactly-once worker of `app` again after its stages, with
+    one more group of records in `src`; returns seconds from its start to its first record: a
+    restarted worker's start-up, with the recovery of its tables from their changelogs."""
+    fill(kafka, src, 8, tokens, 8)
+    settings = EngineSettings(experiment, kafka, metrics_interval_s=5.0, group_id=f"af.{experiment}.{app}.exactly_once")
+    started = time.monotonic()
+    worker = build_worker(app, settings, options)
+    thread = worker.start_thread()
+    try:
+        while worker.stats.first_in_at is None and time.monotonic() - started < 120 and worker.error is None:
+            time.sleep(0.01)
+    finally:
+        worker.stop()
+        thread.join(60)
+    if worker.stats.first_in_at is None:
+        raise SystemExit(f"restarted {app} took no record within 120 s ({worker.error!r})")
+    return worker.stats.first_in_at - started
+
+
 def fill(kafka: KafkaSettings, topic: str, n: int, tokens: int, group_size: int) -> int:
     """Produces `_common.trajectories` to `topic`; returns the encoded size of one."""
     producer = RecordProducer(kafka)
@@ -141,7 +167,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     args, n, repeats, kafka = _common.stream_args(ap, "stream_apps", "records")
     serde = AvroSerde()
-    times: dict[str, list[float]] = {k: [] for k in ("p1", "o1", "a1", "p2", "o2", "a2")}
+    times: dict[str, list[float]] = {k: [] for k in ("p1", "o1", "a1", "p2", "o2", "a2", "r1", "r2")}
     size = 0
     for r in range(repeats):  # a fresh experiment each time; the best time of each stage counts
         exp = f"bench-{uuid.uuid4().hex[:8]}"
@@ -162,9 +188,11 @@ def main() -> None:
             times["p2"].append(plain_stage(kafka, plain1, plain2, n, serde))
             times["o2"].append(our_stage(kafka, "curate", exp, topics.scored, n, curate, "exactly_once"))
             times["a2"].append(our_stage(kafka, "curate", exp, topics.scored, n, curate, "at_least_once"))
+            times["r1"].append(restart(kafka, "reward", exp, topics.rollouts, None, args.tokens))
+            times["r2"].append(restart(kafka, "curate", exp, topics.scored, curate, args.tokens))
         finally:
             admin.delete([s.name for s in specs])
-    p1, o1, a1, p2, o2, a2 = (min(times[k]) for k in ("p1", "o1", "a1", "p2", "o2", "a2"))
+    p1, o1, a1, p2, o2, a2, r1, r2 = (min(times[k]) for k in ("p1", "o1", "a1", "p2", "o2", "a2", "r1", "r2"))
     plain_rate, ours_rate, alo_rate = n / (p1 + p2), n / (o1 + o2), n / (a1 + a2)
     rows: list[tuple[str, Any]] = [
         ("records", f"{n:,} trajectories, {args.tokens:,} tokens, {size:,} bytes each, {PARTITIONS} partitions, "
@@ -180,6 +208,8 @@ def main() -> None:
         ("reward + curate, at-least-once /s", f"{alo_rate:,.0f}"),
         ("exactly-once vs plain loop (1.0 = as fast)", f"{ours_rate / plain_rate:.2f}x"),
         ("at-least-once vs plain loop", f"{alo_rate / plain_rate:.2f}x"),
+        ("reward restarted: start to first record, s", f"{r1:.2f}"),
+        ("curate restarted (tables recovered): start to first record, s", f"{r2:.2f}"),
     ]
     _common.print_rows(rows)
     write_json(args.json, "stream_apps", {
@@ -189,6 +219,7 @@ def main() -> None:
         "reward_at_least_once_per_s": n / a1, "curate_at_least_once_per_s": n / a2,
         "plain_pipeline_per_s": plain_rate, "ours_pipeline_per_s": ours_rate, "ratio_vs_plain": ours_rate / plain_rate,
         "at_least_once_pipeline_per_s": alo_rate, "at_least_once_ratio_vs_plain": alo_rate / plain_rate,
+        "reward_restart_s": r1, "curate_restart_s": r2,
     })
 
 
