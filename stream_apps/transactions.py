@@ -47,6 +47,7 @@ records with its commits through a per-partition gate):
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -66,6 +67,23 @@ if TYPE_CHECKING:
     from stream_apps.engine import StreamEngine
 
 log = logging.getLogger(__name__)
+
+
+def _readable_ends(kafka: Any, serde: Any, stable: dict[Any, int]) -> dict[Any, int]:
+    """For each partition, one past the last record below its last stable offset that a
+    read_committed reader gets; its first offset when it has none (nothing to recover)."""
+    from astraflow.kafka.clients import watermarks
+    from astraflow.kafka.read import assigned_consumer, last_readable
+
+    reader = assigned_consumer(kafka, serde, "astraflow-changelog-ends")
+    try:
+        ends = {}
+        for tp, end in stable.items():
+            last = last_readable(reader, tp.topic, tp.partition, end) if end else None
+            ends[tp] = last + 1 if last is not None else watermarks(reader, tp.topic, tp.partition)[0]
+        return ends
+    finally:
+        reader.close()
 
 
 class ExactTransactionManager(TransactionManager):
@@ -195,20 +213,26 @@ class TxTable(Table):
 
 
 class ExactConsumerThread(AIOKafkaConsumerThread):
-    """Faust's aiokafka consumer thread, with last stable offsets asked from the broker.
+    """Faust's aiokafka consumer thread, with changelog ends a read_committed reader reaches.
 
-    Recovery of a changelog then ends once Faust has read up to the last stable offset, which
-    under exactly-once ends in a transaction marker no reader sees, so Faust waits for two idle
-    polls (about 10 s per takeover). A faster end (the last readable record) was tried again
-    with the takeover fixes (`stream_apps.takeover`, `KeepQueuesOnResume`); it stays out until
-    the counted crash test passes with it (its kills then found no open transaction twice).
+    Faust's recovery of a changelog partition ends once it has applied the record at its
+    "highwater" - 1. Faust takes the last stable offset from the latest fetch (none yet for a
+    partition just assigned); asking the broker gives it, but under exactly-once a changelog ends
+    in a transaction marker (and maybe aborted records) that no reader sees, so the recovery
+    never reaches it and only ends after two idle 5-second polls (~10 s per takeover). Here the
+    highwater is one past the last record a read_committed reader gets below the last stable
+    offset (`astraflow.kafka.read.last_readable`, read in an executor: this thread heartbeats),
+    so the recovery ends as soon as it applied that record.
     """
 
     async def _highwaters(self, partitions: Any) -> Any:
         consumer = self._ensure_consumer()
-        if self.consumer.in_transaction:  # read_committed: end_offsets answers the last stable offset
-            return await consumer.end_offsets(list(partitions))
-        return await super()._highwaters(partitions)
+        if not self.consumer.in_transaction:
+            return await super()._highwaters(partitions)
+        stable = await consumer.end_offsets(list(partitions))  # read_committed: the last stable offsets
+        engine = self.app.astraflow_engine
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, _readable_ends, engine.kafka, engine.serde, dict(stable))
 
     def _commit_recorded(self, tp: Any) -> None:
         """Tells Faust's slow-processing check that `tp` committed now (our commits bypass `_commit`)."""

@@ -96,3 +96,38 @@ def read_offsets(consumer: Consumer, topic: str, partition: int, offsets: list[i
                     i += 1
     consumer.unassign()
     return out
+
+
+def last_readable(consumer: Consumer, topic: str, partition: int, end: int, timeout_s: float = 30.0) -> int | None:
+    """Offset of the last record below `end` (a last stable offset) that `consumer` (read_committed,
+    assign() only, end-of-partition reported: `assigned_consumer`) reads, None when there is none.
+
+    Under transactions a partition ends in commit markers (and maybe aborted records) that no
+    reader sees, so the last offset a reader gets is not `end - 1`. Reads the tail of the
+    partition, a window that grows eightfold back from `end` until it holds a record or starts
+    at the partition's first offset."""
+    low, _ = watermarks(consumer, topic, partition, timeout_s)
+    deadline = time.monotonic() + timeout_s
+    window = 64
+    while True:
+        start = max(low, end - window)
+        consumer.assign([TopicPartition(topic, partition, start)])
+        last, pos = None, start
+        while pos < end:
+            if time.monotonic() > deadline:
+                raise KafkaLayerError(f"could not read {topic}[{partition}] from {start} to {end} in {timeout_s:.0f} s")
+            for msg in consumer.consume(256, 0.5):
+                err = msg.error()
+                if err is not None:
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        pos = max(pos, msg.offset())
+                        if pos >= end:
+                            break
+                    continue
+                pos = msg.offset() + 1
+                if msg.offset() < end:
+                    last = msg.offset()
+        consumer.unassign()
+        if last is not None or start <= low:
+            return last
+        window *= 8
