@@ -313,12 +313,25 @@ class StreamEngine(EngineLifecycle):
         return state is not None and state.epoch == inc.epoch
 
     async def _produce(self, outbox: list[_Out], partition: int | None) -> None:
-        tid = self.tid(partition) if self.exactly_once and partition is not None else None
+        """Hands `outbox` to the producer: the transactional one of source `partition` (exactly-once;
+        the caller holds its gate), else Faust's shared producer."""
+        if not outbox:
+            return
+        if self.exactly_once and partition is not None:
+            # Straight to the partition's aiokafka producer: Faust's `Producer.send` only adds its
+            # per-send lock, which guards against a commit in between, and the gate held here does.
+            tid = self.tid(partition)
+            txp = self.app.producer._transaction_producers.get(tid)
+            if txp is None:
+                raise KafkaLayerError(f"no transactional producer {tid} for source partition {partition}")
+            self._dirty.add(partition)
+            for out in outbox:
+                fut = await txp.send(out.topic, out.value, key=out.key, partition=out.partition)
+                fut.add_done_callback(self._delivered)
+            return
         producer = self.app.producer
-        if tid is not None and outbox:
-            self._dirty.add(partition)  # type: ignore[arg-type]
         for out in outbox:
-            fut = await producer.send(out.topic, out.key, out.value, out.partition, None, None, transactional_id=tid)
+            fut = await producer.send(out.topic, out.key, out.value, out.partition, None, None)
             fut.add_done_callback(self._delivered)
 
     def _delivered(self, fut: asyncio.Future[Any]) -> None:
