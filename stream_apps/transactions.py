@@ -31,9 +31,11 @@ records with its commits through a per-partition gate):
 * Revoked partitions commit what they finished before Faust stops their producers.
 * `TxTable` writes its changelog records into the current record's (or periodic
   transaction's) outbox, so state and outputs commit together.
-* Recovery asks the broker for each changelog partition's last stable offset: Faust reads the
-  one cached from the latest fetch, None for a partition just assigned (taken as -1: a
-  ConsistencyError that crashes the app at every rebalance, or a recovery that reads nothing).
+* Recovery asks the broker for each changelog partition's last stable offset (Faust reads the
+  one cached from the latest fetch, None for a partition just assigned: taken as -1, a
+  ConsistencyError that crashes the app at every rebalance, or a recovery that reads nothing),
+  and ends at the last record a read_committed reader gets below it: the changelog ends in a
+  commit marker no reader sees, and Faust otherwise waited two idle 5 s polls past it.
 * A partition kept across an (eager) rebalance keeps its producer: its transaction is
   committed at the assignment (Faust would begin one again, and log that it failed).
 * An assigned partition starts without the read offset Faust's fetch loop may have recorded

@@ -33,7 +33,8 @@ def _kind(slot: str) -> str | None:
 
 
 def _settings(ctx: typer.Context, experiment: str, group: str | None, instance_id: str | None,
-              max_inflight: int, metrics_interval: float, guarantee: str = "exactly_once") -> object:
+              max_inflight: int, metrics_interval: float, guarantee: str = "exactly_once",
+              commit_idle: float = 0.05) -> object:
     from astraflow.errors import ConfigError
     from stream_apps.engine import EngineSettings
 
@@ -42,7 +43,7 @@ def _settings(ctx: typer.Context, experiment: str, group: str | None, instance_i
     cfg = load(ctx)
     return EngineSettings(experiment, cfg.kafka, group_id=group, instance_id=instance_id, max_inflight=max_inflight,
                           metrics_interval_s=metrics_interval, guarantee=guarantee,  # type: ignore[arg-type]
-                          topics=cfg.topics)
+                          commit_idle_s=commit_idle, topics=cfg.topics)
 
 
 def _logging(level: str) -> None:
@@ -81,6 +82,8 @@ def run_app(
     max_inflight: int = typer.Option(16, help="Slow records (async rewards) handled at once per worker."),
     guarantee: str = typer.Option("exactly_once", help="exactly_once (Kafka transactions) | at_least_once."),
     metrics_interval: float = typer.Option(10.0, help="Seconds between metrics records."),
+    commit_idle: float = typer.Option(0.05, help="Exactly-once: commit once no record came or finished for this "
+                                      "long, before the 1 s commit interval (a burst's outputs show sooner)."),
     group_timeout: float | None = typer.Option(None, help="curate: seconds before an incomplete group is emitted or dropped (300)."),
     min_group_size: int | None = typer.Option(None, help="curate: smallest timed-out group still trained on (2)."),
     emitted_ttl: float | None = typer.Option(None, help="curate: seconds emitted group ids are remembered (86400)."),
@@ -139,7 +142,7 @@ def run_app(
                                     max_turns or sp.max_turns),
             **{k: v for k, v in given.items() if v},
         )
-    settings = _settings(ctx, experiment, group, instance_id, max_inflight, metrics_interval, guarantee)
+    settings = _settings(ctx, experiment, group, instance_id, max_inflight, metrics_interval, guarantee, commit_idle)
     worker = build_worker(name, settings, options)  # type: ignore[arg-type]
     console.print(f"{name} worker (Faust app {worker.group_id}, {guarantee}) for experiment {experiment}; Ctrl-C stops it")
     _run(worker)
