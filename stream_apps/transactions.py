@@ -74,10 +74,15 @@ log = logging.getLogger(__name__)
 def _readable_ends(kafka: Any, serde: Any, stable: dict[Any, int]) -> dict[Any, int]:
     """For each partition, one past the last record below its last stable offset that a
     read_committed reader gets; its first offset when it has none (nothing to recover)."""
-    from astraflow.kafka.clients import watermarks
-    from astraflow.kafka.read import assigned_consumer, last_readable
+    from confluent_kafka import Consumer
 
-    reader = assigned_consumer(kafka, serde, "astraflow-changelog-ends")
+    from astraflow.kafka.clients import reader_config, watermarks
+    from astraflow.kafka.read import last_readable
+
+    # A fetch at the end waits at most 10 ms for data (librdkafka's default, 500 ms, is paid at
+    # every partition's end: the reader stops there).
+    reader = Consumer(reader_config(kafka, "astraflow-changelog-ends", serde.max_record_bytes,
+                                    **{"enable.partition.eof": True, "fetch.wait.max.ms": 10}))
     try:
         ends = {}
         for tp, end in stable.items():
