@@ -204,12 +204,13 @@ class CuratorApp(AppHandler):
         # Never subscribes: only reads watermarks and each trainer group's committed offsets.
         self._lag_consumer = Consumer(reader_config(worker.kafka, f"af-curator-{self._run}"))
         self._admin = AdminClient(worker.kafka.client_config())
-        self.issued_to = {t: sum(high for _, high in self._watermarks(t).values()) for t in self.task_shares}
+        marks = {t: self._watermarks(t) for t in self.task_shares}
+        self.issued_to = {t: sum(high for _, high in m.values()) for t, m in marks.items()}
         self.issued = sum(self.issued_to.values())
         from astraflow.kafka.task_placer import TaskPlacer
 
         # Each task goes to the partition where it would wait least, so work follows node speed.
-        self.placer = TaskPlacer(self._lag_consumer, worker.kafka, self.tasks_topic, f"af.{worker.settings.experiment}.raas")
+        self.placer = TaskPlacer(worker.kafka, self.tasks_topic, f"af.{worker.settings.experiment}.raas", marks[self.tasks_topic])
         log.info("curator: %d prompts, %d tasks issued so far", len(self.pool), self.issued)
 
     def on_recovered(self, table: str) -> None:
