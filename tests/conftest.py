@@ -2,7 +2,7 @@
 
 Integration and e2e tests use a real Apache Kafka: `ASTRAFLOW_TEST_BOOTSTRAP` if set, else the
 local broker (`astraflow kafka up`), started once per session if it is not already running and
-stopped at the end only if this session started it.
+stopped at the end only if a pytest session started it and no other pytest session still uses it.
 """
 
 from __future__ import annotations
@@ -41,19 +41,40 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def kafka() -> Iterator[KafkaSettings]:
-    """Settings of a running real Kafka broker."""
+    """Settings of a running real Kafka broker.
+
+    Several pytest sessions may share the local broker: each holds a shared lock on a file in its
+    data directory while it runs. The broker is stopped at the end only if a pytest session
+    started it and no other session still holds the lock (the last one out stops it).
+    """
     external = os.environ.get("ASTRAFLOW_TEST_BOOTSTRAP")
     if external:
         yield KafkaSettings(bootstrap_servers=external)
         return
+    import fcntl
+
     from astraflow.kafka.local import LocalKafka
 
-    local = LocalKafka(LocalKafkaSettings())
-    started = not local.status().answering
-    local.up(echo=lambda *_: None)
+    settings = LocalKafkaSettings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    lock_path = settings.data_dir / "pytest-sessions.lock"
+    marker = settings.data_dir / "started-by-pytest"
+    held = open(lock_path, "a")  # noqa: SIM115 - held for the whole session
+    fcntl.flock(held, fcntl.LOCK_SH)
+    local = LocalKafka(settings)
+    if not local.status().answering:
+        local.up(echo=lambda *_: None)
+        marker.touch()
     yield KafkaSettings(bootstrap_servers=local.bootstrap)
-    if started and not os.environ.get("ASTRAFLOW_KEEP_KAFKA"):
-        local.down(echo=lambda *_: None)
+    held.close()  # releases this session's shared lock
+    with open(lock_path, "a") as probe:
+        try:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # another pytest session still uses the broker; the last one out stops it
+        if marker.exists() and not os.environ.get("ASTRAFLOW_KEEP_KAFKA"):
+            local.down(echo=lambda *_: None)
+            marker.unlink(missing_ok=True)
 
 
 @pytest.fixture
