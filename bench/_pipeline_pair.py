@@ -12,11 +12,14 @@ group is trained and a step costs the same 64 rollouts as in the in-process sche
 
 The clock starts at the first task's Kafka timestamp and stops when both policies' weights of
 version `steps` have reached the benchmark's followers; snapshots of each policy every
-`eval_every` versions are scored after the run, as the in-process runs' are.
+`eval_every` versions (a cheap copy of the followed weights, timed when the follower has them)
+are scored after the run, as the in-process runs' are. A policy's snapshots stop at version
+`steps`. The trainers' metrics logs give each step's staleness (versions behind of its samples).
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import tempfile
@@ -114,6 +117,8 @@ def run_pair_pipeline(policies: tuple[str, ...], models: dict[str, str], tasks: 
             for p, f in followers.items():
                 f.poll(timeout_s=0.1)
                 version = f.follower.version or 0
+                if snapshots[p] and snapshots[p][-1][0] >= steps:
+                    continue  # this policy's run is over; the other's may go on
                 if version >= min(marks[p], steps) and (not snapshots[p] or snapshots[p][-1][0] < version):
                     snapshots[p].append((version, time.time(), {k: v.detach().clone().float()
                                                                  for k, v in f.follower.state.items()}))
@@ -129,12 +134,28 @@ def run_pair_pipeline(policies: tuple[str, ...], models: dict[str, str], tasks: 
         t0 = _pipeline._first_timestamp_s(probe, topics.tasks, cfg.topics.partitions)
         assert t0 is not None, "no task was issued"
         wall = max(s[-1][1] for s in snapshots.values()) - t0
-        return {"wall_s": wall, "cpu_s": cpu1 - cpu0, "load": (round(load0, 2), round(load1, 2)),
-                "trajectories": rolled_out, "logs": str(run_dir / "logs"),
-                "snapshots": {p: [(v, t - t0, st) for v, t, st in s] for p, s in snapshots.items()}}
+        result = {"wall_s": wall, "cpu_s": cpu1 - cpu0, "load": (round(load0, 2), round(load1, 2)),
+                  "trajectories": rolled_out, "logs": str(run_dir / "logs"),
+                  "snapshots": {p: [(v, t - t0, st) for v, t, st in s] for p, s in snapshots.items()}}
     finally:
         sup.stop_all()
         for f in followers.values():
             f.close()
         probe.close()
         admin_t.delete([s.name for s in specs])
+    result["staleness"] = {p: _staleness(run_dir / p, steps) for p in policies}  # the trainers have written their logs
+    return result
+
+
+def _staleness(trainer_dir: Path, steps: int) -> list[float]:
+    """Per optimizer step below version `steps`: the mean versions behind of its samples, from the
+    trainer's metrics log (`train/staleness_mean`, the same definition as `_rl.Learner`'s)."""
+    out: dict[int, float] = {}
+    for path in trainer_dir.glob("**/metrics.csv"):
+        with path.open(newline="") as fh:
+            for row in csv.DictReader(fh):
+                if row.get("train/policy_version") and row.get("train/staleness_mean"):
+                    version = int(float(row["train/policy_version"]))
+                    if version < steps:
+                        out[version] = float(row["train/staleness_mean"])
+    return [out[v] for v in sorted(out)]

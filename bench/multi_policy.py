@@ -20,10 +20,23 @@ each) and one learner per policy, for the same number of optimizer steps per pol
   groups start only while at most `--staleness` batches ahead of the slower learner (the
   curator's per-policy max-ahead).
 
-Weights of both policies are snapshotted every `--eval-every` steps and scored after the run:
-solver success on 128 held-out problems, verifier accuracy on the fixed balanced held-out set
-of the demo (sampled at T=1, 2 episodes each, tool instant). Figures per run and policy:
-trained samples/s, time to target (warm start + `--target-gain`), final figure.
+Weights of both policies are snapshotted every `--eval-every` steps (default 1: every step) and
+scored after the run: solver success on 128 held-out problems, verifier accuracy on the fixed
+balanced held-out set of the demo (sampled at T=1, 2 episodes each, tool instant; the same
+sampling seed per step in every schedule). Scoring runs after the schedule, so it costs
+neither schedule time. Figures per run and policy: trained samples/s, time to target, final.
+
+**Time to target** (rule fixed before the runs that the docs report, the same for every schedule):
+each policy's curve is smoothed with a trailing mean over `--smooth` (3) snapshots (the warm
+start counts; early points average what there is); a schedule's *plateau* is its smoothed
+curve's last point (the mean of its last 3 snapshots); the *ceiling* is the lowest plateau of
+the schedules of the invocation at that sigma and seed; the target is the warm start plus
+`--target-frac` (0.5) of the way to that ceiling, and a schedule's time to target is the time of
+the first snapshot whose smoothed figure reaches it. Every schedule reaches it (its plateau is at
+least the ceiling); when no schedule ends above the warm start there is no target. Beside it, the
+earlier rule (`old target`: the first raw snapshot at or above the warm start +
+`--target-gain`, 0.05), which with few snapshots measured mostly the time of the first one.
+**Final** is the plateau (mean of the last 3 snapshots; the last one alone is reported too).
 
 `--modes trainer-centred,dataflow,pipeline` adds the real platform (`bench/_pipeline_pair.py`):
 the demo's roles as separate processes on Kafka (curator, reward, curate, one trainer per policy,
@@ -82,6 +95,7 @@ class PolicyRun:
     train_s: float = 0.0
     snapshots: list[tuple[int, float, dict[str, torch.Tensor]]] = field(default_factory=list)
     score: list[tuple[int, float, float]] = field(default_factory=list)  # step, t, held-out figure
+    staleness: list[float] = field(default_factory=list)  # per optimizer step: mean versions behind of its samples
 
 
 @dataclass
@@ -94,18 +108,53 @@ class Run:
     trajectories: int = 0
     policies: dict[str, PolicyRun] = field(default_factory=lambda: {p: PolicyRun() for p in POLICIES})
 
-    def summary(self, targets: dict[str, float]) -> dict[str, Any]:
+    def summary(self, targets: dict[str, float | None], old_targets: dict[str, float], window: int,
+                heldout: int) -> dict[str, Any]:
+        """JSON-ready figures; `targets` on the smoothed curves, `old_targets` on the raw snapshots
+        (module doc, "Time to target")."""
         out: dict[str, Any] = {"mode": self.mode, "sigma": self.sigma, "wall_s": round(self.wall_s, 1),
                                "trajectories": self.trajectories, "cpu_s": round(self.cpu_s, 1),
                                "cores_used": round(self.cpu_s / self.wall_s, 2) if self.wall_s else 0.0,
                                "load_average": list(self.load)}
         for p, r in self.policies.items():
-            reach = next((t for _, t, s in r.score if s >= targets[p]), None)
+            smooth = smoothed(r.score, window)
+            hit = first_at_or_above(smooth, targets[p])
+            old_hit = first_at_or_above(r.score, old_targets[p])
+            last = [s for _, _, s in r.score[-window:]]
             out[p] = {"trained": r.trained, "trained_per_s": r.trained / self.wall_s if self.wall_s else 0.0,
                       "trainer_busy": r.train_s / self.wall_s if self.wall_s else 0.0, "score": r.score,
-                      "start": r.score[0][2] if r.score else None, "final": r.score[-1][2] if r.score else None,
-                      "target": targets[p], "time_to_target_s": reach}
+                      "smoothed": [(st, t, round(s, 4)) for st, t, s in smooth],
+                      "start": r.score[0][2] if r.score else None, "final": smooth[-1][2] if smooth else None,
+                      # binomial variance of the plateau: mean of `window` figures of 2 x heldout episodes each
+                      "final_var_sampling": sum(f * (1 - f) / (2 * heldout) for f in last) / len(last) ** 2 if last else None,
+                      "final_last": r.score[-1][2] if r.score else None,
+                      "target": targets[p], "time_to_target_s": hit[1] if hit else None,
+                      "steps_to_target": hit[0] if hit else None,
+                      "old_target": old_targets[p], "time_to_old_target_s": old_hit[1] if old_hit else None,
+                      "staleness_mean": sum(r.staleness) / len(r.staleness) if r.staleness else None}
         return out
+
+
+def smoothed(score: list[tuple[int, float, float]], window: int) -> list[tuple[int, float, float]]:
+    """Each snapshot's figure replaced by the mean of it and the `window` - 1 before it (fewer at
+    the start): known at the snapshot's time, so a time to target on it is no later than claimed."""
+    return [(step, t, sum(x[2] for x in score[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)))
+            for i, (step, t, _) in enumerate(score)]
+
+
+def first_at_or_above(curve: list[tuple[int, float, float]], target: float | None) -> tuple[int, float] | None:
+    """(step, time) of the first point of `curve` at or above `target`; None if none or no target."""
+    if target is None:
+        return None
+    return next(((step, t) for step, t, s in curve if s >= target), None)
+
+
+def targets_of(runs: list[Run], policy: str, frac: float, window: int) -> float | None:
+    """The target of `policy` for these runs of one sigma and seed (module doc, "Time to target"):
+    the warm start plus `frac` of the way to the lowest plateau; None if none ends above the start."""
+    start = runs[0].policies[policy].score[0][2]
+    ceiling = min(smoothed(r.policies[policy].score, window)[-1][2] for r in runs)
+    return start + frac * (ceiling - start) if ceiling > start else None
 
 
 def make_tasks(n: int, seed: int, n_heldout: int = _rl.N_HELDOUT) -> tuple[list[Task], dict[str, list[tuple[str, str]]]]:
@@ -260,6 +309,7 @@ def pipeline_run(sigma: float, args: argparse.Namespace, models: dict[str, str])
         base = {k: v.detach().clone() for k, v in scorers[p][0].state_dict().items()}
         run.policies[p].snapshots = [(0, 0.0, base), *out["snapshots"][p]]
         run.policies[p].trained = args.steps * _rl.SLOTS
+        run.policies[p].staleness = out["staleness"][p]
     score(run, scorers, heldout)
     return run
 
@@ -281,6 +331,8 @@ def one_run(mode: str, sigma: float, args: argparse.Namespace, models: dict[str,
     finally:
         run.cpu_s, run.load = _cpu_s(job) - cpu0, (round(load0, 2), round(os.getloadavg()[0], 2))
         job.close()
+    for p in POLICIES:
+        run.policies[p].staleness = [m["staleness_mean"] for m in job.learners[p].metrics]
     score(run, {p: (job.learners[p].model, job.learners[p].tokenizer) for p in POLICIES}, heldout)
     return run
 
@@ -302,9 +354,12 @@ def main() -> None:
     ap.add_argument("--sigmas", default=None, help="log-normal sigmas of the tool delay (default 0.5,1.5)")
     ap.add_argument("--median-s", type=float, default=0.2, help="median tool delay (s)")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps of 64 samples per policy (default 10, quick 4)")
-    ap.add_argument("--eval-every", type=int, default=None, help="steps between snapshots (default 2)")
+    ap.add_argument("--eval-every", type=int, default=1, help="steps between snapshots (default 1: every step)")
     ap.add_argument("--staleness", type=int, default=1, help="dataflow: batches a group may start ahead of the slower learner")
-    ap.add_argument("--target-gain", type=float, default=0.05, help="target = warm-start figure + this, per policy")
+    ap.add_argument("--target-frac", type=float, default=0.5,
+                    help="target = warm start + this fraction of the way to the lowest plateau of the schedules (module doc)")
+    ap.add_argument("--smooth", type=int, default=3, help="snapshots in the trailing mean of the curves and the plateau")
+    ap.add_argument("--target-gain", type=float, default=0.05, help="the old target, reported beside: warm start + this")
     ap.add_argument("--heldout", type=int, default=None, help=f"held-out problems (and judgements) (default {_rl.N_HELDOUT}, quick 32)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--seeds", default=None, help="several seeds, e.g. 0,1 (default: --seed)")
@@ -314,7 +369,6 @@ def main() -> None:
                     help="run the rollout engines in this process (before: they share its interpreter lock with the learners)")
     args = ap.parse_args()
     args.steps = args.steps or (4 if args.quick else 10)
-    args.eval_every = args.eval_every or 2
     args.heldout = args.heldout or (32 if args.quick else _rl.N_HELDOUT)
     sigmas = [float(x) for x in (args.sigmas or "0.5,1.5").split(",")]
     modes = ["trainer-centred", *[m for m in args.modes.split(",") if m and m != "trainer-centred"]]
@@ -335,42 +389,59 @@ def main() -> None:
                     f"{p} {x.trained / r.wall_s:.1f} samples/s, " + " ".join(f"{s:.3f}@{t:.0f}s" for _, t, s in x.score)
                     for p, x in r.policies.items()), flush=True)
             base = runs["trainer-centred"]
-            targets = {p: base.policies[p].score[0][2] + args.target_gain for p in POLICIES}
-            rows += [{**r.summary(targets), "seed": seed} for r in runs.values()]
+            targets = {p: targets_of(list(runs.values()), p, args.target_frac, args.smooth) for p in POLICIES}
+            old = {p: base.policies[p].score[0][2] + args.target_gain for p in POLICIES}
+            rows += [{**r.summary(targets, old, args.smooth, args.heldout), "seed": seed} for r in runs.values()]
     print()
-    print(f"{'sigma':>5} {'seed':>4} {'mode':<16} {'wall s':>7} {'cores':>5} {'policy':<9} {'samples/s':>9} {'busy':>5} {'start->final':>13} {'to target':>10}")
+    print(f"{'sigma':>5} {'seed':>4} {'mode':<16} {'wall s':>7} {'cores':>5} {'policy':<9} {'samples/s':>9} {'busy':>5} "
+          f"{'stale':>5} {'start->final':>13} {'last':>5} {'target':>6} {'to target':>15} {'to old target':>13}")
     headline = []
     for x in rows:
         for p in POLICIES:
             y = x[p]
-            tt = f"{y['time_to_target_s']:.0f}s" if y["time_to_target_s"] is not None else "not reached"
+            tt = (f"{y['time_to_target_s']:.0f}s (step {y['steps_to_target']})" if y["time_to_target_s"] is not None
+                  else "no target" if y["target"] is None else "not reached")
+            old = f"{y['time_to_old_target_s']:.0f}s" if y["time_to_old_target_s"] is not None else "not reached"
+            target = f"{y['target']:.3f}" if y["target"] is not None else "-"
+            stale = f"{y['staleness_mean']:.2f}" if y["staleness_mean"] is not None else "-"
             print(f"{x['sigma']:>5} {x['seed']:>4} {x['mode']:<16} {x['wall_s']:>7.1f} {x['cores_used']:>5.2f} {p:<9} "
-                  f"{y['trained_per_s']:>9.1f} {y['trainer_busy']:>5.0%} {y['start']:>6.3f}->{y['final']:.3f} {tt:>10}")
+                  f"{y['trained_per_s']:>9.1f} {y['trainer_busy']:>5.0%} {stale:>5} {y['start']:>6.3f}->{y['final']:.3f} "
+                  f"{y['final_last']:>5.3f} {target:>6} {tt:>15} {old:>13}")
     for x in rows:
         if x["mode"] == "trainer-centred":
             continue
         base = next(b for b in rows if (b["sigma"], b["seed"], b["mode"]) == (x["sigma"], x["seed"], "trainer-centred"))
         x["vs_trainer_centred"] = {p: ratios(x[p], base[p]) for p in POLICIES}
         headline.append(f"sigma {x['sigma']} seed {x['seed']} {x['mode']}: " + "; ".join(
-            f"{p} samples/s {v['samples_per_s']:.2f}x, " + (f"time to target {v['time_to_target']:.2f}x" if v["time_to_target"]
-                                                           else "time to target: not reached by both")
+            f"{p} samples/s {v['samples_per_s']:.2f}x, time to target " + _x(v["time_to_target"]) + " (old target "
+            + _x(v["time_to_old_target"]) + f"), final {v['final_minus_baseline']:+.3f}"
             for p, v in x["vs_trainer_centred"].items()))
     print("vs trainer-centred: " + " | ".join(headline))
-    summary = over_seeds(rows, sigmas, modes, args.heldout) if len(seeds) > 1 else []
+    summary = over_seeds(rows, sigmas, modes) if len(seeds) > 1 else []
     for line in summary:
         print(line["text"])
     _common.write_json(args.json, "multi_policy", {
         "median_s": args.median_s, "steps_per_policy": args.steps, "samples_per_step": _rl.SLOTS, "lr": _rl.LR,
-        "staleness": args.staleness, "seeds": seeds, "rows": rows, "headline": headline,
+        "staleness": args.staleness, "seeds": seeds, "eval_every": args.eval_every, "heldout": args.heldout,
+        "target_rule": {"frac": args.target_frac, "smooth": args.smooth, "old_target_gain": args.target_gain},
+        "rows": rows, "headline": headline,
         "over_seeds": [{k: v for k, v in line.items() if k != "text"} for line in summary], "load_average": _loadavg(),
     })
 
 
+def _x(ratio: float | None) -> str:
+    return f"{ratio:.2f}x" if ratio else "-"
+
+
 def ratios(run: dict[str, Any], base: dict[str, Any]) -> dict[str, float | None]:
     """A schedule's figures of one policy against the trainer-centred run's (same sigma and seed)."""
-    a, b = run["time_to_target_s"], base["time_to_target_s"]
-    return {"samples_per_s": run["trained_per_s"] / base["trained_per_s"], "time_to_target": b / a if a and b else None,
-            "final_minus_baseline": run["final"] - base["final"]}
+    def speedup(key: str) -> float | None:
+        a, b = run[key], base[key]
+        return b / a if a and b else None
+
+    return {"samples_per_s": run["trained_per_s"] / base["trained_per_s"], "time_to_target": speedup("time_to_target_s"),
+            "time_to_old_target": speedup("time_to_old_target_s"), "final_minus_baseline": run["final"] - base["final"],
+            "final_last_minus_baseline": run["final_last"] - base["final_last"]}
 
 
 def _mean_se(xs: list[float]) -> tuple[float, float | None]:
@@ -380,9 +451,10 @@ def _mean_se(xs: list[float]) -> tuple[float, float | None]:
     return m, (sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) ** 0.5
 
 
-def over_seeds(rows: list[dict[str, Any]], sigmas: list[float], modes: list[str], heldout: int) -> list[dict[str, Any]]:
+def over_seeds(rows: list[dict[str, Any]], sigmas: list[float], modes: list[str]) -> list[dict[str, Any]]:
     """Per sigma, schedule and policy: means over seeds with standard errors (see the module doc).
-    Held-out figures are means of 2 x `heldout` episodes, so each has a binomial s.e. of its own."""
+    Finals are plateaus (means of the last snapshots, each of 2 x heldout episodes), so each has a
+    binomial s.e. of its own (`final_var_sampling`)."""
     out = []
     for sigma in sigmas:
         for mode in modes:
@@ -390,7 +462,7 @@ def over_seeds(rows: list[dict[str, Any]], sigmas: list[float], modes: list[str]
             for p in POLICIES:
                 finals = [x[p]["final"] for x in runs]
                 final, final_se = _mean_se(finals)
-                sampling_se = (sum(f * (1 - f) / (2 * heldout) for f in finals) ** 0.5) / len(finals)
+                sampling_se = sum(x[p]["final_var_sampling"] for x in runs) ** 0.5 / len(runs)
                 line: dict[str, Any] = {"sigma": sigma, "mode": mode, "policy": p, "seeds": len(runs), "final": final,
                                         "final_se_seeds": final_se, "final_se_sampling": sampling_se}
                 text = (f"sigma {sigma} {mode:<16} {p:<9} final {final:.3f} (s.e. {final_se or 0:.3f} over seeds, "
@@ -399,14 +471,16 @@ def over_seeds(rows: list[dict[str, Any]], sigmas: list[float], modes: list[str]
                     r = [x["vs_trainer_centred"][p] for x in runs]
                     diff, diff_se = _mean_se([v["final_minus_baseline"] for v in r])
                     speed = _mean_se([v["samples_per_s"] for v in r])
-                    reached = [v["time_to_target"] for v in r if v["time_to_target"]]
-                    ttt = _mean_se(reached) if reached else (None, None)
                     line.update(final_minus_baseline=diff, final_minus_baseline_se=diff_se, samples_per_s=speed[0],
-                                samples_per_s_se=speed[1], time_to_target=ttt[0], time_to_target_se=ttt[1],
-                                time_to_target_seeds=len(reached))
+                                samples_per_s_se=speed[1])
                     text += (f"; minus baseline {diff:+.3f} (s.e. {diff_se or 0:.3f}); samples/s {speed[0]:.2f}x "
-                             f"(s.e. {speed[1] or 0:.2f}); time to target " +
-                             (f"{ttt[0]:.2f}x (s.e. {ttt[1] or 0:.2f}, {len(reached)} seeds)" if reached else "not reached"))
+                             f"(s.e. {speed[1] or 0:.2f})")
+                    for key, name in (("time_to_target", "time to target"), ("time_to_old_target", "old target")):
+                        reached = [v[key] for v in r if v[key]]
+                        m, se = _mean_se(reached) if reached else (None, None)
+                        line.update({key: m, f"{key}_se": se, f"{key}_seeds": len(reached)})
+                        text += f"; {name} " + (f"{m:.2f}x (s.e. {se or 0:.2f}, {len(reached)} seeds)" if reached
+                                                else "not reached")
                 line["text"] = text
                 out.append(line)
     return out

@@ -1,0 +1,55 @@
+"""bench/multi_policy.py's time-to-target rule: smoothed curves, a target between the warm start
+and the lowest plateau, reached by every schedule, the same rule for each."""
+
+from __future__ import annotations
+
+# At collection (see test_bench_vs_trl.py): importing the benchmark imports lightning.
+import multi_policy as mp
+import pytest
+
+pytestmark = pytest.mark.unit
+
+
+def run(mode: str, solver: list[float], verifier: list[float], dt: float) -> mp.Run:
+    r = mp.Run(mode, 1.5, wall_s=dt * (len(solver) - 1))
+    for p, figures in (("solver", solver), ("verifier", verifier)):
+        r.policies[p].score = [(i, i * dt, f) for i, f in enumerate(figures)]
+        r.policies[p].trained = 64 * (len(figures) - 1)
+    return r
+
+
+def test_smoothed_is_a_trailing_mean_known_at_each_snapshot() -> None:
+    curve = [(0, 0.0, 0.5), (1, 1.0, 0.8), (2, 2.0, 0.5), (3, 3.0, 0.8)]
+    assert [round(s, 4) for _, _, s in mp.smoothed(curve, 3)] == [0.5, 0.65, 0.6, 0.7]
+    assert [t for _, t, _ in mp.smoothed(curve, 3)] == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_target_lies_halfway_to_the_lowest_plateau_and_both_reach_it() -> None:
+    # A fast schedule (1 s a step) whose last three snapshots average 0.8; a slow one (4 s a
+    # step) that ends higher. One lucky early snapshot (0.75 at step 1) must not count.
+    fast = run("pipeline", [0.5, 0.75, 0.55, 0.6, 0.7, 0.8, 0.8, 0.8], [0.7] * 8, 1.0)
+    slow = run("trainer-centred", [0.5, 0.55, 0.6, 0.62, 0.68, 0.8, 0.9, 0.9], [0.7] * 8, 4.0)
+    target = mp.targets_of([slow, fast], "solver", 0.5, 3)
+    assert target == pytest.approx(0.5 + 0.5 * (0.8 - 0.5))
+    old = {"solver": 0.55, "verifier": 0.75}
+    a = fast.summary({"solver": target, "verifier": None}, old, 3, 128)["solver"]
+    b = slow.summary({"solver": target, "verifier": None}, old, 3, 128)["solver"]
+    # smoothed, fast: 0.5, 0.625, 0.6, 0.633, 0.617, 0.7 (step 5); slow: ..., 0.633, 0.7 (step 5)
+    assert (a["steps_to_target"], a["time_to_target_s"]) == (5, 5.0)
+    assert (b["steps_to_target"], b["time_to_target_s"]) == (5, 20.0)
+    assert a["final"] == pytest.approx(0.8) and a["final_last"] == pytest.approx(0.8)
+    assert b["final"] == pytest.approx(2.6 / 3) and b["final_last"] == pytest.approx(0.9)
+    # the old rule (first raw snapshot at or above start + 0.05) takes the lucky snapshot
+    assert (a["time_to_old_target_s"], b["time_to_old_target_s"]) == (1.0, 4.0)
+    v = mp.ratios(a, b)
+    assert v["time_to_target"] == pytest.approx(4.0) and v["time_to_old_target"] == pytest.approx(4.0)
+    assert v["samples_per_s"] == pytest.approx(4.0) and v["final_minus_baseline"] == pytest.approx(0.8 - 2.6 / 3)
+
+
+def test_no_target_when_no_schedule_ends_above_the_warm_start() -> None:
+    flat = run("pipeline", [0.5, 0.6, 0.4, 0.5, 0.45], [0.7] * 5, 1.0)
+    up = run("trainer-centred", [0.5, 0.6, 0.7, 0.8, 0.9], [0.7] * 5, 1.0)
+    assert mp.targets_of([up, flat], "solver", 0.5, 3) is None
+    assert mp.targets_of([up, flat], "verifier", 0.5, 3) is None
+    out = flat.summary({"solver": None, "verifier": None}, {"solver": 0.55, "verifier": 0.75}, 3, 128)
+    assert out["solver"]["time_to_target_s"] is None and out["solver"]["time_to_old_target_s"] == 1.0
