@@ -1,8 +1,11 @@
 """The RaaS node: pull tasks from the shared consumer group, run workflows, publish trajectories.
 
 Guarantees (DESIGN.md, "RaaS node"):
-- at most `max_inflight` rollouts run; tasks fetched beyond that wait in a small local buffer
-  (`prefetch` tasks, uncommitted, so a crash redelivers them); while that buffer is full the
+- at most `max_inflight` rollouts run: samples are counted, and a task of n samples starts, in
+  the order fetched, when its n fit beside the running ones (`admission.fits`; one larger than
+  `max_inflight` starts alone, when none runs), so the engine never queues rollouts behind its
+  rows and a group's n requests reach it together (its prompt is prefilled once); tasks fetched
+  beyond that wait in a small local buffer (`prefetch` tasks, uncommitted, so a crash redelivers them); while that buffer is full the
   node stops fetching, and once it has been full for `PAUSE_AFTER_S` it pauses its partitions
   and polls again, so a rollout that takes minutes never costs it its group membership. (A
   pause is kept for long stalls: librdkafka drops its prefetched records on pause and refetches
@@ -47,7 +50,7 @@ from astraflow.kafka.clients import RecordConsumer, RecordProducer, commit_offse
 from astraflow.kafka.offsets import OffsetTracker
 from astraflow.kafka.received import DeadLetterWriter, Received
 from astraflow.kafka.topics import Topics
-from astraflow.raas.admission import InvalidTaskError, admit
+from astraflow.raas.admission import InvalidTaskError, admit, fits
 from astraflow.raas.agent_api.server import AgentEndpoint
 from astraflow.raas.backends.base import InferenceBackend
 from astraflow.raas.guard import error_trajectory, run_workflow
@@ -107,6 +110,7 @@ class RaasNode:
         self._paused = False
         self._full_since: float | None = None  # when the local buffer last became full
         self._pending: collections.deque[Received[Task]] = collections.deque()  # fetched, not started
+        self._head: tuple[Received[Task], Workflow] | None = None  # the first pending task, admitted
         self._running: set[asyncio.Task] = set()
         self._workflows: weakref.WeakSet[asyncio.Future] = weakref.WeakSet()  # rollouts' own tasks
         self.metric_observers: list[Callable[[Metric], None]] = []  # e.g. a Prometheus collector's observe
@@ -162,7 +166,7 @@ class RaasNode:
                     # Full for a moment: fetch nothing, keep what librdkafka holds, and wake as soon
                     # as a rollout ends so that its slot is refilled from the buffer at once.
                     await self._wait_slot(timeout)
-                elif self._pending and self.inflight >= self.s.max_inflight:
+                elif self._pending and not fits(self.inflight, self._pending[0].record.n_samples, self.s.max_inflight):
                     # Buffered tasks wait for a slot: top the buffer up without blocking, then wake
                     # as soon as a rollout ends (a blocking poll held a freed slot empty until it
                     # returned: up to its timeout once the topic has nothing more).
@@ -171,10 +175,9 @@ class RaasNode:
                 else:
                     self._pending.extend(await asyncio.to_thread(self.consumer.poll_batch, room, timeout))
                 self._slot_freed.clear()  # a rollout ending from here on wakes the next wait
-                while self._pending and self.inflight < self.s.max_inflight:
-                    self._start_task(self._pending.popleft())
+                self._start_ready()
                 self.producer.poll(0)
-                await self._commit_in_thread()
+                await self._commit_in_thread(start_meanwhile=True)
                 if time.monotonic() - last_metrics >= self.s.metrics_interval_s:
                     mark = self._publish_metrics(mark)
                     last_metrics = time.monotonic()
@@ -210,17 +213,35 @@ class RaasNode:
             self.consumer.resume_all()
             self._paused = False
 
-    def _start_task(self, rec: Received[Task]) -> None:
+    def _start_ready(self) -> None:
+        """Starts buffered tasks, in order, while the next one fits (`admission.fits`); a task that
+        fails admission is refused at once, whatever its size."""
+        while self._pending:
+            rec = self._pending[0]
+            if self._head is None or self._head[0] is not rec:
+                try:
+                    self._head = (rec, admit(rec.record, self.cfg.raas, self.backends).workflow)
+                except InvalidTaskError as exc:
+                    self._pending.popleft()
+                    self._refuse(rec, exc)
+                    continue
+            if not fits(self.inflight, rec.record.n_samples, self.s.max_inflight):
+                return
+            workflow = self._head[1]
+            self._pending.popleft()
+            self._head = None
+            self._start_task(rec, workflow)
+
+    def _refuse(self, rec: Received[Task], exc: InvalidTaskError) -> None:
+        log.warning("task refused: %s", exc)
         tp = (rec.topic, rec.partition)
         epoch = self.offsets.received(tp, rec.offset)
-        try:
-            workflow = admit(rec.record, self.cfg.raas, self.backends).workflow
-        except InvalidTaskError as exc:
-            log.warning("task refused: %s", exc)
-            self.consumer.dead_letter(rec, exc)
-            self.offsets.finished(tp, rec.offset, epoch)
-            self.tasks_refused += 1
-            return
+        self.consumer.dead_letter(rec, exc)
+        self.offsets.finished(tp, rec.offset, epoch)
+        self.tasks_refused += 1
+
+    def _start_task(self, rec: Received[Task], workflow: Workflow) -> None:
+        epoch = self.offsets.received((rec.topic, rec.partition), rec.offset)
         self.inflight += rec.record.n_samples
         t = asyncio.create_task(self._serve(rec, workflow, epoch))
         self._running.add(t)
@@ -280,10 +301,22 @@ class RaasNode:
         if positions and self._commit_positions(positions):
             self.offsets.mark_committed(positions)
 
-    async def _commit_in_thread(self) -> None:
-        """The main loop's commit: an outage blocks only this coroutine, not the rollouts."""
+    async def _commit_in_thread(self, start_meanwhile: bool = False) -> None:
+        """The main loop's commit: an outage blocks only this coroutine, not the rollouts. With
+        `start_meanwhile`, a rollout that ends while the commit waits on the broker has its room
+        refilled from the buffer at once (a group's last sample ends just when its task commits)."""
         positions = self.offsets.to_commit()
-        if positions and await asyncio.to_thread(self._commit_positions, positions):
+        if not positions:
+            return
+        commit = asyncio.ensure_future(asyncio.to_thread(self._commit_positions, positions))
+        while start_meanwhile and not commit.done():
+            freed = asyncio.ensure_future(self._slot_freed.wait())
+            await asyncio.wait([commit, freed], return_when=asyncio.FIRST_COMPLETED)
+            freed.cancel()
+            if self._slot_freed.is_set():
+                self._slot_freed.clear()
+                self._start_ready()
+        if await commit:
             self.offsets.mark_committed(positions)
 
     def _commit_positions(self, positions: dict[tuple[str, int], int]) -> bool:
