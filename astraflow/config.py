@@ -225,6 +225,12 @@ class RaasSettings(FrozenSettings):
     """Most `sampling.stop` strings, each at most `max_stop_chars` long."""
     max_stop_chars: int = Field(256, ge=1)
     """Longest stop string."""
+    group_session_timeout_s: float | None = Field(None, ge=1.0, le=1800.0)
+    """The nodes' own session in the tasks group (unset: `kafka.group_session_timeout_s`): after
+    a `kill -9` or a lost host, the node's prefetched and running tasks wait this long (plus a
+    rebalance) before another node redoes them. Heartbeats every third of it, at most 1 s. Below
+    6 s the brokers' `group.min.session.timeout.ms` must allow it (`astraflow kafka up` and the
+    compose broker set 1 s; a managed cluster may not let you), or the node cannot join."""
 
 
 class WeightFollowSettings(FrozenSettings):

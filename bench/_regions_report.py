@@ -8,7 +8,7 @@ import statistics
 from typing import Any
 
 from _fault_report import longest_task_wait
-from _regions_run import NODES, RegionsRun, rate_windows
+from _regions_run import EVENTS, RegionsRun, rate_windows
 
 from astraflow.records import WeightKind
 
@@ -36,7 +36,7 @@ def build(run: RegionsRun) -> dict[str, Any]:
         return sum(1 for tid, at in issued_sorted if at <= t and first_rollout.get(tid, float("inf")) > t)
 
     nodes = []
-    for name, region, slowed in NODES:
+    for name, region, slowed in run.node_specs:
         n = run.count(name, t0, t1)
         share = n / mixed_total
         expected = alone[name] / total_alone if name in alone else None  # None: not calibrated (--no-calibrate)
@@ -61,12 +61,28 @@ def build(run: RegionsRun) -> dict[str, Any]:
     # Region B: its node's applied version against the newest published one; the WAN follower's delay.
     created = [(p.created_at / 1000, p.version) for p in manifests]
     ctimes = [c[0] for c in created]
-    lags = []
-    for node, ts, v in seen.node_version:
-        if node == "raas-b1" and t0 <= ts < t1:
-            i = bisect.bisect_right(ctimes, ts) - 1
-            if i >= 0:
-                lags.append(max(0, created[i][1] - v))
+    n_pub = [v for c, v in created if t0 <= c < t1]
+    version_rate = len(n_pub) / (t1 - t0)
+
+    def lag_of(name: str) -> tuple[list[int], list[float]]:
+        """The node's version lag at each of its metric samples in the mixed phase: versions, and
+        seconds since the first version it lacks was published."""
+        versions, seconds = [], []
+        for node, ts, v in seen.node_version:
+            if node == name and t0 <= ts < t1:
+                i = bisect.bisect_right(ctimes, ts) - 1
+                if i >= 0:
+                    versions.append(max(0, created[i][1] - v))
+                    j = bisect.bisect_right([c[1] for c in created], v)  # the first version newer than v
+                    seconds.append(max(0.0, ts - created[j][0]) if j <= i else 0.0)
+        return versions, seconds
+
+    lags, lag_by_node = lag_of("raas-b1")[0], {}
+    for name, _, _ in run.node_specs:
+        v, sec = lag_of(name)
+        lag_by_node[name] = {"versions_mean": _r(statistics.mean(v)) if v else None, "versions_max": max(v) if v else None,
+                             "seconds_mean": _r(statistics.mean(sec)) if sec else None,
+                             "seconds_max": _r(max(sec)) if sec else None, "samples": len(v)}
     live = [seen.live_b[p.version] - p.created_at / 1000 for p in manifests if p.version in seen.live_b and p.version > 0]
     live_d = [seen.live_b[p.version] - p.created_at / 1000 for p in manifests
               if p.version in seen.live_b and p.kind == WeightKind.DELTA]
@@ -87,22 +103,26 @@ def build(run: RegionsRun) -> dict[str, Any]:
         "weights_bytes_per_version_if_all_snapshots": int(statistics.mean(snaps)) if snaps else None,
         "region_b_version_lag_mean": _r(statistics.mean(lags)) if lags else None,
         "region_b_version_lag_max": max(lags) if lags else None,
+        "versions_per_s_mixed": _r(version_rate),
+        "version_lag_by_node": lag_by_node,
         "publish_to_live_b_s_median": _r(statistics.median(live)) if live else None,
         "publish_to_live_b_s_delta_median": _r(statistics.median(live_d)) if live_d else None,
         "publish_to_live_b_s_snapshot_median": _r(statistics.median(live_s)) if live_s else None,
     }
-    if "leave_sigterm" in m:
+    if "elastic_end" in m:
         base = mixed_total / (t1 - t0)
-        for key, node in (("join_a1", "raas-a1"), ("join_b1", "raas-b1")):
-            t = m[key]
-            firsts = [ts for n, ts, _, _ in seen.rollouts if n == node and ts > t]
-            figs[f"{key}_first_rollout_s"] = _r(min(firsts) - t if firsts else None, 1)
-            end = m["kill9_b1"] if key == "join_a1" else m["elastic_end"]
-            wins = rate_windows([ts for _, ts, _, _ in seen.rollouts], t, end)
+        events = EVENTS[a.via]
+        for i, (what, node) in enumerate(events):
+            t_ev, t_join = m[f"{what}_{node}"], m[f"join_{node}"]
+            end = m[f"{events[i + 1][0]}_{events[i + 1][1]}"] if i + 1 < len(events) else m["elastic_end"]
+            before = [v for n, ts, v in seen.inflight if n == node and ts <= t_ev]
+            figs[f"{what}_{node}_inflight_before"] = before[-1] if before else None
+            figs[f"{what}_{node}_longest_task_wait_s"] = _r(longest_task_wait(first_rollout, issued_at, t_ev), 1)
+            firsts = [ts for n, ts, _, _ in seen.rollouts if n == node and ts > t_join]
+            figs[f"join_{node}_first_rollout_s"] = _r(min(firsts) - t_join if firsts else None, 1)
+            wins = rate_windows([ts for _, ts, _, _ in seen.rollouts], t_join, end)
             back = next((w for w, rps in wins if rps >= 0.9 * base), None)
-            figs[f"{key}_throughput_back_s"] = _r(back - t if back else None, 1)
-        figs["kill9_b1_longest_task_wait_s"] = _r(longest_task_wait(first_rollout, issued_at, m["kill9_b1"]), 1)
-        figs["sigterm_a1_longest_task_wait_s"] = _r(longest_task_wait(first_rollout, issued_at, m["leave_sigterm"]), 1)
+            figs[f"join_{node}_throughput_back_s"] = _r(back - t_join if back else None, 1)
     tally = run.ledger.tally(list(run.ledger.tasks.values()))
     figs.update(tasks_issued=tally.tasks_issued, tasks_trained=tally.tasks_trained, samples_lost=tally.lost,
                 samples_dead_lettered=tally.accounted, samples_trained_twice=tally.trained_twice)

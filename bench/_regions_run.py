@@ -26,6 +26,10 @@ from astraflow.records import Metric, PolicyVersion, Trajectory, TrajectoryStatu
 
 FILTERS_OFF = ("filter.zero_variance", "filter.length", "filter.staleness")
 NODES = (("raas-a1", "a", False), ("raas-a2", "a", True), ("raas-b1", "b", False))  # name, region, slowed
+NODES_MM2 = (*NODES, ("raas-b2", "b", False))  # --via mm2: two nodes in B, so a node's loss is not the region's
+# the elastic phase: (what, node): SIGTERM (a node leaves), kill -9 (a host dies), each followed by a restart
+EVENTS = {"wan": (("sigterm", "raas-b1"), ("kill9", "raas-a1")),  # kill -9 of the fastest node, loaded
+          "mm2": (("sigterm", "raas-a1"), ("kill9", "raas-b1"))}  # raas-b2 stays in B
 
 
 @dataclass
@@ -43,6 +47,7 @@ class Seen:
 class RegionsRun:
     def __init__(self, args: argparse.Namespace, exp: str) -> None:
         self.a, self.exp = args, exp
+        self.node_specs = NODES_MM2 if args.via == "mm2" else NODES
         self.work = Path(args.work_dir) / exp
         self.work.mkdir(parents=True, exist_ok=True)
         p = args.port
@@ -119,13 +124,13 @@ class RegionsRun:
         print(f"experiment {self.exp}: Kafka {self.kafka.bootstrap}, region B via {self.kafka.wan_bootstrap}", flush=True)
 
     def node_role(self, name: str, region: str) -> Role:
-        s, i = self.spec, [n for n, _, _ in NODES].index(name)
+        s, i = self.spec, [n for n, _, _ in self.node_specs].index(name)
         boot = self.kafka.bootstrap if region == "a" else self.region_kafka.bootstrap_servers
         own = ["--tasks-region", region] if region != "a" and self.kafka_b is not None else []
         return Role(name, [*PY, "raas", "serve", "-e", self.exp, "-p", f"policy={s.model_dir}", "--max-inflight",
                            str(s.node_inflight), "--max-batch", str(s.node_inflight), "--prefetch", str(s.node_prefetch),
                            "--threads", "1", "--seed", str(s.seed + i), "--node-id", name, "--region", region, *own],
-                    role_env(boot or ""))
+                    {**role_env(boot or ""), "ASTRAFLOW__RAAS__GROUP_SESSION_TIMEOUT_S": str(self.a.node_session_s)})
 
     def stop_node(self, name: str) -> None:
         """SIGTERM to the node's process only, as `docker stop` or Kubernetes send it (its engine
@@ -149,7 +154,7 @@ class RegionsRun:
             self.sup.roles.remove(role)
 
     def start_node(self, name: str) -> float:
-        region = next(n[1] for n in NODES if n[0] == name)
+        region = next(n[1] for n in self.node_specs if n[0] == name)
         role = self.nodes.get(name)
         if role is None:
             role = self.nodes[name] = self.node_role(name, region)
@@ -159,7 +164,7 @@ class RegionsRun:
     def slow_down(self, name: str) -> None:
         """The slowed node's CPU quota, applied once it serves (slower hardware, not a slower start-up:
         at a few percent of a core, loading torch alone would take minutes)."""
-        _, _, slowed = next(n for n in NODES if n[0] == name)
+        _, _, slowed = next(n for n in self.node_specs if n[0] == name)
         role = self.nodes[name]
         if slowed and self.quota is not None and role.proc is not None:
             self.quota.add_tree(role.proc.pid)
@@ -223,7 +228,7 @@ class RegionsRun:
     # ---- phases ----------------------------------------------------------------------------------
 
     def calibrate(self) -> None:
-        for name, _, _ in NODES:
+        for name, _, _ in self.node_specs:
             t = self.start_node(name)
             first = self.first_after(name, t)
             if first is None:
@@ -239,9 +244,9 @@ class RegionsRun:
 
     def mixed(self) -> None:
         t = time.time()
-        for name, _, _ in NODES:
+        for name, _, _ in self.node_specs:
             self.start_node(name)
-        for name, _, _ in NODES:
+        for name, _, _ in self.node_specs:
             self.first_after(name, t)
             self.slow_down(name)
         self.refresh()
@@ -252,18 +257,17 @@ class RegionsRun:
               flush=True)
 
     def elastic(self) -> None:
+        """Each event of EVENTS[--via]: the node leaves (SIGTERM) or dies (kill -9) while loaded,
+        `--hold-s` later it starts again; marks `<what>_<node>` and `join_<node>`."""
         h = self.a.hold_s
-        self.marks["leave_sigterm"] = time.time()
-        self.stop_node("raas-a1")
-        self.wait(h)
-        self.marks["join_a1"] = self.start_node("raas-a1")
-        self.wait(h)
-        self.marks["kill9_b1"] = time.time()
-        self.kill_node("raas-b1")
-        self.wait(h)
-        self.marks["join_b1"] = self.start_node("raas-b1")
-        self.first_after("raas-b1", self.marks["join_b1"])
-        self.wait(10.0)
+        for what, node in EVENTS[self.a.via]:
+            self.marks[f"{what}_{node}"] = time.time()
+            (self.stop_node if what == "sigterm" else self.kill_node)(node)
+            self.wait(h)
+            self.marks[f"join_{node}"] = self.start_node(node)
+            self.first_after(node, self.marks[f"join_{node}"])
+            self.slow_down(node)
+            self.wait(h / 2)
         self.marks["elastic_end"] = time.time()
 
     def drain(self, idle_s: float = 60.0, timeout_s: float = 180.0) -> None:

@@ -15,17 +15,22 @@ Phases:
 2. **mixed**: all three, `--mixed-s`: rollouts/s and share per node, against the share its
    calibrated speed predicts; idle: the fraction of its metric samples (every 5 s) with nothing
    in flight while the raas group had tasks waiting.
-3. **elastic**: SIGTERM raas-a1, then start it again (join); kill -9 raas-b1, then start it again.
-   Join: time from the start of the process to its first trajectory, and until the total rate
-   (5 s windows) is back to 90% of the mixed phase. Kill: longest task wait after it
-   (`_fault_report.longest_task_wait`, the fault harness's measure).
+3. **elastic**: SIGTERM raas-b1 (region B), then start it again (join); kill -9 of the fastest
+   node, raas-a1, while loaded, then start it again (with --via mm2, where region B has a second
+   node raas-b2: SIGTERM raas-a1, kill -9 raas-b1). Nodes run with a `--node-session-s` group
+   session (the broker allows 1 s). Join: time from the start of the process to its first
+   trajectory, and until the total rate (5 s windows) is back to 90% of the mixed phase. Leave and
+   kill: longest task wait after it (`_fault_report.longest_task_wait`, the fault harness's
+   measure), and the rollouts the node had in flight at its last metric before.
 4. **drain**: the curator paused until every issued task is trained or dead-lettered; tasks lost.
 
 Weights: per version, the payload bytes from its manifest (what every follower pulls, over the
 WAN in region B), deltas against snapshots; the WAN link's byte counters over the mixed phase
 divided by the versions published meanwhile; a `KafkaWeightFollower` in this process, through the
-WAN, gives the time from a version's manifest to its being applied in region B; the region-B
-node's own `policy_version` metric against the newest published version gives its version lag.
+WAN, gives the time from a version's manifest to its being applied in region B; each node's
+own `policy_version` metric (every 5 s) against the newest version published by then gives its
+version lag, in versions and in seconds (how long ago the first version it lacks was published),
+for region A's nodes too, so that what the WAN adds is the difference.
 
     flock /work/notes/bench.lock python bench/regions.py --quick
 """
@@ -66,8 +71,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--via", choices=("wan", "mm2"), default="wan",
                     help="region B reaches A's cluster over the WAN (wan), or has its own cluster fed by MirrorMaker 2 "
                          "over the WAN (mm2: the curator gives it --region-share of the tasks)")
-    ap.add_argument("--region-share", type=float, default=1 / 3,
-                    help="with --via mm2: the fixed share of the tasks for region B (default: its share of the nodes)")
+    ap.add_argument("--region-share", type=float, default=0.5,
+                    help="with --via mm2: the fixed share of the tasks for region B (default: its share of the nodes, 2 of 4)")
+    ap.add_argument("--node-session-s", type=float, default=3.0,
+                    help="the nodes' group session (raas.group_session_timeout_s): how long a killed node's tasks wait")
     ap.add_argument("--tasks-partitions", type=int, default=12,
                     help="partitions of tasks (the curator places each task; a few per node)")
     ap.add_argument("--max-tokens", type=int, default=16)

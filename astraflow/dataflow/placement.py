@@ -26,7 +26,28 @@ measured again. A partition whose node died has a backlog that stops moving: its
 the floor within a few `tau_s`, and it gets no new task until another node takes it over (the
 group's session timeout) and drains it, which raises its rate again.
 
-Pure: the caller measures (end offsets, committed offsets, the time) and applies the choice.
+**Refill delay.** A node does not see a task the moment it is written, nor is its completion seen
+the moment it ends: the task crosses to the node (a fetch round trip), its commit crosses back (a
+commit round trip), and the placement sees it at its next measurement. During that delay D(p) the
+partition's backlog is in transit, not work its node can start; by Little's law a partition needs
+rate x D(p) tasks outstanding for that alone. Placing by backlog / rate alone keeps every
+partition's backlog at the same few tenths of a second: a node whose refill delay is longer
+(behind a WAN) runs dry between refills, its measured rate falls, it gets still fewer tasks, and
+so on down to the floor (a node behind a 300 ms round trip did exactly that). So the caller gives
+each partition's measured refill delay with its observations, and the backlog counted is the part
+beyond it: backlog(p) / rate(p) - D(p) (every partition first gets its rate x D, then the rest is
+shared in proportion to the rates, as before). The delay is measured, not inferred from task
+latencies (by Little's law backlog / rate is the mean latency, so latencies cannot tell a node
+starved by its link from one with a queue), at most `max_delay_s`, and not counted for a partition
+whose rate is at the floor (a dead node's partition gets no reserve). Placement only chooses the
+partition: how many tasks are outstanding in all is the caller's count (the curator's max-ahead),
+exactly as before. When that total is smaller than the partitions' rate x D together, some node
+runs short whatever the choice: the partitions furthest below their reserve in time are filled
+first, then, among equals, the one where a task would be done soonest ((backlog + 1) / rate -
+delay), which keeps the most tasks moving (in tests/unit/test_task_placement.py's simulation the
+slowest node is the one left short); raise max-ahead so that it covers them.
+
+Pure: the caller measures (end offsets, committed offsets, refill delays, the time) and applies the choice.
 """
 
 from __future__ import annotations
@@ -43,6 +64,7 @@ class PartitionLoad:
     committed: int = 0  # the nodes' group's committed offset
     rate: float | None = None  # tasks/s while busy (EWMA); None: never measured busy
     busy: bool = False  # had a backlog at the last observation
+    delay: float = 0.0  # refill delay, seconds: write to fetched plus done to commit seen (as measured)
 
     @property
     def backlog(self) -> int:
@@ -52,18 +74,21 @@ class PartitionLoad:
 class Placement:
     """Shortest expected wait over the partitions of one tasks topic (see the module doc)."""
 
-    def __init__(self, partitions: int, *, tau_s: float = 5.0, floor: float = 0.05, prior_rate: float = 1.0) -> None:
+    def __init__(self, partitions: int, *, tau_s: float = 5.0, floor: float = 0.05, prior_rate: float = 1.0,
+                 max_delay_s: float = 5.0) -> None:
         if partitions < 1:
             raise ValueError("placement needs at least one partition")
-        if tau_s <= 0 or not 0 < floor <= 1 or prior_rate <= 0:
-            raise ValueError("tau_s and prior_rate must be > 0, floor in (0, 1]")
+        if tau_s <= 0 or not 0 < floor <= 1 or prior_rate <= 0 or max_delay_s < 0:
+            raise ValueError("tau_s and prior_rate must be > 0, floor in (0, 1], max_delay_s >= 0")
         self.parts = [PartitionLoad() for _ in range(partitions)]
-        self.tau_s, self.floor, self.prior_rate = tau_s, floor, prior_rate
+        self.tau_s, self.floor, self.prior_rate, self.max_delay_s = tau_s, floor, prior_rate, max_delay_s
         self._at: float | None = None  # time of the last observation
 
-    def observe(self, now: float, written: dict[int, int], committed: dict[int, int]) -> None:
+    def observe(self, now: float, written: dict[int, int], committed: dict[int, int],
+                delays: dict[int, float] | None = None) -> None:
         """Takes a measurement at time `now` (seconds, monotonic): end offsets and the group's
-        committed offsets per partition (a partition without a commit: its start offset)."""
+        committed offsets per partition (a partition without a commit: its start offset), and
+        the refill delays measured (a partition not in `delays` keeps its last one)."""
         dt = None if self._at is None else now - self._at
         if dt is not None and dt <= 0:
             return
@@ -78,15 +103,28 @@ class Placement:
                 load.rate = rate + alpha * (advance / dt - rate)
             load.committed = max(load.committed, new_committed)
             load.written = max(load.written, written.get(p, load.written))
+            if delays and p in delays:
+                load.delay = min(max(0.0, delays[p]), self.max_delay_s)
             load.busy = load.backlog > 0
 
-    def expected_wait(self, p: int) -> float:
-        """Seconds until a task written to `p` now would be done, as measured."""
+    def rate_of(self, p: int) -> float:
+        """The rate placement uses for `p`: measured (or the default), at least the floor."""
         known = [load.rate for load in self.parts if load.rate is not None]
         load = self.parts[p]
         rate = self.default_rate() if load.rate is None else load.rate
-        rate = max(rate, self.floor * max(known, default=self.prior_rate), 1e-9)
-        return (load.backlog + 1) / rate
+        return max(rate, self.floor * max(known, default=self.prior_rate), 1e-9)
+
+    def reserve_s(self, p: int) -> float:
+        """The refill delay counted for `p`: its measured one, none while its rate is at the floor."""
+        load = self.parts[p]
+        known = [x.rate for x in self.parts if x.rate is not None]
+        if load.rate is None or load.rate <= self.floor * max(known, default=self.prior_rate):
+            return 0.0
+        return load.delay
+
+    def expected_wait(self, p: int) -> float:
+        """Seconds until a task written to `p` now would be done, as measured."""
+        return (self.parts[p].backlog + 1) / self.rate_of(p)
 
     def default_rate(self) -> float:
         """The rate of a partition not measured yet: the mean of the measured ones, or `prior_rate`."""
@@ -94,14 +132,16 @@ class Placement:
         return sum(known) / len(known) if known else self.prior_rate
 
     def choose(self) -> int:
-        """The partition for the next task; call `sent` once written. The one whose backlog is the
-        shortest in time (backlog / rate), so that every partition holds work in proportion to its
-        rate and none runs dry while another holds tasks; among equals (empty ones) the one where
-        the task would be done first ((backlog + 1) / rate), then the lowest number."""
-        return min(range(len(self.parts)), key=lambda p: (self._drain_time(p), self.expected_wait(p), p))
+        """The partition for the next task; call `sent` once written. The one whose backlog beyond
+        its refill delay is the shortest in time (backlog / rate - delay), so that every partition
+        holds its rate x delay and then work in proportion to its rate, and none runs dry while
+        another holds tasks; among equals the one where the task would be done first
+        ((backlog + 1) / rate - delay), then the lowest number."""
+        def key(p: int) -> tuple[float, float, int]:
+            rate, reserve, backlog = self.rate_of(p), self.reserve_s(p), self.parts[p].backlog
+            return backlog / rate - reserve, (backlog + 1) / rate - reserve, p
 
-    def _drain_time(self, p: int) -> float:
-        return self.expected_wait(p) * self.parts[p].backlog / (self.parts[p].backlog + 1)
+        return min(range(len(self.parts)), key=key)
 
     def sent(self, p: int) -> None:
         """A task was written to `p` (counts in its backlog until the next observation sees it)."""

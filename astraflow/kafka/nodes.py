@@ -125,6 +125,9 @@ def server_properties(nodes: list[Node], node: Node) -> dict[str, str]:
         "share.coordinator.state.topic.min.isr": isr,
         "unclean.leader.election.enable": "false",
         "group.initial.rebalance.delay.ms": "0",
+        # RaaS nodes may ask for a short session (raas.group_session_timeout_s): a killed node's
+        # tasks move after it; the broker's default floor is 6 s.
+        "group.min.session.timeout.ms": "1000",
         "auto.create.topics.enable": "false",
         "log.cleaner.dedupe.buffer.size": str(16 * 1024 * 1024),
         "message.max.bytes": str(64 * 1024 * 1024),

@@ -7,6 +7,12 @@ the committed offsets of the nodes' consumer group (`af.<experiment>.raas`) with
 itself (`sent`), since the tasks topic has no transaction markers (the curator writes it
 without a transaction) and offsets are task counts. `choose()` names the partition for the next
 task. A failed measurement keeps the last one (the placement goes on from what it knew).
+
+Refill delay of each partition (see the placement's module doc), measured: a RaaS node writes
+the duration of its previous commit (one round trip to the group coordinator: `rtt_ms=N`) into
+the metadata of every offset it commits, and the delay is that round trip twice (the task's fetch
+and the commit) plus this placer's own lag: the time between its observations and the
+`committed()` call itself. A commit without that metadata counts only the placer's lag.
 """
 
 from __future__ import annotations
@@ -39,8 +45,10 @@ class TaskPlacer:
         # which never subscribes (so it never joins that group).
         self._reader = Consumer(reader_config(kafka, group))
         self._warned = False
+        self._last: float | None = None  # time of the last observation
 
     def observe(self, now: float) -> None:
+        asked = time.monotonic()
         try:
             got = self._reader.committed([TopicPartition(self.topic, p) for p in self.partitions], timeout=5.0)
         except KafkaException as exc:
@@ -50,7 +58,10 @@ class TaskPlacer:
             return
         self._warned = False
         committed = {self._index[tp.partition]: tp.offset for tp in got if tp.offset >= 0}
-        self.policy.observe(now, {}, committed)
+        lag = (time.monotonic() - asked) + (0.0 if self._last is None else max(0.0, now - self._last))
+        self._last = now
+        delays = {self._index[tp.partition]: 2 * commit_rtt_s(tp.metadata) + lag for tp in got if tp.offset >= 0}
+        self.policy.observe(now, {}, committed, delays)
 
     def choose(self) -> int:
         return self.partitions[self.policy.choose()]
@@ -60,3 +71,21 @@ class TaskPlacer:
 
     def close(self) -> None:
         self._reader.close()
+
+
+RTT_KEY = "rtt_ms="
+
+
+def commit_metadata(rtt_s: float | None) -> str:
+    """What a RaaS node writes with its commits: its last commit's round trip (empty if none yet)."""
+    return "" if rtt_s is None else f"{RTT_KEY}{round(rtt_s * 1000)}"
+
+
+def commit_rtt_s(metadata: str | None) -> float:
+    """The round trip a node reported in its commit's metadata, seconds (0 if none, or not ours)."""
+    if not metadata or not metadata.startswith(RTT_KEY):
+        return 0.0
+    try:
+        return max(0.0, min(60.0, int(metadata[len(RTT_KEY):]) / 1000))
+    except ValueError:  # untrusted: someone else's metadata
+        return 0.0

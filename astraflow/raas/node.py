@@ -49,6 +49,7 @@ from astraflow.errors import AstraflowError, SerdeError
 from astraflow.kafka.clients import RecordConsumer, RecordProducer, commit_offsets
 from astraflow.kafka.offsets import OffsetTracker
 from astraflow.kafka.received import DeadLetterWriter, Received
+from astraflow.kafka.task_placer import commit_metadata
 from astraflow.kafka.topics import Topics
 from astraflow.raas.admission import InvalidTaskError, admit, fits
 from astraflow.raas.agent_api.server import AgentEndpoint
@@ -109,6 +110,7 @@ class RaasNode:
         self._slot_freed = asyncio.Event()  # a rollout ended: the main loop starts a buffered task at once
         self._paused = False
         self._full_since: float | None = None  # when the local buffer last became full
+        self._commit_rtt_s: float | None = None  # how long the last commit took (reported with the next)
         self._pending: collections.deque[Received[Task]] = collections.deque()  # fetched, not started
         self._head: tuple[Received[Task], Workflow] | None = None  # the first pending task, admitted
         self._running: set[asyncio.Task] = set()
@@ -123,8 +125,15 @@ class RaasNode:
             component="raas", dlq=self.dlq, expect=Task, on_assign=self._on_assign,
             on_revoke=self._on_revoke,
             # Tasks are small and a node waits on them: fetch as soon as any arrive.
-            **{"fetch.wait.max.ms": 20, "fetch.min.bytes": 1, "queued.max.messages.kbytes": 1024},
+            **{"fetch.wait.max.ms": 20, "fetch.min.bytes": 1, "queued.max.messages.kbytes": 1024, **self._session()},
         )
+
+    def _session(self) -> dict[str, int]:
+        """The node's own group session (`raas.group_session_timeout_s`), when set."""
+        session = self.cfg.raas.group_session_timeout_s
+        if session is None:
+            return {}
+        return {"session.timeout.ms": round(session * 1000), "heartbeat.interval.ms": round(min(1.0, session / 3) * 1000)}
 
     # ---- rebalance -----------------------------------------------------------------------------
 
@@ -325,7 +334,10 @@ class RaasNode:
         try:
             if self.dlq.count:  # a dead-lettered task must be durable before its offset is committed
                 self.dlq.producer.flush()
-            commit_offsets(self.consumer.raw, [TopicPartition(t, p, o) for (t, p), o in positions.items()])
+            meta = commit_metadata(self._commit_rtt_s)  # the placement's refill delay (astraflow.kafka.task_placer)
+            began = time.monotonic()
+            commit_offsets(self.consumer.raw, [TopicPartition(t, p, o, metadata=meta) for (t, p), o in positions.items()])
+            self._commit_rtt_s = time.monotonic() - began
             return True
         except AstraflowError as exc:  # KafkaLayerError (revoked, fenced), ProduceError (a dead letter refused)
             log.warning("tasks before %s not committed: %s", positions, exc)

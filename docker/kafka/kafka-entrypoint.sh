@@ -57,6 +57,7 @@ fi
   echo "share.coordinator.state.topic.min.isr=1"
   echo "unclean.leader.election.enable=false"
   echo "group.initial.rebalance.delay.ms=0"
+  echo "group.min.session.timeout.ms=1000"  # RaaS nodes may ask for a short session (raas.group_session_timeout_s)
   echo "auto.create.topics.enable=false"
   echo "log.cleaner.dedupe.buffer.size=16777216"
   echo "message.max.bytes=67108864"

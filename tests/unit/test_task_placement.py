@@ -9,35 +9,59 @@ from astraflow.dataflow.placement import Placement
 
 class Sim:
     """Nodes that each own some partitions and finish tasks at their own speed (tasks/s), the
-    curator keeping `outstanding` tasks in the system and placing each with the policy."""
+    curator keeping `outstanding` tasks in the system and placing each with the policy. A node
+    with a delay d (its round trip: fetch, commit, e.g. a WAN) sees a task d/2 after it is
+    written, and its completion is seen d/2 after it ends."""
 
-    def __init__(self, owners: dict[int, int], speeds: dict[int, float], outstanding: int = 24, **kw) -> None:
+    def __init__(self, owners: dict[int, int], speeds: dict[int, float], outstanding: int = 24,
+                 delays: dict[int, float] | None = None, report_delays: bool = True, **kw) -> None:
         self.owners, self.speeds = owners, speeds  # partition -> node, node -> tasks/s
+        self.delays = delays or {}
         self.pl = Placement(len(owners), **kw)
         self.written = dict.fromkeys(owners, 0)
-        self.done = dict.fromkeys(owners, 0)
+        self.done = dict.fromkeys(owners, 0)  # completions the placement can see (committed)
+        self.started = dict.fromkeys(owners, 0)
+        self.arrive: dict[int, list[float]] = {p: [] for p in owners}  # when each written task reaches its node
+        self.seen_at: list[tuple[float, int]] = []  # (when a completion becomes visible, partition)
         self.credit = dict.fromkeys(speeds, 0.0)
         self.by_node = dict.fromkeys(speeds, 0)
+        self.idle = dict.fromkeys(speeds, 0)  # steps a node had nothing to run
         self.outstanding = outstanding
+        self.report_delays = report_delays  # the refill delays given to the placement (as the nodes' commits say)
         self.t = 0.0
         self.pl.observe(self.t, self.written, self.done)
 
     def step(self, dt: float = 0.2) -> None:
         self.t += dt
         for node, speed in self.speeds.items():  # each node works through its partitions' backlogs in turn
-            self.credit[node] += speed * dt
+            half = self.delays.get(node, 0.0) / 2
             mine = [p for p, n in self.owners.items() if n == node]
-            while self.credit[node] >= 1 and any(self.written[p] > self.done[p] for p in mine):
-                p = max(mine, key=lambda q: self.written[q] - self.done[q])
-                self.done[p] += 1
+
+            def ready(p: int) -> int:
+                return sum(1 for at in self.arrive[p] if at <= self.t) - self.started[p]
+
+            self.credit[node] += speed * dt
+            if not any(ready(p) for p in mine):
+                self.idle[node] += 1
+            while self.credit[node] >= 1 and any(ready(p) for p in mine):
+                # first come, first served (as a node's fetched tasks are)
+                p = min((q for q in mine if ready(q)), key=lambda q: self.arrive[q][self.started[q]])
+                self.started[p] += 1
+                self.seen_at.append((self.t + half, p))
                 self.by_node[node] += 1
                 self.credit[node] -= 1
-            if not any(self.written[p] > self.done[p] for p in mine):
+            if not any(ready(p) for p in mine):
                 self.credit[node] = min(self.credit[node], 1.0)  # idle: no saved-up work
-        self.pl.observe(self.t, self.written, self.done)
+        for _, p in [x for x in self.seen_at if x[0] <= self.t]:
+            self.done[p] += 1
+        self.seen_at = [x for x in self.seen_at if x[0] > self.t]
+        # refill delay: the round trip, plus this loop's own measuring pace
+        measured = {p: self.delays.get(n, 0.0) + dt for p, n in self.owners.items()} if self.report_delays else None
+        self.pl.observe(self.t, self.written, self.done, measured)
         while sum(self.written.values()) - sum(self.done.values()) < self.outstanding:
             p = self.pl.choose()
             self.written[p] += 1
+            self.arrive[p].append(self.t + self.delays.get(self.owners[p], 0.0) / 2)
             self.pl.sent(p)
 
     def run(self, seconds: float) -> None:
@@ -84,6 +108,36 @@ def test_an_even_spread_would_give_the_slow_node_more_than_its_share():
     sim.pl.choose = lambda: next(nxt) % 12  # type: ignore[method-assign]
     sim.run(180)
     assert shares(sim.by_node)[1] > 0.25
+
+
+def test_a_node_behind_a_slow_link_gets_its_share():
+    """Node 2 as fast as node 0 but with a 2 s round trip (a WAN): placement keeps its rate x
+    delay outstanding there, so its share follows its speed and it does not run dry. (14 tasks
+    outstanding: more than the 7 tasks/s x 2 s the WAN node alone would need; with fewer than the
+    nodes' rate x delay together, the shortfall falls on some node.)"""
+    owners = {p: p % 3 for p in range(12)}
+    sim = Sim(owners, {0: 3.0, 1: 1.0, 2: 3.0}, outstanding=14, delays={0: 0.1, 1: 0.1, 2: 2.0})
+    sim.run(60)
+    before, idle = dict(sim.by_node), dict(sim.idle)
+    sim.run(120)
+    got = shares({n: sim.by_node[n] - before[n] for n in sim.by_node})
+    for node, expected in {0: 3 / 7, 1: 1 / 7, 2: 3 / 7}.items():
+        assert abs(got[node] - expected) / expected < 0.15, got
+    assert sim.idle[2] - idle[2] <= 0.05 * 120 / 0.2, sim.idle
+
+
+def test_without_the_refill_delay_a_node_behind_a_slow_link_runs_dry():
+    """The comparison: the same nodes with no delay counted (backlog / rate alone, as before):
+    the WAN node's partitions run dry between refills, its measured rate falls, so it gets fewer
+    tasks and sits idle."""
+    owners = {p: p % 3 for p in range(12)}
+    sim = Sim(owners, {0: 3.0, 1: 1.0, 2: 3.0}, outstanding=14, delays={0: 0.1, 1: 0.1, 2: 2.0},
+              report_delays=False)
+    sim.run(60)
+    before, idle = dict(sim.by_node), dict(sim.idle)
+    sim.run(120)
+    assert shares({n: sim.by_node[n] - before[n] for n in sim.by_node})[2] < 0.8 * 3 / 7
+    assert sim.idle[2] - idle[2] > 0.25 * 120 / 0.2
 
 
 def test_a_dead_partition_gets_no_new_tasks():
@@ -146,8 +200,43 @@ def test_an_idle_partition_keeps_its_rate():
     assert pl.parts[0].rate == rate
 
 
+def test_a_dead_node_behind_a_slow_link_keeps_no_reserve():
+    """Node 2's delays were measured, then it dies: its rate decays to the floor and its
+    partitions stop counting a reserve, so they get next to nothing."""
+    owners = {p: p % 3 for p in range(12)}
+    sim = Sim(owners, {0: 3.0, 1: 1.0, 2: 3.0}, delays={0: 0.1, 1: 0.1, 2: 2.0}, tau_s=2.0)
+    sim.run(60)
+    assert all(sim.pl.reserve_s(p) > 1.5 for p in owners if owners[p] == 2)
+    sim.speeds[2] = 0.0
+    sim.run(20)
+    before = dict(sim.written)
+    sim.run(40)
+    assert sum(sim.written[p] - before[p] for p in owners if owners[p] == 2) <= 4, sim.written
+    assert all(sim.pl.reserve_s(p) == 0.0 for p in owners if owners[p] == 2)
+
+
+def test_a_delay_is_capped_and_kept_until_measured_again():
+    pl = Placement(2, max_delay_s=3.0)
+    pl.observe(0.0, {0: 0, 1: 0}, {0: 0, 1: 0}, {0: 0.7, 1: 60.0})
+    assert (pl.parts[0].delay, pl.parts[1].delay) == (0.7, 3.0)
+    pl.observe(1.0, {0: 0, 1: 0}, {0: 0, 1: 0}, {1: 0.4})
+    assert (pl.parts[0].delay, pl.parts[1].delay) == (0.7, 0.4)
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError):
         Placement(0)
     with pytest.raises(ValueError):
+        Placement(2, max_delay_s=-1.0)
+    with pytest.raises(ValueError):
         Placement(2, floor=0.0)
+
+
+def test_a_nodes_commit_metadata_gives_its_round_trip_and_garbage_gives_none():
+    from astraflow.kafka.task_placer import commit_metadata, commit_rtt_s
+
+    assert commit_rtt_s(commit_metadata(0.3104)) == pytest.approx(0.310)
+    assert commit_metadata(None) == ""
+    for other in (None, "", "rtt_ms=", "rtt_ms=abc", "samples=12", "rtt_ms=-5"):
+        assert commit_rtt_s(other) == 0.0
+    assert commit_rtt_s("rtt_ms=999999999") == 60.0  # untrusted: bounded
