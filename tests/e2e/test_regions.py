@@ -1,5 +1,5 @@
 """bench/regions.py, short: region-B nodes behind a real WAN proxy, a CPU-capped node, nodes leaving
-(SIGTERM) and dying (kill -9, in region B) and joining again, on the real pipeline.
+(SIGTERM, in region B) and dying (kill -9, the fastest node) and joining again, on the real pipeline.
 
 Runs on its own Kafka (port 27200) and Toxiproxy (API 27274), never the shared broker. It needs
 root (the cgroup v1 cpu controller) and Go or a cached Toxiproxy (the project builds it). It skips
@@ -49,5 +49,5 @@ def test_regions_short_run_keeps_every_task_and_ships_deltas_over_the_wan(tmp_pa
     assert f["weights_delta_bytes_mean"] < f["weights_snapshot_bytes_mean"], summary
     assert f["publish_to_live_b_s_median"] is not None, summary
     assert f["region_b_version_lag_max"] is not None, summary
-    assert f["join_a1_first_rollout_s"] is not None and f["join_b1_first_rollout_s"] is not None, summary
+    assert f["join_raas-a1_first_rollout_s"] is not None and f["join_raas-b1_first_rollout_s"] is not None, summary
     assert f["tasks_issued"] > 0 and f["samples_lost"] == 0 and f["samples_trained_twice"] == 0, summary
