@@ -110,13 +110,14 @@ class RaasNode:
         self._slot_freed = asyncio.Event()  # a rollout ended: the main loop starts a buffered task at once
         self._paused = False
         self._full_since: float | None = None  # when the local buffer last became full
-        self._commit_rtt_s: float | None = None  # how long the last commit took (reported with the next)
         self._pending: collections.deque[Received[Task]] = collections.deque()  # fetched, not started
         self._head: tuple[Received[Task], Workflow] | None = None  # the first pending task, admitted
         self._running: set[asyncio.Task] = set()
         self._workflows: weakref.WeakSet[asyncio.Future] = weakref.WeakSet()  # rollouts' own tasks
         self.metric_observers: list[Callable[[Metric], None]] = []  # e.g. a Prometheus collector's observe
         self.agent_api = AgentEndpoint(config.raas)  # OpenAI-compatible endpoint, listening once a rollout asks
+
+    _commit_rtt_s: float | None = None  # how long the last commit took (reported with the next)
 
     def _make_consumer(self) -> RecordConsumer[Task]:
         return RecordConsumer(
