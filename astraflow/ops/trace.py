@@ -3,7 +3,9 @@
 The hops come from the records themselves, read from the experiment's topics (or an archive of
 them), never from logs or counters:
 
-1. **curated**: the `Task` on `tasks` (curator strategy from its lineage, prompt, dataset);
+1. **curated**: the `Task` on `tasks`, or on a region's own `tasks.<region>` (`--region-share`,
+   carried to that region's cluster by MirrorMaker 2), the topic naming which (curator strategy
+   from its lineage, prompt, dataset);
 2. **rolled_out**: each `Trajectory` on `rollouts` (node, region, policy versions per turn, tool
    calls and their latencies, timings);
 3. **scored**: the same trajectory on `scored` (reward, components, reward strategy);
@@ -102,11 +104,17 @@ class _Tracer:
         self.source = source
         self.serde = AvroSerde()
         self.train_topics = sorted(x for x in topics if x.startswith(f"af.{experiment}.") and x.endswith(".train"))
+        # the tasks of every region: region A's topic, then each region's own (Topics.tasks_of)
+        self.task_topics = [self.t.tasks, *sorted(x for x in topics if x.startswith(f"{self.t.tasks}."))]
         self.topics = set(topics)
 
     def records(self, topic: str) -> Iterator[ArchivedRecord]:
         if topic in self.topics:
             yield from self.source(topic)
+
+    def task_records(self) -> Iterator[ArchivedRecord]:
+        for topic in self.task_topics:
+            yield from self.records(topic)
 
     def decode(self, r: ArchivedRecord, expect: type | None = None) -> Any:
         if r.value is None:
@@ -119,7 +127,7 @@ class _Tracer:
     def resolve(self, ident: str) -> tuple[str, str]:
         """(kind, group id) of `ident`."""
         key = ident.encode()
-        for r in self.records(self.t.tasks):
+        for r in self.task_records():
             if r.key == key:
                 return "group", ident
             task = self.decode(r, Task)
@@ -140,7 +148,7 @@ class _Tracer:
 
     def group_hops(self, group: str) -> list[Hop]:
         key, hops = group.encode(), []
-        for r in self.records(self.t.tasks):
+        for r in self.task_records():
             if r.key == key and (task := self.decode(r, Task)) is not None and task.group_id == group:
                 hops.append(self.hop(r, "curated", "curator", task, {
                     "prompt_id": task.prompt_id, "dataset": task.dataset, "workflow": task.workflow,
