@@ -261,6 +261,14 @@ class RegionsRun:
         `--hold-s` later it starts again; marks `<what>_<node>` and `join_<node>`."""
         h = self.a.hold_s
         for what, node in EVENTS[self.a.via]:
+            if what == "kill9":  # killed while loaded: once its last metric shows rollouts in flight (up to 20 s)
+                since, deadline = time.time(), time.time() + 20.0
+                while time.time() < deadline:
+                    self.refresh()
+                    last = [v for n, ts, v in self.seen.inflight if n == node and ts >= since]
+                    if last and last[-1] > 0:
+                        break
+                    time.sleep(0.2)
             self.marks[f"{what}_{node}"] = time.time()
             (self.stop_node if what == "sigterm" else self.kill_node)(node)
             self.wait(h)

@@ -9,8 +9,8 @@ without a transaction) and offsets are task counts. `choose()` names the partiti
 task. A failed measurement keeps the last one (the placement goes on from what it knew).
 
 Refill delay of each partition (see the placement's module doc), measured: a RaaS node writes
-the duration of its previous commit (one round trip to the group coordinator: `rtt_ms=N`) into
-the metadata of every offset it commits, and the delay is that round trip twice (the task's fetch
+the duration of its shortest recent commit (one round trip to the group coordinator, without the
+node's own stalls: `rtt_ms=N`) into the metadata of every offset it commits, and the delay is that round trip twice (the task's fetch
 and the commit) plus this placer's own lag: the time between its observations and the
 `committed()` call itself. A commit without that metadata counts only the placer's lag.
 """

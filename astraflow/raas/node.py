@@ -117,7 +117,7 @@ class RaasNode:
         self.metric_observers: list[Callable[[Metric], None]] = []  # e.g. a Prometheus collector's observe
         self.agent_api = AgentEndpoint(config.raas)  # OpenAI-compatible endpoint, listening once a rollout asks
 
-    _commit_rtt_s: float | None = None  # how long the last commit took (reported with the next)
+    _commit_rtts: collections.deque[float] | None = None  # durations of the last commits (the shortest is reported)
 
     def _make_consumer(self) -> RecordConsumer[Task]:
         return RecordConsumer(
@@ -335,10 +335,13 @@ class RaasNode:
         try:
             if self.dlq.count:  # a dead-lettered task must be durable before its offset is committed
                 self.dlq.producer.flush()
-            meta = commit_metadata(self._commit_rtt_s)  # the placement's refill delay (astraflow.kafka.task_placer)
+            # The round trip for the placement's refill delay (astraflow.kafka.task_placer): the shortest
+            # of the last commits, so that a node's own stalls (a CPU quota, a busy loop) do not count.
+            rtts = self._commit_rtts = self._commit_rtts if self._commit_rtts is not None else collections.deque(maxlen=32)
+            meta = commit_metadata(min(rtts) if rtts else None)
             began = time.monotonic()
             commit_offsets(self.consumer.raw, [TopicPartition(t, p, o, metadata=meta) for (t, p), o in positions.items()])
-            self._commit_rtt_s = time.monotonic() - began
+            rtts.append(time.monotonic() - began)
             return True
         except AstraflowError as exc:  # KafkaLayerError (revoked, fenced), ProduceError (a dead letter refused)
             log.warning("tasks before %s not committed: %s", positions, exc)
