@@ -159,6 +159,12 @@ class StreamEngine(EngineLifecycle):
         self.stats.records_out += 1
         self.stats.last_out_at = time.monotonic()
 
+    def send_encoded(self, topic: str, value: bytes, key: str | bytes | None = None) -> None:
+        """Queues one output of the current record, already encoded (the reward app's short path)."""
+        self._outbox().append(_Out(topic, _key(key), value))
+        self.stats.records_out += 1
+        self.stats.last_out_at = time.monotonic()
+
     def send_side(self, topic: str, record: Any, key: str | bytes | None = None) -> None:
         """Queues a record that is not an app output (feedback, ...): not counted in records_out."""
         self._outbox().append(_Out(topic, _key(key), self.serde.dumps(record)))
@@ -261,7 +267,7 @@ class StreamEngine(EngineLifecycle):
     def _handle(self, inc: Received[Any]) -> Any:
         """Decodes and handles `inc`; returns the awaitable of a slow record, None when done."""
         try:
-            inc.record = self.serde.loads(inc.value, self.handler.expect)
+            inc.record = self.handler.decode(inc)
         except SerdeError as exc:
             self.dead_letter(inc, exc)
             return None

@@ -43,6 +43,11 @@ class AppHandler:
         """Called once the app started, before the first record: build slots, open readers, check topics."""
         self.worker = worker
 
+    def decode(self, inc: Received[Any]) -> Any:
+        """The record of `inc` for `handle` (a SerdeError sends it to the DLQ): by default the typed
+        record its bytes hold, of class `expect`."""
+        return self.worker.serde.loads(inc.value, self.expect)  # type: ignore[arg-type]
+
     def handle(self, inc: Received[Any]) -> Awaitable[None] | None:
         """Handles one record: send outputs through the worker; may return an awaitable (runs concurrently)."""
         raise NotImplementedError

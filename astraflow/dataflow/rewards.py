@@ -8,6 +8,9 @@ answer scores 0.
 Every reward is a small frozen object with `__call__(trajectory)`. Slow ones (code run in the
 sandbox) also offer `async score_async(trajectory)`; `score_async(reward, trajectory)` awaits
 that when present and calls the function directly otherwise, so a stream app can always await.
+A reward that reads nothing of the token data says so with `reads_segments = False` (a class
+attribute; absent means True): the reward app then reads its trajectories without their
+segments (`stream_apps.reward_codec`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from astraflow.dataflow.registry import REGISTRY, Strategy, register
 from astraflow.errors import RewardError
@@ -140,6 +143,8 @@ def parse_number(text: str) -> float | None:
 class ExactMatch:
     """1 if the normalised final answer equals a normalised reference answer, else 0."""
 
+    reads_segments: ClassVar[bool] = False  # the reward app may read it without its token arrays
+
     normalize: bool = True  # compare normalize_answer() forms; False compares stripped text
     key: str = "answer"  # field of the reference JSON
 
@@ -156,6 +161,8 @@ class ExactMatch:
 @dataclass(frozen=True, slots=True)
 class NumericMatch:
     """1 if the last number of the answer is within tolerance of a reference number, else 0."""
+
+    reads_segments: ClassVar[bool] = False
 
     abs_tol: float = 1e-6  # absolute tolerance
     rel_tol: float = 1e-4  # relative tolerance (math.isclose semantics: either one suffices)
@@ -180,6 +187,8 @@ class NumericMatch:
 @dataclass(frozen=True, slots=True)
 class ToolUse:
     """Fraction of tool calls that returned without error; `no_tool_reward` when none was made."""
+
+    reads_segments: ClassVar[bool] = False
 
     no_tool_reward: float = 0.0  # reward of a trajectory that used no tool at all
 
@@ -216,6 +225,10 @@ class Weighted:
             raise RewardError(f"weighted reward: params given for {sorted(unknown)}, which have no weight")
         parts = {n: REGISTRY.get("reward", n, **dict(self.params.get(n, {}))) for n in self.weights}
         object.__setattr__(self, "parts", parts)
+
+    @property
+    def reads_segments(self) -> bool:
+        return any(getattr(p.impl, "reads_segments", True) for p in self.parts.values())
 
     def combine(self, results: Mapping[str, RewardResult]) -> RewardResult:
         total = 0.0

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from astraflow.config import KafkaSettings
 from astraflow.control import ControlState
 from astraflow.kafka.received import Received
 from astraflow.kafka.topics import Topics
@@ -64,12 +65,18 @@ class FakeWorker:
         self.dead: list[tuple[Any, str, str | None]] = []
         self.stopped = False
         self.serde = AvroSerde()
+        self.kafka = KafkaSettings()
         self.source = self.topics.scored
+        self.encoded: list[bytes] = []  # what send_encoded got, as sent (its record also goes to `sent`)
         self.tables: dict[str, dict[bytes, bytes]] = {"groups": {}, "emitted": {}}
         self.source_records: dict[tuple[int, int], bytes] = {}  # (partition, offset) -> what `reread` finds
 
     def send(self, topic: str, record: Any, key: Any = None, partition: int | None = None) -> None:
         self.sent.append((topic, record, key))
+
+    def send_encoded(self, topic: str, value: bytes, key: Any = None) -> None:
+        self.encoded.append(value)
+        self.sent.append((topic, self.serde.loads(value), key))
 
     def send_side(self, topic: str, record: Any, key: Any = None) -> None:
         self.side.append((topic, record, key))
