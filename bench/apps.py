@@ -23,12 +23,24 @@ group of records in its source; the time from its start to its first record is a
 worker's start-up (curate's includes the recovery of its tables from their changelogs, which
 end in a transaction marker; reward has no tables: the start-up alone, for comparison).
 
-Usage: python bench/apps.py [--quick] [--json OUT] [--records N] [--tokens 4096]
+CPU: each stage also reports the CPU seconds of this process (every thread: librdkafka's for the
+plain loop, the Faust worker's for ours) from its first record to its end, per record. With
+`--profile PY_SPY` (the path of a py-spy binary; one repeat), py-spy samples this process during
+each stage and the JSON gets, per stage, the share of samples by where they were spent (the
+first frame from the leaf that is not the event loop's or the standard library's: Avro
+encode/decode, the app's own work, Faust, aiokafka's producer or consumer, the engine, ...); the
+samples themselves stay in /tmp (their paths are printed).
+
+Usage: python bench/apps.py [--quick] [--json OUT] [--records N] [--tokens 4096] [--profile PY_SPY]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import subprocess
+import tempfile
 import threading
 import time
 import uuid
@@ -48,6 +60,80 @@ from stream_apps.launch import AppOptions, build_worker
 write_json = _common.write_json
 
 PARTITIONS = 2
+
+# Where a py-spy sample's time went: the first frame from the leaf whose file matches (in this
+# order); frames of the event loop and the standard library are passed over (module doc).
+CATEGORIES = [
+    ("avro", ("astraflow/serde.py", "astraflow/avro_encoder.py", "stream_apps/reward_codec.py", "<avro encoder",
+              "fastavro")),
+    ("app", ("stream_apps/reward.py", "stream_apps/curate", "stream_apps/groups.py", "astraflow/dataflow/",
+             "astraflow/records/", "astraflow/control", "numpy")),
+    ("engine", ("stream_apps/engine.py", "stream_apps/takeover.py", "stream_apps/transactions.py",
+                "stream_apps/metrics.py", "astraflow/kafka/")),
+    ("aiokafka producer", ("aiokafka/producer",)),
+    ("aiokafka consumer", ("aiokafka/consumer", "aiokafka/record", "aiokafka/protocol", "cramjam")),
+    ("aiokafka client", ("aiokafka/",)),
+    ("faust", ("faust/", "mode/")),
+    ("plain loop (confluent-kafka)", ("bench/apps.py", "confluent_kafka")),
+]
+PASSED_OVER = ("asyncio/", "threading.py", "selectors.py", "concurrent/", "contextlib.py", "functools.py", "queue.py",
+               "socket.py", "typing.py", "abc.py", "weakref.py", "<frozen", "logging/", "enum.py")
+
+
+def categorize(collapsed: str) -> dict[str, float]:
+    """Shares of py-spy's collapsed samples (`frame;frame;... count` lines) by `CATEGORIES`."""
+    counts: dict[str, int] = {}
+    for line in collapsed.splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        where = "event loop and the rest"
+        for frame in reversed(stack.split(";")):
+            if " (" not in frame or any(p in frame for p in PASSED_OVER):  # a thread's name, the loop's own
+                continue
+            where = next((name for name, pats in CATEGORIES if any(p in frame for p in pats)), "other")
+            break
+        counts[where] = counts.get(where, 0) + int(n)
+    total = sum(counts.values()) or 1
+    return {k: round(v / total, 4) for k, v in sorted(counts.items(), key=lambda kv: -kv[1])}
+
+
+class StageCpu:
+    """CPU seconds of this process from a stage's first record (`begin`) to its end (`end`); with a
+    py-spy binary, py-spy samples the same span (`profile` then holds the shares by category)."""
+
+    def __init__(self, pyspy: str | None) -> None:
+        self.pyspy, self.cpu0, self.cpu = pyspy, 0.0, 0.0
+        self.profile: dict[str, float] | None = None
+        self._spy: subprocess.Popen[bytes] | None = None
+        self._out = ""
+
+    def begin(self) -> None:
+        self.cpu0 = time.process_time()
+        if self.pyspy:
+            self._out = tempfile.mktemp(suffix=".txt", prefix="apps-pyspy-")
+            self._spy = subprocess.Popen([self.pyspy, "record", "--pid", str(os.getpid()), "--rate", "100",
+                                          "--format", "raw", "--output", self._out, "--nonblocking"],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def when_first(self, first: Any) -> None:
+        """Calls `begin` (in a thread) once `first()` is true: the worker took its first record."""
+        def wait() -> None:
+            while not first():
+                time.sleep(0.005)
+            self.begin()
+        threading.Thread(target=wait, daemon=True).start()
+
+    def end(self) -> None:
+        self.cpu = time.process_time() - self.cpu0
+        if self._spy is not None:
+            self._spy.send_signal(signal.SIGINT)
+            self._spy.wait(60)
+            try:
+                with open(self._out) as f:
+                    self.profile = categorize(f.read())
+            except OSError:
+                self.profile = None
 
 
 class Finish:
@@ -78,7 +164,7 @@ class Finish:
         return self.at
 
 
-def plain_stage(kafka: KafkaSettings, src: str, dst: str, n: int, serde: AvroSerde) -> float:
+def plain_stage(kafka: KafkaSettings, src: str, dst: str, n: int, serde: AvroSerde, cpu: StageCpu) -> float:
     """Copies n records src -> dst with a bare confluent-kafka loop; returns seconds."""
     group = f"bench-plain-{uuid.uuid4().hex}"
     done = Finish(kafka, src, group, n)
@@ -97,6 +183,7 @@ def plain_stage(kafka: KafkaSettings, src: str, dst: str, n: int, serde: AvroSer
                 continue
             if first is None:
                 first = time.monotonic()
+                cpu.begin()
             _common.produce_blocking(producer, dst, m.value(), m.key())
             copied += 1
         producer.poll(0)
@@ -108,19 +195,23 @@ def plain_stage(kafka: KafkaSettings, src: str, dst: str, n: int, serde: AvroSer
     commit(consumer)
     consumer.close()
     assert first is not None
-    return done.wait(120) - first
+    end = done.wait(120)
+    cpu.end()
+    return end - first
 
 
 def our_stage(kafka: KafkaSettings, app: str, experiment: str, src: str, n: int, options: AppOptions | None,
-              guarantee: str) -> float:
+              guarantee: str, cpu: StageCpu) -> float:
     """Runs one app worker until it committed all n inputs; returns seconds from its first record."""
     settings = EngineSettings(experiment, kafka, metrics_interval_s=5.0, guarantee=guarantee,  # type: ignore[arg-type]
                               group_id=f"af.{experiment}.{app}.{guarantee}")
     done = Finish(kafka, src, settings.group_id or "", n)
     worker = build_worker(app, settings, options)
+    cpu.when_first(lambda: worker.stats.first_in_at is not None)
     thread = worker.start_thread()
     try:
         end = done.wait(120)
+        cpu.end()
     finally:
         worker.stop()
         thread.join(60)
@@ -163,11 +254,27 @@ def fill(kafka: KafkaSettings, topic: str, n: int, tokens: int, group_size: int)
     return size
 
 
+STAGE_LABELS = {"p1": "plain loop stage 1", "o1": "reward exactly-once", "a1": "reward at-least-once",
+                "p2": "plain loop stage 2", "o2": "curate exactly-once", "a2": "curate at-least-once"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", default=None, metavar="PY_SPY", help="py-spy binary: profile each stage (module doc)")
     args, n, repeats, kafka = _common.stream_args(ap, "stream_apps", "records")
     serde = AvroSerde()
     times: dict[str, list[float]] = {k: [] for k in ("p1", "o1", "a1", "p2", "o2", "a2", "r1", "r2")}
+    cpu_us: dict[str, list[float]] = {k: [] for k in ("p1", "o1", "a1", "p2", "o2", "a2")}  # CPU per record
+    profiles: dict[str, dict[str, float] | None] = {}
+
+    def stage(key: str, run: Any, *run_args: Any) -> float:
+        cpu = StageCpu(args.profile)
+        secs = run(*run_args, cpu)
+        cpu_us[key].append(cpu.cpu / n * 1e6)
+        profiles[key] = cpu.profile
+        if cpu.profile is not None:
+            print(f"{STAGE_LABELS[key]}: py-spy samples (collapsed) in {cpu._out}")
+        return secs  # type: ignore[no-any-return]
     size = 0
     for r in range(repeats):  # a fresh experiment each time; the best time of each stage counts
         exp = f"bench-{uuid.uuid4().hex[:8]}"
@@ -182,12 +289,12 @@ def main() -> None:
             size = fill(kafka, topics.rollouts, n, args.tokens, args.group_size)
             # Interleaved so that machine noise hits both sides alike.
             curate = AppOptions(policies=["policy"])
-            times["p1"].append(plain_stage(kafka, topics.rollouts, plain1, n, serde))
-            times["o1"].append(our_stage(kafka, "reward", exp, topics.rollouts, n, None, "exactly_once"))
-            times["a1"].append(our_stage(kafka, "reward", exp, topics.rollouts, n, None, "at_least_once"))
-            times["p2"].append(plain_stage(kafka, plain1, plain2, n, serde))
-            times["o2"].append(our_stage(kafka, "curate", exp, topics.scored, n, curate, "exactly_once"))
-            times["a2"].append(our_stage(kafka, "curate", exp, topics.scored, n, curate, "at_least_once"))
+            times["p1"].append(stage("p1", plain_stage, kafka, topics.rollouts, plain1, n, serde))
+            times["o1"].append(stage("o1", our_stage, kafka, "reward", exp, topics.rollouts, n, None, "exactly_once"))
+            times["a1"].append(stage("a1", our_stage, kafka, "reward", exp, topics.rollouts, n, None, "at_least_once"))
+            times["p2"].append(stage("p2", plain_stage, kafka, plain1, plain2, n, serde))
+            times["o2"].append(stage("o2", our_stage, kafka, "curate", exp, topics.scored, n, curate, "exactly_once"))
+            times["a2"].append(stage("a2", our_stage, kafka, "curate", exp, topics.scored, n, curate, "at_least_once"))
             times["r1"].append(restart(kafka, "reward", exp, topics.rollouts, None, args.tokens))
             times["r2"].append(restart(kafka, "curate", exp, topics.scored, curate, args.tokens))
         finally:
@@ -208,6 +315,8 @@ def main() -> None:
         ("reward + curate, at-least-once /s", f"{alo_rate:,.0f}"),
         ("exactly-once vs plain loop (1.0 = as fast)", f"{ours_rate / plain_rate:.2f}x"),
         ("at-least-once vs plain loop", f"{alo_rate / plain_rate:.2f}x"),
+        *[(f"CPU per record, {label}, us (this process, every thread)", f"{min(cpu_us[k]):,.0f}")
+          for k, label in STAGE_LABELS.items()],
         ("reward restarted: start to first record, s", f"{r1:.2f}"),
         ("curate restarted (tables recovered): start to first record, s", f"{r2:.2f}"),
     ]
@@ -220,7 +329,12 @@ def main() -> None:
         "plain_pipeline_per_s": plain_rate, "ours_pipeline_per_s": ours_rate, "ratio_vs_plain": ours_rate / plain_rate,
         "at_least_once_pipeline_per_s": alo_rate, "at_least_once_ratio_vs_plain": alo_rate / plain_rate,
         "reward_restart_s": r1, "curate_restart_s": r2,
+        "cpu_us_per_record": {STAGE_LABELS[k]: min(v) for k, v in cpu_us.items()},
+        "profile_shares": {STAGE_LABELS[k]: v for k, v in profiles.items()} if args.profile else None,
     })
+    if args.profile:
+        for k, label in STAGE_LABELS.items():
+            print(f"{label}: " + ", ".join(f"{c} {v:.0%}" for c, v in (profiles.get(k) or {}).items()))
 
 
 if __name__ == "__main__":
