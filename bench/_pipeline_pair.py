@@ -31,7 +31,7 @@ from typing import Any
 import _pipeline
 import _rl
 import torch
-from confluent_kafka import Consumer
+from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from astraflow.config import load_config
@@ -137,6 +137,13 @@ def run_pair_pipeline(policies: tuple[str, ...], models: dict[str, str], tasks: 
         result = {"wall_s": wall, "cpu_s": cpu1 - cpu0, "load": (round(load0, 2), round(load1, 2)),
                   "trajectories": rolled_out, "logs": str(run_dir / "logs"),
                   "snapshots": {p: [(v, t - t0, st) for v, t, st in s] for p, s in snapshots.items()}}
+        stamps = {t: _stamps(probe, t, cfg.topics.partitions)
+                  for t in (topics.tasks, topics.rollouts, topics.scored, *(topics.train(p) for p in policies))}
+        result["first_version"] = {
+            p: _first_version_hops(run_dir / p, stamps[topics.tasks], stamps[topics.rollouts], stamps[topics.scored],
+                                   stamps[topics.train(p)], _first_step_metric(probe, topics.metrics, p),
+                                   next((t for v, t, _ in snapshots[p] if v >= 1), None), t0)
+            for p in policies}
     finally:
         sup.stop_all()
         for f in followers.values():
@@ -145,6 +152,78 @@ def run_pair_pipeline(policies: tuple[str, ...], models: dict[str, str], tasks: 
         admin_t.delete([s.name for s in specs])
     result["staleness"] = {p: _staleness(run_dir / p, steps) for p in policies}  # the trainers have written their logs
     return result
+
+
+def _stamps(consumer: Consumer, topic: str, partitions: int) -> dict[tuple[int, int], tuple[str, float]]:
+    """(partition, offset) -> (key, Kafka timestamp in s) of every record a read_committed reader gets."""
+    from astraflow.kafka.clients import watermarks
+
+    out: dict[tuple[int, int], tuple[str, float]] = {}
+    for p in range(partitions):
+        low, high = watermarks(consumer, topic, p)
+        if high <= low:
+            continue
+        consumer.assign([TopicPartition(topic, p, low)])
+        while True:
+            msg = consumer.poll(2.0)
+            if msg is None:
+                break
+            if msg.error() is None:
+                out[(p, msg.offset())] = ((msg.key() or b"").decode(), msg.timestamp()[1] / 1000)
+                if msg.offset() >= high - 1:
+                    break
+    return out
+
+
+def _first_step_metric(consumer: Consumer, topic: str, policy: str) -> tuple[float, float] | None:
+    """(time the trainer logged its first step, that step's `step_s`) from the metrics topic."""
+    from astraflow.kafka.clients import watermarks
+    from astraflow.records import Metric
+    from astraflow.serde import AvroSerde
+
+    serde, best = AvroSerde(), None
+    low, high = watermarks(consumer, topic, 0)
+    consumer.assign([TopicPartition(topic, 0, low)])
+    while high > low and (msg := consumer.poll(2.0)) is not None:
+        if msg.error() is None:
+            rec = serde.loads(msg.value())
+            if (isinstance(rec, Metric) and rec.name == "trainer.step_s" and rec.labels.get("policy") == policy
+                    and (best is None or int(rec.labels.get("step", 0)) < best[0])):
+                best = (int(rec.labels.get("step", 0)), rec.ts / 1000, rec.value)
+            if msg.offset() >= high - 1:
+                break
+    return None if best is None else best[1:]
+
+
+def _first_version_hops(trainer_dir: Path, tasks: dict, rollouts: dict, scored: dict, train: dict,
+                        step: tuple[float, float] | None, followed: float | None, t0: float) -> dict[str, float]:
+    """Seconds from the first task to each hop of a policy's first version, for the groups its
+    first step trained (from its `trained-samples.jsonl`): the last of their tasks issued, the
+    last of their trajectories produced (node), scored (reward), of their samples written
+    (curate, what the trainer took), the trainer's step begun (logged end minus `step_s`) and
+    ended, the version at the benchmark's follower. A record's timestamp is when it was produced;
+    a transaction's records become readable when it commits, which the next hop includes."""
+    taken: list[tuple[int, int]] = []
+    for path in trainer_dir.glob("**/trained-samples.jsonl"):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if row.get("step") == 1:
+                taken.append((row["partition"], row["offset"]))
+    groups = {train[k][0] for k in taken if k in train}
+    if not groups:
+        return {}
+
+    def last(stamps: dict) -> float:
+        return max((ts for key, ts in stamps.values() if key in groups), default=float("nan")) - t0
+
+    out = {"first_rollout": min(ts for _, ts in rollouts.values()) - t0, "tasks": last(tasks),
+           "rolled_out": last(rollouts), "scored": last(scored),
+           "curated": max(train[k][1] for k in taken if k in train) - t0}
+    if step is not None:
+        out["step_began"], out["step_ended"] = step[0] - step[1] - t0, step[0] - t0
+    if followed is not None:
+        out["followed"] = followed - t0
+    return {k: round(v, 3) for k, v in out.items()}
 
 
 def _staleness(trainer_dir: Path, steps: int) -> list[float]:

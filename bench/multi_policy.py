@@ -43,6 +43,12 @@ the demo's roles as separate processes on Kafka (curator, reward, curate, one tr
 one RaaS node serving both), same models, prompts, reward, batch sizes and steps; its clock runs
 from the first task on Kafka to both policies' last weights at the benchmark's followers.
 
+**First version**: each run also reports, per policy, where the time to its first version went
+(seconds from the clock's start): in-process, when its first step began (the batch was there)
+and ended; in the pipeline, from the records' Kafka timestamps, the last task, trajectory,
+scored trajectory and train sample of the groups its first step trained, the step's start and
+end (trainer's metrics) and the version at the benchmark's follower (`first_version` in the JSON).
+
 Usage: python bench/multi_policy.py [--quick] [--sigmas 0.5,1.5] [--steps N] [--staleness K] [--seeds 0,1]
        [--modes trainer-centred,dataflow,pipeline] [--json OUT]
 
@@ -96,6 +102,7 @@ class PolicyRun:
     snapshots: list[tuple[int, float, dict[str, torch.Tensor]]] = field(default_factory=list)
     score: list[tuple[int, float, float]] = field(default_factory=list)  # step, t, held-out figure
     staleness: list[float] = field(default_factory=list)  # per optimizer step: mean versions behind of its samples
+    first_version: dict[str, float] = field(default_factory=dict)  # s from the clock's start to its hops
 
 
 @dataclass
@@ -131,7 +138,8 @@ class Run:
                       "target": targets[p], "time_to_target_s": hit[1] if hit else None,
                       "steps_to_target": hit[0] if hit else None,
                       "old_target": old_targets[p], "time_to_old_target_s": old_hit[1] if old_hit else None,
-                      "staleness_mean": sum(r.staleness) / len(r.staleness) if r.staleness else None}
+                      "staleness_mean": sum(r.staleness) / len(r.staleness) if r.staleness else None,
+                      "first_version": r.first_version}
         return out
 
 
@@ -204,6 +212,8 @@ class Job:
         weights = learner.weights()
         self.backends[policy].update_weights(weights, learner.version)
         r.train_s += time.monotonic() - ts
+        if learner.version == 1:  # its batch was there at `ts` (in-process: no hop between rollouts and learner)
+            r.first_version = {"step_began": round(ts - t0, 3), "step_ended": round(time.monotonic() - t0, 3)}
         r.trained += sum(len(g) for g in groups)
         if learner.version % eval_every == 0:
             r.snapshots.append((learner.version, time.monotonic() - t0, weights))
@@ -310,6 +320,7 @@ def pipeline_run(sigma: float, args: argparse.Namespace, models: dict[str, str])
         run.policies[p].snapshots = [(0, 0.0, base), *out["snapshots"][p]]
         run.policies[p].trained = args.steps * _rl.SLOTS
         run.policies[p].staleness = out["staleness"][p]
+        run.policies[p].first_version = out["first_version"][p]
     score(run, scorers, heldout)
     return run
 
@@ -388,6 +399,10 @@ def main() -> None:
                 print(f"  {r.wall_s:.1f}s, {r.cpu_s / r.wall_s:.2f} cores busy, load {r.load[0]}->{r.load[1]}, {r.trajectories} rollouts; " + "; ".join(
                     f"{p} {x.trained / r.wall_s:.1f} samples/s, " + " ".join(f"{s:.3f}@{t:.0f}s" for _, t, s in x.score)
                     for p, x in r.policies.items()), flush=True)
+                for p, x in r.policies.items():  # where the first version's time went (module doc)
+                    if x.first_version:
+                        print(f"    {p} first version: " + ", ".join(f"{k} {v:.2f}s" for k, v in x.first_version.items()),
+                              flush=True)
             base = runs["trainer-centred"]
             targets = {p: targets_of(list(runs.values()), p, args.target_frac, args.smooth) for p in POLICIES}
             old = {p: base.policies[p].score[0][2] + args.target_gain for p in POLICIES}

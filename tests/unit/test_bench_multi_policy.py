@@ -53,3 +53,22 @@ def test_no_target_when_no_schedule_ends_above_the_warm_start() -> None:
     assert mp.targets_of([up, flat], "verifier", 0.5, 3) is None
     out = flat.summary({"solver": None, "verifier": None}, {"solver": 0.55, "verifier": 0.75}, 3, 128)
     assert out["solver"]["time_to_target_s"] is None and out["solver"]["time_to_old_target_s"] == 1.0
+
+
+def test_first_version_hops_follow_the_groups_of_the_first_step(tmp_path) -> None:
+    import json
+
+    from _pipeline_pair import _first_version_hops
+
+    # The first step trained group g1's samples (train partition 0, offsets 0-1); g2 came later.
+    (tmp_path / "trained-samples.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"sample_id": "g1/0#solver", "step": 1, "partition": 0, "offset": 0},
+        {"sample_id": "g1/1#solver", "step": 1, "partition": 0, "offset": 1},
+        {"sample_id": "g2/0#solver", "step": 2, "partition": 0, "offset": 2}]))
+    tasks = {(0, 0): ("g1", 100.0), (1, 0): ("g2", 100.5)}
+    rollouts = {(0, 0): ("g1", 100.9), (0, 1): ("g1", 101.0), (1, 0): ("g2", 103.0)}
+    scored = {(0, 0): ("g1", 101.2), (0, 1): ("g1", 101.3), (1, 0): ("g2", 103.1)}
+    train = {(0, 0): ("g1", 101.5), (0, 1): ("g1", 101.6), (0, 2): ("g2", 103.2)}
+    hops = _first_version_hops(tmp_path, tasks, rollouts, scored, train, (102.5, 0.4), 102.7, 100.0)
+    assert hops == {"first_rollout": 0.9, "tasks": 0.0, "rolled_out": 1.0, "scored": 1.3, "curated": 1.6,
+                    "step_began": 2.1, "step_ended": 2.5, "followed": 2.7}
