@@ -91,7 +91,7 @@ def build(run: RegionsRun) -> dict[str, Any]:
 
     figs: dict[str, Any] = {
         "mixed_rollouts_per_s": _r(mixed_total / (t1 - t0)),
-        "sum_alone_rollouts_per_s": _r(total_alone),
+        "sum_alone_rollouts_per_s": _r(sum(alone.values())) if alone else None,  # None: --no-calibrate
         "weights_delta_bytes_mean": int(statistics.mean(deltas)) if deltas else None,
         "weights_snapshot_bytes_mean": int(statistics.mean(snaps)) if snaps else None,
         "delta_over_snapshot": _r(statistics.mean(deltas) / statistics.mean(snaps), 3) if deltas and snaps else None,
