@@ -77,7 +77,7 @@ class PipelineSpec:
     max_turns: int  # curator: model turns per rollout
     batch_size: int  # trainer: samples per optimizer step
     max_wait_s: float  # trainer: longest wait for a full batch
-    node_inflight: int  # node: rollouts in flight (also its decode batch)
+    node_inflight: int  # node: its decode batch (rollouts in flight: this + n_samples - 1, see node_role)
     node_prefetch: int  # node: tasks fetched ahead
     seed: int = 0  # node i samples with seed + i
     node_extra: tuple[str, ...] = ()  # more `raas serve` options
@@ -86,9 +86,13 @@ class PipelineSpec:
 
 
 def node_role(exp: str, spec: PipelineSpec, env: dict[str, str], index: int) -> Role:
-    """RaaS node `raas-<index>` (1-based)."""
+    """RaaS node `raas-<index>` (1-based): `node_inflight` decode rows and up to `n_samples - 1`
+    rollouts beyond them (a node counts samples and starts a group once all its n fit: so a group
+    starts while one row is free and its other samples wait in the engine for the next free rows,
+    which keeps every row busy when groups end at different times)."""
     return Role(f"raas-{index}", [*PY, "raas", "serve", "-e", exp, "-p", f"policy={spec.model_dir}", "--max-inflight",
-                                  str(spec.node_inflight), "--max-batch", str(spec.node_inflight), "--prefetch",
+                                  str(spec.node_inflight + spec.n_samples - 1), "--max-batch", str(spec.node_inflight),
+                                  "--prefetch",
                                   str(spec.node_prefetch), "--threads", "1", "--seed", str(spec.seed + index - 1),
                                   "--node-id", f"raas-{index}", *spec.node_extra], env)
 
@@ -177,6 +181,75 @@ def _end_offsets(consumer: Consumer, topic: str, partitions: int) -> int:
     return sum(watermarks(consumer, topic, p)[1] for p in range(partitions))
 
 
+def _timestamps_s(consumer: Consumer, topic: str, partitions: int) -> list[float]:
+    """Kafka timestamps (seconds) of every record of the topic, sorted (transaction markers excluded)."""
+    out: list[float] = []
+    for p in range(partitions):
+        low, high = watermarks(consumer, topic, p)
+        consumer.assign([TopicPartition(topic, p, low)])
+        last = low - 1
+        while last < high - 1:  # the last offsets may be transaction markers: then the poll times out
+            msg = consumer.poll(0.5)
+            if msg is None:
+                break
+            if msg.error() is None:
+                last = msg.offset()
+                out.append(msg.timestamp()[1] / 1000)
+    return sorted(out)
+
+
+def stage_timeline(consumer: Consumer, topics: Topics, partitions: int, t0: float, steps: int,
+                   versions: dict[int, float], trained: dict[int, float]) -> dict[str, list[float | None]]:
+    """Where each optimizer step's time went: for step k (1..steps), seconds from the first task
+    until the curator had issued 8k tasks, the node had published 64k rollouts, reward 64k scored
+    trajectories, curate 64k train samples, the trainer ended step k (its metrics' timestamp) and
+    the weights of version k reached this process (`versions`). `run_pipeline` adds the trainer's
+    own durations per step (`trainer_step_s`: forward, backward, optimizer; `trainer_checkpoint_s`;
+    `trainer_publish_s`: finite check, checkpoint, sample log, weights transaction)."""
+    per, group = _rl.SLOTS, _rl.PROMPTS_PER_STEP
+
+    def marks(times: list[float], every: int) -> list[float | None]:
+        return [round(times[k * every - 1] - t0, 3) if len(times) >= k * every else None for k in range(1, steps + 1)]
+
+    return {
+        "tasks_issued": marks(_timestamps_s(consumer, topics.tasks, partitions), group),
+        "rolled_out": marks(_timestamps_s(consumer, topics.rollouts, partitions), per),
+        "scored": marks(_timestamps_s(consumer, topics.scored, partitions), per),
+        "train_samples": marks(_timestamps_s(consumer, topics.train("policy"), partitions), per),
+        "trainer_step_end": [round(trained[k] - t0, 3) if k in trained else None for k in range(1, steps + 1)],
+        "weights_here": [round(versions[k] - t0, 3) if k in versions else None for k in range(1, steps + 1)],
+    }
+
+
+def print_timeline(timeline: dict[str, list[float | None]]) -> None:
+    names = [n for n in timeline if len(timeline[n]) == len(timeline["tasks_issued"])]
+    print("  step " + " ".join(f"{n:>16}" for n in names))
+    for k in range(len(timeline[names[0]])):
+        print(f"  {k + 1:>4} " + " ".join(f"{'-' if timeline[n][k] is None else f'{timeline[n][k]:.2f}':>16}"
+                                           for n in names))
+
+
+def _trainer_step_times(consumer: Consumer, topic: str) -> dict[int, float]:
+    """Kafka-independent end time (the metric's own timestamp, s) of each trainer step."""
+    from astraflow.records import Metric
+    from astraflow.serde import AvroSerde
+
+    serde, out = AvroSerde(), {}
+    low, high = watermarks(consumer, topic)
+    consumer.assign([TopicPartition(topic, 0, low)])
+    pos = low
+    while pos < high:
+        msg = consumer.poll(5)
+        if msg is None:
+            break
+        pos = msg.offset() + 1
+        if msg.error() is None:
+            rec = serde.loads(msg.value())
+            if isinstance(rec, Metric) and rec.component == "trainer" and "step" in rec.labels:
+                out.setdefault(int(rec.labels["step"]), rec.ts / 1000)
+    return out
+
+
 def _trainer_metrics(consumer: Consumer, topic: str) -> dict[str, list[float]]:
     """The trainer's per-step metrics on the metrics topic (one partition), by name, in step order."""
     from astraflow.records import Metric
@@ -232,11 +305,13 @@ def run_pipeline(mode: str, workload: str, sigma: float, *, steps: int, eval_eve
         run.snapshots.append((0, 0.0, {k: v.detach().clone() for k, v in base.state_dict().items()}))
         control.set("curator", "pause", "off", issued_by="bench")
         arrivals: list[tuple[int, float, dict[str, torch.Tensor]]] = []
+        seen: dict[int, float] = {}  # version -> when it arrived here
         next_mark = eval_every
         deadline = time.monotonic() + timeout_s
         while True:
             follower.poll(timeout_s=0.2)
             version = follower.follower.version or 0
+            seen.setdefault(version, time.time())
             if version >= min(next_mark, steps):
                 state = {k: v.detach().clone().float() for k, v in follower.follower.state.items()}
                 arrivals.append((version, time.time(), state))
@@ -260,6 +335,11 @@ def run_pipeline(mode: str, workload: str, sigma: float, *, steps: int, eval_eve
         run.train_reward = metrics.get("reward", [])[:steps]
         stale = metrics.get("staleness_mean", [])[:steps]
         run.notes["staleness_mean"] = sum(stale) / len(stale) if stale else None
+        run.stages = stage_timeline(probe, topics, parts, t0, steps, seen,
+                                    _trainer_step_times(probe, topics.metrics))
+        for name in ("step_s", "checkpoint_s", "publish_s"):  # the trainer's own durations per step
+            run.stages[f"trainer_{name}"] = [round(v, 3) for v in metrics.get(name, [])[:steps]]
+        print_timeline(run.stages)
     finally:
         sup.stop_all()
         follower.close()

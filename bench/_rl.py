@@ -84,6 +84,7 @@ class Run:
     train_reward: list[float] = field(default_factory=list)  # mean reward per step
     notes: dict[str, float] = field(default_factory=dict)  # mode-specific extras
     learner_metrics: list[dict[str, float]] = field(default_factory=list)  # per optimizer batch (in-process)
+    stages: dict[str, list[float | None]] = field(default_factory=dict)  # pipeline: per step, when each stage got there
 
     def summary(self, target: float) -> dict:
         """The figures every benchmark reports, as JSON-ready values."""
@@ -96,7 +97,7 @@ class Run:
             "success": self.success, "start_success": self.success[0][2] if self.success else None,
             "final_success": self.success[-1][2] if self.success else None,
             "train_reward": self.train_reward, "target": target, "time_to_target_s": reach(self, target),
-            **self.notes,
+            **({"stages": self.stages} if self.stages else {}), **self.notes,
         }
 
 
