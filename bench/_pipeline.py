@@ -3,7 +3,7 @@
 `run_pipeline` runs one experiment on its own topics: `astraflow app run curator` (the tasks of
 `_rl.make_tasks`, in a dataset file), `app run reward`, `app run curate`, `astraflow train`
 (batches of exactly 64 samples: `trainer.max_wait_s` is long, so no partial batch) and one
-`astraflow raas serve` node (64 rollouts in flight, decode batches of 64, one torch thread, the
+`astraflow raas serve` node (decode batches of 64, up to 71 rollouts in flight, one torch thread, the
 calculator behind `--tool-latency calc=MEDIAN:SIGMA`). Nothing is simulated: tasks, trajectories,
 scored trajectories, train samples and weights all go through Kafka, in Avro.
 
