@@ -193,3 +193,28 @@ def test_faust_overrides_replace_the_engine_settings() -> None:
     app = engine.build()
     assert app.conf.producer_linger == 0.02
     assert app.conf.stream_buffer_maxsize == 64
+
+
+def test_aiokafka_batches_are_compressed_at_our_zstd_level() -> None:
+    from aiokafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
+
+    from stream_apps.faust_app import ZSTD_LEVEL, zstd_level
+
+    value = AvroSerde().dumps(make_trajectory(4096, seed=3))
+
+    def batch() -> bytes:
+        b = DefaultRecordBatchBuilder(magic=2, compression_type=DefaultRecordBatch.CODEC_ZSTD, is_transactional=0,
+                                      producer_id=-1, producer_epoch=-1, base_sequence=-1, batch_size=1 << 20)
+        b.append(0, timestamp=None, key=b"k", value=value, headers=[])
+        return bytes(b.build())
+
+    try:
+        zstd_level(3)  # aiokafka's own level
+        at3 = batch()
+        zstd_level()
+        ours = batch()
+    finally:
+        zstd_level()
+    assert ZSTD_LEVEL != 3 and ours != at3  # the builder aiokafka uses took our level
+    records = list(DefaultRecordBatch(bytearray(ours)))
+    assert [r.value for r in records] == [value]  # and the batch reads back
