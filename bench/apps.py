@@ -66,18 +66,23 @@ PARTITIONS = 2
 CATEGORIES = [
     ("avro", ("astraflow/serde.py", "astraflow/avro_encoder.py", "stream_apps/reward_codec.py", "<avro encoder",
               "fastavro")),
-    ("app", ("stream_apps/reward.py", "stream_apps/curate", "stream_apps/groups.py", "astraflow/dataflow/",
+    ("app", ("stream_apps/reward.py", "stream_apps/handler.py", "stream_apps/curate", "stream_apps/groups.py", "astraflow/dataflow/",
              "astraflow/records/", "astraflow/control", "numpy")),
     ("engine", ("stream_apps/engine.py", "stream_apps/takeover.py", "stream_apps/transactions.py",
                 "stream_apps/metrics.py", "astraflow/kafka/")),
+    ("compression (zstd)", ("aiokafka/codec.py", "cramjam")),
+    ("aiokafka connections (socket I/O)", ("aiokafka/conn.py",)),
     ("aiokafka producer", ("aiokafka/producer",)),
-    ("aiokafka consumer", ("aiokafka/consumer", "aiokafka/record", "aiokafka/protocol", "cramjam")),
+    ("aiokafka consumer", ("aiokafka/consumer", "aiokafka/record", "aiokafka/protocol")),
     ("aiokafka client", ("aiokafka/",)),
     ("faust", ("faust/", "mode/")),
-    ("plain loop (confluent-kafka)", ("bench/apps.py", "confluent_kafka")),
+    ("event loop (asyncio's own work)", ("stream_apps/lifecycle.py",)),
+    ("the bench's commit poller", ("Finish._watch",)),
+    ("plain loop (confluent-kafka)", ("plain_stage", "confluent_kafka")),
 ]
 PASSED_OVER = ("asyncio/", "threading.py", "selectors.py", "concurrent/", "contextlib.py", "functools.py", "queue.py",
-               "socket.py", "typing.py", "abc.py", "weakref.py", "<frozen", "logging/", "enum.py")
+               "socket.py", "typing.py", "abc.py", "weakref.py", "<frozen", "logging/", "enum.py", "json/",
+               "_weakrefset.py", "<string>")
 
 
 def categorize(collapsed: str) -> dict[str, float]:
@@ -112,7 +117,7 @@ class StageCpu:
         self.cpu0 = time.process_time()
         if self.pyspy:
             self._out = tempfile.mktemp(suffix=".txt", prefix="apps-pyspy-")
-            self._spy = subprocess.Popen([self.pyspy, "record", "--pid", str(os.getpid()), "--rate", "100",
+            self._spy = subprocess.Popen([self.pyspy, "record", "--pid", str(os.getpid()), "--rate", "200",
                                           "--format", "raw", "--output", self._out, "--nonblocking"],
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
