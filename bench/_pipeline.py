@@ -182,19 +182,23 @@ def _end_offsets(consumer: Consumer, topic: str, partitions: int) -> int:
 
 
 def _timestamps_s(consumer: Consumer, topic: str, partitions: int) -> list[float]:
-    """Kafka timestamps (seconds) of every record of the topic, sorted (transaction markers excluded)."""
+    """Kafka timestamps (seconds) of every record of the topic, sorted. All partitions are read at
+    once; a partition whose last offsets are transaction markers (never returned) ends the read
+    when nothing more has come for a second."""
+    bounds = {p: watermarks(consumer, topic, p) for p in range(partitions)}
+    todo = {p for p, (low, high) in bounds.items() if high > low}
+    consumer.assign([TopicPartition(topic, p, bounds[p][0]) for p in todo])
     out: list[float] = []
-    for p in range(partitions):
-        low, high = watermarks(consumer, topic, p)
-        consumer.assign([TopicPartition(topic, p, low)])
-        last = low - 1
-        while last < high - 1:  # the last offsets may be transaction markers: then the poll times out
-            msg = consumer.poll(0.5)
-            if msg is None:
-                break
-            if msg.error() is None:
-                last = msg.offset()
-                out.append(msg.timestamp()[1] / 1000)
+    wait = 10.0  # the first fetch
+    while todo:
+        msg = consumer.poll(wait)
+        if msg is None:
+            break
+        wait = 1.0
+        if msg.error() is None:
+            out.append(msg.timestamp()[1] / 1000)
+            if msg.offset() >= bounds[msg.partition()][1] - 1:
+                todo.discard(msg.partition())
     return sorted(out)
 
 
