@@ -109,6 +109,8 @@ def run_pair_pipeline(policies: tuple[str, ...], models: dict[str, str], tasks: 
         for f in followers.values():
             f.start()
         pids = [r.proc.pid for r in sup.roles if r.proc is not None]
+        names = {r.proc.pid: r.name for r in sup.roles if r.proc is not None}
+        by_role0 = {names[pid]: _cpu_s([pid]) for pid in pids}
         cpu0, load0 = _cpu_s(pids), os.getloadavg()[0]
         control.set("curator", "pause", "off", issued_by="bench")
         marks = {p: eval_every for p in policies}
@@ -126,6 +128,7 @@ def run_pair_pipeline(policies: tuple[str, ...], models: dict[str, str], tasks: 
             if all(s and s[-1][0] >= steps for s in snapshots.values()):
                 rolled_out = _pipeline._end_offsets(probe, topics.rollouts, cfg.topics.partitions)
                 cpu1, load1 = _cpu_s(pids), os.getloadavg()[0]
+                by_role = {names[pid]: round(_cpu_s([pid]) - by_role0[names[pid]], 2) for pid in pids}
                 break
             sup.check()
             if time.monotonic() > deadline:
@@ -134,7 +137,7 @@ def run_pair_pipeline(policies: tuple[str, ...], models: dict[str, str], tasks: 
         t0 = _pipeline._first_timestamp_s(probe, topics.tasks, cfg.topics.partitions)
         assert t0 is not None, "no task was issued"
         wall = max(s[-1][1] for s in snapshots.values()) - t0
-        result = {"wall_s": wall, "cpu_s": cpu1 - cpu0, "load": (round(load0, 2), round(load1, 2)),
+        result = {"wall_s": wall, "cpu_s": cpu1 - cpu0, "cpu_s_by_role": by_role, "load": (round(load0, 2), round(load1, 2)),
                   "trajectories": rolled_out, "logs": str(run_dir / "logs"),
                   "snapshots": {p: [(v, t - t0, st) for v, t, st in s] for p, s in snapshots.items()}}
         stamps = {t: _stamps(probe, t, cfg.topics.partitions)

@@ -111,6 +111,7 @@ class Run:
     sigma: float
     wall_s: float = 0.0
     cpu_s: float = 0.0  # CPU time of this process (all its threads) during the schedule
+    cpu_s_by_role: dict[str, float] = field(default_factory=dict)  # pipeline: each role's share of cpu_s
     load: tuple[float, float] = (0.0, 0.0)  # 1-min load average at the schedule's start and end
     trajectories: int = 0
     policies: dict[str, PolicyRun] = field(default_factory=lambda: {p: PolicyRun() for p in POLICIES})
@@ -122,7 +123,7 @@ class Run:
         out: dict[str, Any] = {"mode": self.mode, "sigma": self.sigma, "wall_s": round(self.wall_s, 1),
                                "trajectories": self.trajectories, "cpu_s": round(self.cpu_s, 1),
                                "cores_used": round(self.cpu_s / self.wall_s, 2) if self.wall_s else 0.0,
-                               "load_average": list(self.load)}
+                               "load_average": list(self.load), "cpu_s_by_role": self.cpu_s_by_role}
         for p, r in self.policies.items():
             smooth = smoothed(r.score, window)
             hit = first_at_or_above(smooth, targets[p])
@@ -314,7 +315,7 @@ def pipeline_run(sigma: float, args: argparse.Namespace, models: dict[str, str])
                             staleness=args.staleness, sigma=sigma, median_s=args.median_s, seed=args.seed,
                             bonus=SolverVerifier().bonus)
     run = Run("pipeline", sigma, wall_s=out["wall_s"], cpu_s=out["cpu_s"], load=out["load"],
-              trajectories=out["trajectories"])
+              trajectories=out["trajectories"], cpu_s_by_role=out["cpu_s_by_role"])
     for p in POLICIES:
         base = {k: v.detach().clone() for k, v in scorers[p][0].state_dict().items()}
         run.policies[p].snapshots = [(0, 0.0, base), *out["snapshots"][p]]
@@ -399,6 +400,8 @@ def main() -> None:
                 print(f"  {r.wall_s:.1f}s, {r.cpu_s / r.wall_s:.2f} cores busy, load {r.load[0]}->{r.load[1]}, {r.trajectories} rollouts; " + "; ".join(
                     f"{p} {x.trained / r.wall_s:.1f} samples/s, " + " ".join(f"{s:.3f}@{t:.0f}s" for _, t, s in x.score)
                     for p, x in r.policies.items()), flush=True)
+                if r.cpu_s_by_role:
+                    print("    CPU s by role: " + ", ".join(f"{k} {v:.1f}" for k, v in r.cpu_s_by_role.items()), flush=True)
                 for p, x in r.policies.items():  # where the first version's time went (module doc)
                     if x.first_version:
                         print(f"    {p} first version: " + ", ".join(f"{k} {v:.2f}s" for k, v in x.first_version.items()),
