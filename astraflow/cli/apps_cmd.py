@@ -34,16 +34,18 @@ def _kind(slot: str) -> str | None:
 
 def _settings(ctx: typer.Context, experiment: str, group: str | None, instance_id: str | None,
               max_inflight: int, metrics_interval: float, guarantee: str = "exactly_once",
-              commit_idle: float = 0.05) -> object:
+              commit_idle: float = 0.05, commit_interval: float = 1.0) -> object:
     from astraflow.errors import ConfigError
     from stream_apps.engine import EngineSettings
 
     if guarantee not in ("exactly_once", "at_least_once"):
         raise ConfigError(f"--guarantee must be exactly_once or at_least_once, got {guarantee!r}")
+    if commit_interval <= 0:
+        raise ConfigError(f"--commit-interval must be above 0, got {commit_interval}")
     cfg = load(ctx)
     return EngineSettings(experiment, cfg.kafka, group_id=group, instance_id=instance_id, max_inflight=max_inflight,
                           metrics_interval_s=metrics_interval, guarantee=guarantee,  # type: ignore[arg-type]
-                          commit_idle_s=commit_idle, topics=cfg.topics)
+                          commit_idle_s=commit_idle, commit_interval_s=commit_interval, topics=cfg.topics)
 
 
 def _logging(level: str) -> None:
@@ -84,6 +86,8 @@ def run_app(
     metrics_interval: float = typer.Option(10.0, help="Seconds between metrics records."),
     commit_idle: float = typer.Option(0.05, help="Exactly-once: commit once no record came or finished for this "
                                       "long, before the 1 s commit interval (a burst's outputs show sooner)."),
+    commit_interval: float = typer.Option(1.0, help="Exactly-once: most seconds between commits under steady input; "
+                                          "downstream sees outputs when they commit, so this bounds the added latency."),
     group_timeout: float | None = typer.Option(None, help="curate: seconds before an incomplete group is emitted or dropped (300)."),
     min_group_size: int | None = typer.Option(None, help="curate: smallest timed-out group still trained on (2)."),
     emitted_ttl: float | None = typer.Option(None, help="curate: seconds emitted group ids are remembered (86400)."),
@@ -142,7 +146,8 @@ def run_app(
                                     max_turns or sp.max_turns),
             **{k: v for k, v in given.items() if v},
         )
-    settings = _settings(ctx, experiment, group, instance_id, max_inflight, metrics_interval, guarantee, commit_idle)
+    settings = _settings(ctx, experiment, group, instance_id, max_inflight, metrics_interval, guarantee, commit_idle,
+                         commit_interval)
     worker = build_worker(name, settings, options)  # type: ignore[arg-type]
     console.print(f"{name} worker (Faust app {worker.group_id}, {guarantee}) for experiment {experiment}; Ctrl-C stops it")
     _run(worker)

@@ -30,3 +30,18 @@ def test_the_curator_gets_the_given_options_and_the_defaults_of_curator_options(
     assert res.exit_code == 0, (res.output, res.exception)
     [c] = built
     assert (c.n_samples, c.max_ahead, c.workflow, c.max_tasks) == want and list(c.policies) == ["p"]
+
+
+@pytest.mark.parametrize(("extra", "want"), [([], 1.0), (["--commit-interval", "0.2"], 0.2), (["--commit-interval", "0"], None)])
+def test_app_run_passes_the_commit_interval_and_refuses_one_not_above_zero(
+        monkeypatch: pytest.MonkeyPatch, extra: list[str], want: float | None) -> None:
+    built: list = []
+    monkeypatch.setattr(launch, "build_worker",
+                        lambda name, settings, options: built.append(settings) or types.SimpleNamespace(group_id="g"))
+    monkeypatch.setattr(apps_cmd, "_run", lambda worker: None)
+    res = CliRunner().invoke(app, ["app", "run", "reward", "-e", "x", *extra])
+    if want is None:
+        assert res.exit_code != 0 and not built
+    else:
+        assert res.exit_code == 0, (res.output, res.exception)
+        assert [s.commit_interval_s for s in built] == [want]
