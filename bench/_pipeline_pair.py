@@ -185,33 +185,37 @@ def _stamps(consumer: Consumer, topic: str, partitions: int) -> dict[tuple[int, 
     return out
 
 
-def _first_step_metric(consumer: Consumer, topic: str, policy: str) -> tuple[float, float] | None:
-    """(time the trainer logged its first step, that step's `step_s`) from the metrics topic."""
+def _first_step_metric(consumer: Consumer, topic: str, policy: str) -> tuple[float, float, float] | None:
+    """The trainer's first step from the metrics topic: (time it logged it, `step_s`, `publish_s`).
+    It logs after publishing; `publish_s` is the checkpoint and the publication of that version."""
     from astraflow.kafka.clients import watermarks
     from astraflow.records import Metric
     from astraflow.serde import AvroSerde
 
-    serde, best = AvroSerde(), None
+    serde, by_step = AvroSerde(), {}
     low, high = watermarks(consumer, topic, 0)
     consumer.assign([TopicPartition(topic, 0, low)])
     while high > low and (msg := consumer.poll(2.0)) is not None:
         if msg.error() is None:
             rec = serde.loads(msg.value())
-            if (isinstance(rec, Metric) and rec.name == "trainer.step_s" and rec.labels.get("policy") == policy
-                    and (best is None or int(rec.labels.get("step", 0)) < best[0])):
-                best = (int(rec.labels.get("step", 0)), rec.ts / 1000, rec.value)
+            if isinstance(rec, Metric) and rec.labels.get("policy") == policy and "step" in rec.labels:
+                got = by_step.setdefault(int(rec.labels["step"]), {"ts": rec.ts / 1000})
+                got[rec.name.removeprefix("trainer.")] = rec.value
             if msg.offset() >= high - 1:
                 break
-    return None if best is None else best[1:]
+    first = by_step.get(min(by_step)) if by_step else None
+    if first is None or "step_s" not in first:
+        return None
+    return first["ts"], first["step_s"], first.get("publish_s", 0.0)
 
 
 def _first_version_hops(trainer_dir: Path, tasks: dict, rollouts: dict, scored: dict, train: dict,
-                        step: tuple[float, float] | None, followed: float | None, t0: float) -> dict[str, float]:
+                        step: tuple[float, float, float] | None, followed: float | None, t0: float) -> dict[str, float]:
     """Seconds from the first task to each hop of a policy's first version, for the groups its
     first step trained (from its `trained-samples.jsonl`): the last of their tasks issued, the
     last of their trajectories produced (node), scored (reward), of their samples written
-    (curate, what the trainer took), the trainer's step begun (logged end minus `step_s`) and
-    ended, the version at the benchmark's follower. A record's timestamp is when it was produced;
+    (curate, what the trainer took), the trainer's step begun and ended, the version
+    checkpointed and published, and at the benchmark's follower. A record's timestamp is when it was produced;
     a transaction's records become readable when it commits, which the next hop includes."""
     taken: list[tuple[int, int]] = []
     for path in trainer_dir.glob("**/trained-samples.jsonl"):
@@ -230,7 +234,9 @@ def _first_version_hops(trainer_dir: Path, tasks: dict, rollouts: dict, scored: 
            "rolled_out": last(rollouts), "scored": last(scored),
            "curated": max(train[k][1] for k in taken if k in train) - t0}
     if step is not None:
-        out["step_began"], out["step_ended"] = step[0] - step[1] - t0, step[0] - t0
+        logged, step_s, publish_s = step
+        out["step_began"], out["step_ended"] = logged - publish_s - step_s - t0, logged - publish_s - t0
+        out["published"] = logged - t0
     if followed is not None:
         out["followed"] = followed - t0
     return {k: round(v, 3) for k, v in out.items()}

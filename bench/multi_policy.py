@@ -47,7 +47,8 @@ from the first task on Kafka to both policies' last weights at the benchmark's f
 (seconds from the clock's start): in-process, when its first step began (the batch was there)
 and ended; in the pipeline, from the records' Kafka timestamps, the last task, trajectory,
 scored trajectory and train sample of the groups its first step trained, the step's start and
-end (trainer's metrics) and the version at the benchmark's follower (`first_version` in the JSON).
+end and the version checkpointed and published (trainer's metrics: `step_s`, `publish_s`), and
+the version at the benchmark's follower (`first_version` in the JSON).
 
 Usage: python bench/multi_policy.py [--quick] [--sigmas 0.5,1.5] [--steps N] [--staleness K] [--seeds 0,1]
        [--modes trainer-centred,dataflow,pipeline] [--json OUT]

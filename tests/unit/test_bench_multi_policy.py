@@ -69,6 +69,6 @@ def test_first_version_hops_follow_the_groups_of_the_first_step(tmp_path) -> Non
     rollouts = {(0, 0): ("g1", 100.9), (0, 1): ("g1", 101.0), (1, 0): ("g2", 103.0)}
     scored = {(0, 0): ("g1", 101.2), (0, 1): ("g1", 101.3), (1, 0): ("g2", 103.1)}
     train = {(0, 0): ("g1", 101.5), (0, 1): ("g1", 101.6), (0, 2): ("g2", 103.2)}
-    hops = _first_version_hops(tmp_path, tasks, rollouts, scored, train, (102.5, 0.4), 102.7, 100.0)
+    hops = _first_version_hops(tmp_path, tasks, rollouts, scored, train, (102.6, 0.4, 0.1), 102.7, 100.0)
     assert hops == {"first_rollout": 0.9, "tasks": 0.0, "rolled_out": 1.0, "scored": 1.3, "curated": 1.6,
-                    "step_began": 2.1, "step_ended": 2.5, "followed": 2.7}
+                    "step_began": 2.1, "step_ended": 2.5, "published": 2.6, "followed": 2.7}
