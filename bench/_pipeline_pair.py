@@ -41,12 +41,6 @@ from astraflow.kafka.topics import TopicAdmin, Topics
 from astraflow.records import Task
 from astraflow.weights.follow import KafkaWeightFollower
 
-# Reward's and curate's outputs become readable downstream when their transaction commits: under
-# steady input at the commit interval (1 s by default), so each of the two hops waited 0.3-0.4 s
-# on average for the first version's last groups (the `first_version` hops, commit b8ed587). A
-# run this small commits a few transactions a second either way; 0.2 s bounds that wait.
-COMMIT = ("--commit-interval", "0.2")
-
 
 def _roles(exp: str, policies: tuple[str, ...], models: dict[str, str], dataset: Path, run_dir: Path, *,
            staleness: int, sigma: float, median_s: float, seed: int, bonus: float, env: dict[str, str]) -> list[Role]:
@@ -56,10 +50,9 @@ def _roles(exp: str, policies: tuple[str, ...], models: dict[str, str], dataset:
                          "--dataset", str(dataset), "--workflow", "solver_verifier", "--n-samples", str(_rl.GROUP),
                          "--max-ahead", str(ahead), "--temperature", "1.0", "--max-tokens", "24", "--max-turns", "2"], env),
         Role("reward", [*PY, "app", "run", "reward", "-e", exp, "--default",
-                        f"reward=solver_verifier:{json.dumps({'bonus': bonus})}", *COMMIT], env),
+                        f"reward=solver_verifier:{json.dumps({'bonus': bonus})}"], env),
+        curate_role(exp, policies, env),
     ]
-    curate = curate_role(exp, policies, env)
-    out.append(Role(curate.name, [*curate.cmd, *COMMIT], env))
     for p in policies:
         sets = [f"run_dir={run_dir / p}", f"trainer.lr={_rl.LR}", f"trainer.batch_size={_rl.SLOTS}",
                 "trainer.max_wait_s=600", "trainer.progress_bar=false", "trainer.publish_dtype=float32"]
