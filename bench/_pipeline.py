@@ -37,6 +37,7 @@ import json
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +52,7 @@ from astraflow.demo.common import PY, role_env
 from astraflow.demo.supervisor import Role, Supervisor
 from astraflow.kafka.clients import watermarks
 from astraflow.kafka.topics import TopicAdmin, Topics, topic_specs
-from astraflow.records import Task
+from astraflow.records import Metric, Task
 from astraflow.weights.follow import KafkaWeightFollower
 
 READY_TIMEOUT_S = 180.0
@@ -233,12 +234,11 @@ def print_timeline(timeline: dict[str, list[float | None]]) -> None:
                                            for n in names))
 
 
-def _trainer_step_times(consumer: Consumer, topic: str) -> dict[int, float]:
-    """Kafka-independent end time (the metric's own timestamp, s) of each trainer step."""
-    from astraflow.records import Metric
+def _trainer_metric_records(consumer: Consumer, topic: str) -> Iterator[Metric]:
+    """The trainer's Metric records on the metrics topic (one partition), in order, up to its end now."""
     from astraflow.serde import AvroSerde
 
-    serde, out = AvroSerde(), {}
+    serde = AvroSerde()
     low, high = watermarks(consumer, topic)
     consumer.assign([TopicPartition(topic, 0, low)])
     pos = low
@@ -249,29 +249,25 @@ def _trainer_step_times(consumer: Consumer, topic: str) -> dict[int, float]:
         pos = msg.offset() + 1
         if msg.error() is None:
             rec = serde.loads(msg.value())
-            if isinstance(rec, Metric) and rec.component == "trainer" and "step" in rec.labels:
-                out.setdefault(int(rec.labels["step"]), rec.ts / 1000)
+            if isinstance(rec, Metric) and rec.component == "trainer":
+                yield rec
+
+
+def _trainer_step_times(consumer: Consumer, topic: str) -> dict[int, float]:
+    """Kafka-independent end time (the metric's own timestamp, s) of each trainer step."""
+    out: dict[int, float] = {}
+    for rec in _trainer_metric_records(consumer, topic):
+        if "step" in rec.labels:
+            out.setdefault(int(rec.labels["step"]), rec.ts / 1000)
     return out
 
 
 def _trainer_metrics(consumer: Consumer, topic: str) -> dict[str, list[float]]:
     """The trainer's per-step metrics on the metrics topic (one partition), by name, in step order."""
-    from astraflow.records import Metric
-    from astraflow.serde import AvroSerde
-
-    serde, out = AvroSerde(), {}
-    low, high = watermarks(consumer, topic)
-    consumer.assign([TopicPartition(topic, 0, low)])
-    pos = low
-    while pos < high:
-        msg = consumer.poll(5)
-        if msg is None:
-            break
-        pos = msg.offset() + 1
-        if msg.error() is None:
-            rec = serde.loads(msg.value())
-            if isinstance(rec, Metric) and rec.component == "trainer" and "bucket" not in rec.labels:
-                out.setdefault(rec.name.removeprefix("trainer."), []).append(rec.value)
+    out: dict[str, list[float]] = {}
+    for rec in _trainer_metric_records(consumer, topic):
+        if "bucket" not in rec.labels:
+            out.setdefault(rec.name.removeprefix("trainer."), []).append(rec.value)
     return out
 
 
