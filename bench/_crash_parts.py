@@ -155,23 +155,45 @@ class Workers:
 
 
 class OpenTransactions:
-    """Watches the output topic read_uncommitted: `wait_new` returns once a record arrived after the call."""
+    """Watches the output topic for records inside a transaction that is still open.
+
+    A read_committed consumer's high watermark is the partition's last stable offset (LSO); a
+    read_uncommitted one's is the log end. While a producer's transaction holds records on a
+    partition, its LSO stays below its end: `wait_open` returns True at such a moment, so a kill
+    then interrupts a transaction that has outputs on this topic.
+    """
 
     def __init__(self, kafka: Any, topic: str) -> None:
-        from confluent_kafka import Consumer
+        from confluent_kafka import Consumer, TopicPartition
 
-        self._c = Consumer({**kafka.client_config(), "group.id": f"watch-{uuid.uuid4().hex}", "auto.offset.reset": "latest",
-                            "enable.auto.commit": False, "isolation.level": "read_uncommitted"})
-        self._c.subscribe([topic])
+        def consumer(isolation: str) -> Any:
+            return Consumer({**kafka.client_config(), "group.id": f"watch-{uuid.uuid4().hex}",
+                             "enable.auto.commit": False, "isolation.level": isolation})
 
-    def wait_new(self, timeout_s: float) -> bool:
-        while self._c.consume(500, 0):  # what is there already
-            pass
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if any(m.error() is None for m in self._c.consume(100, 0.05)):
+        self._committed, self._end = consumer("read_committed"), consumer("read_uncommitted")
+        deadline = time.monotonic() + 30
+        while not (partitions := self._end.list_topics(topic, timeout=10).topics[topic].partitions):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{topic} has no partitions")
+            time.sleep(0.1)  # a topic just created may not be in the metadata yet
+        self._tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+
+    def open_now(self) -> bool:
+        for tp in self._tps:
+            _, stable = self._committed.get_watermark_offsets(tp, timeout=5, cached=False)
+            _, end = self._end.get_watermark_offsets(tp, timeout=5, cached=False)
+            if end > stable:
                 return True
         return False
 
+    def wait_open(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.open_now():
+                return True
+            time.sleep(0.01)
+        return False
+
     def close(self) -> None:
-        self._c.close()
+        self._committed.close()
+        self._end.close()
