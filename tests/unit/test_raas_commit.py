@@ -3,16 +3,21 @@
 The consumer here fails its commits as librdkafka does while the group coordinator is
 unreachable (_TRANSPORT), then recovers; the node's commit must wait for it, not drop the
 commit, and must give up (without raising) only when the partitions were revoked.
+
+A node also reports its commit round trip in its commits' metadata (the placement's refill
+delay, astraflow.kafka.task_placer): the shortest of its recent commits, none before the first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from astraflow.kafka.offsets import OffsetTracker
+from astraflow.kafka.task_placer import commit_rtt_s
 from astraflow.raas.node import RaasNode
 
 
@@ -32,14 +37,24 @@ class OutageConsumer:
         self.committed.append([(tp.topic, tp.partition, tp.offset) for tp in offsets])
 
 
-def _node(consumer: OutageConsumer) -> RaasNode:
-    """A node with only what committing uses (no broker in unit tests)."""
+def _bare_node(consumer: object) -> RaasNode:
+    """A node with only what committing uses (no broker in unit tests), nothing finished yet."""
     node = RaasNode.__new__(RaasNode)
     node.offsets = OffsetTracker()
     node.consumer = SimpleNamespace(raw=consumer)  # type: ignore[assignment]
     node.dlq = SimpleNamespace(count=0)  # type: ignore[assignment]
+    return node
+
+
+def _finish(node: RaasNode, off: int) -> None:
+    node.offsets.finished(("tasks", 0), off, node.offsets.received(("tasks", 0), off))
+
+
+def _node(consumer: OutageConsumer) -> RaasNode:
+    """A node with three tasks finished, ready to commit them."""
+    node = _bare_node(consumer)
     for off in range(3):
-        node.offsets.finished(("tasks", 0), off, node.offsets.received(("tasks", 0), off))
+        _finish(node, off)
     return node
 
 
@@ -64,3 +79,26 @@ def test_revoked_partitions_are_not_marked_committed_and_do_not_stop_the_node() 
     asyncio.run(node._commit_in_thread())
     assert consumer.committed == [] and consumer.attempts == 1
     assert node.offsets.to_commit() == {("tasks", 0): 3}  # still to commit (if the partition stays)
+
+
+class SlowCommits:
+    """Each commit takes the next of `delays` seconds; keeps the metadata it was given."""
+
+    def __init__(self, delays: list[float]) -> None:
+        self.delays, self.metadata = list(delays), []
+
+    def commit(self, offsets: list[TopicPartition], asynchronous: bool = True) -> None:
+        self.metadata.append({tp.metadata for tp in offsets})
+        time.sleep(self.delays.pop(0))
+
+
+def test_each_commit_carries_the_shortest_round_trip_of_the_ones_before() -> None:
+    consumer = SlowCommits([0.20, 0.05, 0.30, 0.0])
+    node = _bare_node(consumer)
+    for off in range(4):
+        _finish(node, off)
+        node._commit()
+    first, *rest = consumer.metadata
+    assert first == {""}  # nothing measured yet
+    reported = [commit_rtt_s(next(iter(m))) for m in rest]
+    assert reported[0] >= 0.2 and 0.05 <= reported[1] < 0.2 and 0.05 <= reported[2] < 0.2  # a stall is not kept
