@@ -60,3 +60,35 @@ def collate(samples: Sequence[TrainSample], pad_id: int = 0) -> dict[str, torch.
         "temperatures": torch.tensor([s.temperature for s in samples], dtype=torch.float32),
         "min_versions": torch.tensor([s.min_version for s in samples], dtype=torch.int64),
     }
+
+
+def length_chunks(lengths: Sequence[int], max_chunks: int = 4, chunk_cost: int = 32) -> list[list[int]]:
+    """The rows of a batch in at most `max_chunks` groups of similar length, each run through the
+    model padded only to its own longest row: the split of the rows sorted by length that costs the
+    fewest padded tokens (rows x longest, summed), plus `chunk_cost` tokens for each extra model
+    call. Returns row indices, shortest rows first; every row is in exactly one chunk."""
+    if max_chunks < 1:
+        raise ValueError(f"max_chunks must be >= 1, got {max_chunks}")
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    n = len(order)
+    if n == 0:
+        return []
+    sl = [int(lengths[i]) for i in order]
+    inf = float("inf")
+    # best[k][j]: cost of the first j sorted rows in k chunks; cut[k][j]: where its last chunk starts.
+    best = [[inf] * (n + 1) for _ in range(max_chunks + 1)]
+    cut = [[0] * (n + 1) for _ in range(max_chunks + 1)]
+    best[0][0] = 0.0
+    for k in range(1, max_chunks + 1):
+        for j in range(1, n + 1):
+            for i in range(k - 1, j):
+                cost = best[k - 1][i] + (j - i) * sl[j - 1] + chunk_cost
+                if cost < best[k][j]:
+                    best[k][j], cut[k][j] = cost, i
+    k = min(range(1, max_chunks + 1), key=lambda c: best[c][n])
+    chunks, j = [], n
+    while k > 0:
+        i = cut[k][j]
+        chunks.append(order[i:j])
+        j, k = i, k - 1
+    return chunks[::-1]

@@ -24,16 +24,24 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
 
 from astraflow.errors import ModelError, RLError
-from astraflow.rl import PolicyLossConfig, entropy_from_logits, policy_loss, scale_logits, sequence_logprobs
+from astraflow.rl import (
+    PolicyLossConfig,
+    policy_loss,
+    scale_logits,
+    token_logprobs,
+    token_logprobs_and_entropy,
+)
+from trainers.batching import length_chunks
 from trainers.config import LossSettings
 
 log = logging.getLogger(__name__)
@@ -124,12 +132,46 @@ class PolicyTrainer(L.LightningModule):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
-    def scored_logits(self, batch: dict[str, Any]) -> torch.Tensor:
-        """Logits [B, T, V] of the distribution each sample was drawn from: divided by its sampling
-        temperature (the rollout node recorded ``log_softmax(logits / T)``), float32."""
-        logits = self(batch["input_ids"], batch["attention_mask"])
+    def scored_logprobs(self, batch: dict[str, Any], model: torch.nn.Module | None = None,
+                        entropy: Literal["grad", "metric"] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logprob [B, T] of each trained token (``loss_mask``) under `model` (default: the policy),
+        in the distribution its sample was drawn from (logits divided by its sampling temperature:
+        the rollout node recorded ``log_softmax(logits / T)``), 0 at every other position; with
+        `entropy`, that distribution's entropy at the same positions ("grad": with gradients, for an
+        entropy bonus; "metric": without).
+
+        No loss or metric reads an untrained position, so none is computed: the rows go through the
+        model in chunks of similar length (`trainers.batching.length_chunks`), each padded to its
+        own longest row only, and the LM head and softmax run only on the positions whose next token
+        is trained (`logits_to_keep`, where the model takes it). The values are those of one forward
+        pass over the whole padded batch (right padding: no real token attends to a pad)."""
+        model = self.model if model is None else model
+        ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"].bool()
         temps = batch.get("temperatures")
-        return scale_logits(logits, temps) if temps is not None else logits
+        logprobs = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+        ent = torch.zeros_like(logprobs) if entropy is not None else None
+        lengths = attn.sum(dim=1).tolist()
+        for chunk in length_chunks(lengths):
+            rows = torch.tensor(chunk, device=ids.device)
+            width = max(int(max(lengths[i] for i in chunk)), 2)
+            sub_ids, sub_attn, sub_mask = ids[rows, :width], attn[rows, :width], mask[rows, :width]
+            cols = torch.nonzero(sub_mask[:, 1:].any(dim=0)).squeeze(1)  # logits at t score token t + 1
+            if cols.numel() == 0:
+                continue
+            if _takes_logits_to_keep(model):
+                logits = model(input_ids=sub_ids, attention_mask=sub_attn, use_cache=False, logits_to_keep=cols).logits
+            else:
+                logits = model(input_ids=sub_ids, attention_mask=sub_attn, use_cache=False).logits[:, cols]
+            if temps is not None:
+                logits = scale_logits(logits, temps[rows])
+            targets, trained = sub_ids[:, cols + 1], sub_mask[:, cols + 1]
+            if entropy is None:
+                lp = token_logprobs(logits, targets)
+            else:
+                lp, h = token_logprobs_and_entropy(logits, targets, entropy_grad=entropy == "grad")
+                ent[rows[:, None], cols[None, :] + 1] = torch.where(trained, h, torch.zeros_like(h))
+            logprobs[rows[:, None], cols[None, :] + 1] = torch.where(trained, lp, torch.zeros_like(lp))
+        return logprobs, ent
 
     def loss_config_of(self, loss: LossSettings) -> PolicyLossConfig:
         """The `PolicyLossConfig` of `loss` for this model (raises RLError when it is not valid)."""
@@ -157,20 +199,12 @@ class PolicyTrainer(L.LightningModule):
         """Policy loss and metrics of one batch (no logging, no side effects); `proximal_logprobs`
         [B, T]: decoupled PPO's proximal policy (None: the current weights, detached)."""
         ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
-        temps = batch.get("temperatures")
-        logits = self.scored_logits(batch)
-        logprobs = sequence_logprobs(logits, ids)
-        # Entropy of the distribution each trained token was drawn from (logits of position t-1).
-        if self.loss_config.entropy_coef > 0:
-            ent = torch.nn.functional.pad(entropy_from_logits(logits[:, :-1]), (1, 0))
-        else:
-            with torch.no_grad():
-                ent = torch.nn.functional.pad(entropy_from_logits(logits[:, :-1].detach()), (1, 0))
+        # The entropy of the distribution each trained token was drawn from: a metric, or a bonus in the loss.
+        logprobs, ent = self.scored_logprobs(batch, entropy="grad" if self.loss_config.entropy_coef > 0 else "metric")
         ref_logprobs = None
         if self._ref:
             with torch.no_grad():
-                ref_logits = self._ref[0](input_ids=ids, attention_mask=attn, use_cache=False).logits
-                ref_logprobs = sequence_logprobs(ref_logits, ids, temps)
+                ref_logprobs, _ = self.scored_logprobs(batch, self._ref[0])
         lags = self.token_lags(batch)
         out = policy_loss(
             logprobs,
@@ -208,7 +242,7 @@ class PolicyTrainer(L.LightningModule):
         proximal = None
         if self.steps_per_batch > 1 and self.loss_config.mode == "decoupled":
             with torch.no_grad():  # the proximal policy: the weights before this batch's first step
-                proximal = sequence_logprobs(self.scored_logits(batch), batch["input_ids"])
+                proximal, _ = self.scored_logprobs(batch)
         meta = batch.get("meta")
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if meta is not None and hasattr(dm, "mark_trained"):
@@ -295,6 +329,15 @@ class PolicyTrainer(L.LightningModule):
         saved = checkpoint.get("astraflow", {})
         self.policy_version = int(saved.get("policy_version", 0))
         self.steps_skipped = int(saved.get("steps_skipped", 0))
+
+
+def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether `model`'s forward computes logits at chosen positions only (transformers' causal LMs)."""
+    forward = getattr(model, "forward", None)
+    try:
+        return forward is not None and "logits_to_keep" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def rows(batch: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:

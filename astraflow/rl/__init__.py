@@ -18,6 +18,7 @@ if TYPE_CHECKING:
         scale_logits,
         sequence_logprobs,
         token_logprobs,
+        token_logprobs_and_entropy,
     )
     from astraflow.rl.losses import (
         PolicyLossOutput,
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
 _TORCH = {
     "astraflow.rl.logprobs": ("entropy_from_logits", "masked_mean", "scale_logits", "sequence_logprobs",
-                              "token_logprobs"),
+                              "token_logprobs", "token_logprobs_and_entropy"),
     "astraflow.rl.losses": ("PolicyLossOutput", "aggregate", "broadcast_advantages", "grpo_loss", "kl_penalty",
                             "policy_loss", "ppo_clip_token_loss", "truncated_is_weights"),
 }
@@ -64,5 +65,6 @@ __all__ = [
     "scale_logits",
     "sequence_logprobs",
     "token_logprobs",
+    "token_logprobs_and_entropy",
     "truncated_is_weights",
 ]

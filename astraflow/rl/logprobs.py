@@ -66,6 +66,26 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
 
 
+def token_logprobs_and_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` and `entropy_from_logits` of the same logits, sharing one `logsumexp`.
+
+    logits: [..., V]; targets: [...]. Returns float32 ``(logprobs, entropies)``, both [...]. The
+    logprobs carry gradients; the entropies only with `entropy_grad` (an entropy bonus in the loss),
+    otherwise they are computed without gradients, from detached logits (a metric).
+    """
+    if logits.shape[:-1] != targets.shape:
+        raise RLError(f"logits {tuple(logits.shape)} do not match targets {tuple(targets.shape)}")
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        z, norm = (logits, lse) if entropy_grad else (logits.detach(), lse.detach())
+        entropy = norm - (torch.exp(z - norm.unsqueeze(-1)) * z).sum(dim=-1)
+    return picked - lse, entropy
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of `values` where `mask` is set (0-dim tensor); 0 when the mask is empty."""
     keep = mask.bool()

@@ -21,7 +21,6 @@ from astraflow.models.tiny import init_tiny
 from astraflow.raas.backends.base import GenerateRequest
 from astraflow.raas.backends.torch_backend import TorchBackend, sample_tokens
 from astraflow.records import TrainSample
-from astraflow.rl import sequence_logprobs
 from astraflow.rl.samples import SampleLimits, sample_problem
 from astraflow.schema_catalog import SchemaCatalog, default_schemas_dir
 from astraflow.serde import AvroSerde
@@ -55,7 +54,7 @@ def _trainer_logprobs(tiny: Path, sample: TrainSample) -> tuple[np.ndarray, np.n
     module.eval()
     batch = collate([sample])
     with torch.no_grad():
-        lp = sequence_logprobs(module.scored_logits(batch), batch["input_ids"])[0]
+        lp = module.scored_logprobs(batch)[0][0]
     on = batch["loss_mask"][0]
     return lp[on].numpy(), batch["behaviour_logprobs"][0][on].numpy()
 

@@ -86,7 +86,9 @@ def test_every_step_of_a_batch_gets_the_proximal_logprobs_of_its_starting_weight
     halves = torch.arange(4).chunk(2)
     assert len(given) == 4
     for got, half in zip(given, [*halves, *halves], strict=True):  # two passes over two minibatches
-        torch.testing.assert_close(got, expected[half], rtol=0, atol=1e-6)
+        trained = batch["loss_mask"][half]  # the only positions the trainer scores (0 elsewhere)
+        torch.testing.assert_close(got[trained], expected[half][trained], rtol=0, atol=1e-6)
+        assert not got[~trained].any()
     # from the second step on the current policy has moved away from the proximal one: the clip acts
     assert module.last_metrics["approx_kl"] > 0.0 and module.last_metrics["clip_frac"] > 0.0
     assert module.last_metrics["tokens"] == float(batch["loss_mask"].sum())  # the batch's, not one minibatch's
