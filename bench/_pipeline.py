@@ -84,6 +84,7 @@ class PipelineSpec:
     node_extra: tuple[str, ...] = ()  # more `raas serve` options
     curate_extra: tuple[str, ...] = ()  # more `app run curate` options
     trainer_sets: tuple[str, ...] = ()  # more `--set key=value` of the trainer
+    trainer_threads: int = 1  # trainer: torch intra-op threads (OMP_NUM_THREADS of its process; other roles 1)
 
 
 def node_role(exp: str, spec: PipelineSpec, env: dict[str, str], index: int) -> Role:
@@ -118,17 +119,18 @@ def pipeline_roles(exp: str, spec: PipelineSpec, env: dict[str, str], nodes: int
         app_role(exp, spec, env, "reward"),
         app_role(exp, spec, env, "curate"),
         Role("trainer", [*PY, "train", "-e", exp, "-p", "policy", "-m", spec.model_dir,
-                         *[a for kv in sets for a in ("--set", kv)]], env),
+                         *[a for kv in sets for a in ("--set", kv)]], {**env, "OMP_NUM_THREADS": str(spec.trainer_threads)}),
         *[node_role(exp, spec, env, i + 1) for i in range(nodes)],
     ]
 
 
 def _roles(exp: str, mode: str, workload: str, sigma: float, *, staleness: int, median_s: float, seed: int,
-           model_dir: str, dataset: Path, run_dir: Path, bootstrap: str) -> list[Role]:
+           model_dir: str, dataset: Path, run_dir: Path, bootstrap: str, trainer_threads: int = 1) -> list[Role]:
     w = _rl.WORKLOADS[workload]
     ahead = _rl.PROMPTS_PER_STEP * (1 if mode == "sync" else 1 + staleness)
     spec = PipelineSpec(model_dir, dataset, run_dir, w["workflow"], _rl.GROUP, ahead, w["max_tokens"], w["max_turns"],
-                        _rl.SLOTS, 600, _rl.SLOTS, ahead, seed, ("--tool-latency", f"calc={median_s}:{sigma}"))
+                        _rl.SLOTS, 600, _rl.SLOTS, ahead, seed, ("--tool-latency", f"calc={median_s}:{sigma}"),
+                        trainer_threads=trainer_threads)
     return pipeline_roles(exp, spec, role_env(bootstrap))
 
 
@@ -275,10 +277,11 @@ def run_pipeline(mode: str, workload: str, sigma: float, *, steps: int, eval_eve
                  staleness: int, seed: int, median_s: float, model_dir: str, tasks: list[Task],
                  heldout: list[tuple[str, str]], cfg: AstraflowConfig | None = None,
                  work_dir: Path = Path(tempfile.gettempdir()) / "astraflow-bench", timeout_s: float = 1800.0,
-                 product_filters: bool = False) -> _rl.Run:
+                 product_filters: bool = False, trainer_threads: int = 1) -> _rl.Run:
     """One run of the multi-process pipeline (see the module doc); returns it scored.
 
-    `cfg` defaults to the environment's config (the local broker); role logs stay under `work_dir`."""
+    `cfg` defaults to the environment's config (the local broker); role logs stay under `work_dir`;
+    `trainer_threads`: the trainer's torch threads (every other role runs 1)."""
     from astraflow.models.tiny import load_tiny
 
     cfg = cfg or load_config()
@@ -296,7 +299,7 @@ def run_pipeline(mode: str, workload: str, sigma: float, *, steps: int, eval_eve
     try:
         for role in _roles(exp, mode, workload, sigma, staleness=staleness, median_s=median_s, seed=seed,
                            model_dir=model_dir, dataset=write_dataset(tasks, run_dir / "train.jsonl"), run_dir=run_dir,
-                           bootstrap=cfg.kafka.bootstrap_servers):
+                           bootstrap=cfg.kafka.bootstrap_servers, trainer_threads=trainer_threads):
             sup.start(role)
         admin = AdminClient(cfg.kafka.client_config())
         wait_ready(admin, [f"af.{exp}.raas", f"af.{exp}.reward", f"af.{exp}.curate"], probe, topics.weights("policy"),

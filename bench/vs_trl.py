@@ -209,6 +209,16 @@ def trl_run(workload: str, sigma: float, *, steps: int, eval_every: int, seed: i
     return run
 
 
+def steady_per_s(run: _rl.Run) -> float | None:
+    """Trained samples/s between the first snapshot after the start (step `eval_every`) and the last
+    one: the run without its fill (the pipeline's first rollouts, TRL's first generation), timed the
+    same way on every side (snapshot times since the run's start). None with fewer than two."""
+    marks = [(step, t) for step, t, _ in run.success if step > 0]
+    if len(marks) < 2 or marks[-1][1] <= marks[0][1]:
+        return None
+    return (marks[-1][0] - marks[0][0]) * _rl.SLOTS / (marks[-1][1] - marks[0][1])
+
+
 def _clone(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -225,6 +235,8 @@ def main() -> None:
     ap.add_argument("--staleness", type=int, default=1, help="AstraFlow: versions a group may start ahead")
     ap.add_argument("--target-gain", type=float, default=0.05, help="target = warm-start success + this")
     ap.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL run (AstraFlow: 1 per role)")
+    ap.add_argument("--trainer-threads", default="1",
+                    help="pipeline: torch threads of its trainer (other roles 1); several (1,2): one pipeline run each")
     ap.add_argument("--sides", default="trl,astraflow,pipeline",
                     help="trl, astraflow (in-process scheduling) and/or pipeline (the real Kafka pipeline)")
     ap.add_argument("--seed", type=int, default=0)
@@ -245,7 +257,12 @@ def main() -> None:
         tasks, heldout = _rl.make_tasks(args.steps * _rl.PROMPTS_PER_STEP, args.seed, workload)
         label = f"{workload}" + (f" (sigma {sigma})" if workload == "b" else "")
         runs: dict[str, _rl.Run] = {}
-        for side in ["trl", *(x for x in args.sides.split(",") if x != "trl")]:
+        trainer_threads = [int(x) for x in str(args.trainer_threads).split(",")]
+        sides = [x for x in args.sides.split(",") if x != "trl"]
+        if len(trainer_threads) > 1 and "pipeline" in sides:
+            at = sides.index("pipeline")
+            sides[at:at + 1] = [f"pipeline-t{n}" for n in trainer_threads]
+        for side in ["trl", *sides]:
             print(f"{label}: {side} ({args.steps} steps x {_rl.SLOTS} samples) ...", flush=True)
             common = dict(steps=args.steps, eval_every=args.eval_every, seed=args.seed, median_s=args.median_s,
                           model_dir=model_dir, tasks=tasks, heldout=heldout)
@@ -254,11 +271,13 @@ def main() -> None:
             elif side == "astraflow":
                 torch.set_num_threads(1)
                 r = _rl.one_run("dataflow", workload, sigma, staleness=args.staleness, **common)
-            elif side == "pipeline":
+            elif side == "pipeline" or side.startswith("pipeline-t"):
                 import _pipeline
 
                 torch.set_num_threads(1)
-                r = _pipeline.run_pipeline("dataflow", workload, sigma, staleness=args.staleness, **common)
+                threads = int(side.removeprefix("pipeline-t")) if side != "pipeline" else trainer_threads[0]
+                r = _pipeline.run_pipeline("dataflow", workload, sigma, staleness=args.staleness,
+                                           trainer_threads=threads, **common)
             else:
                 ap.error(f"unknown side {side!r}: choose from trl, astraflow, pipeline")
             runs[side] = r
@@ -266,23 +285,26 @@ def main() -> None:
                   + " ".join(f"{s:.3f}@{t:.0f}s" for _, t, s in r.success), flush=True)
         target = runs["trl"].success[0][2] + args.target_gain
         for side, r in runs.items():
-            rows.append({"side": side, "case": label, **r.summary(target)})
+            rows.append({"side": side, "case": label, **r.summary(target), "steady_per_s": steady_per_s(r)})
 
     print()
-    print(f"{'workload':<16} {'side':<9} {'wall s':>7} {'samples/s':>9} {'reward 1st->last':>16} "
+    print(f"{'workload':<16} {'side':<12} {'wall s':>7} {'samples/s':>9} {'steady':>7} {'reward 1st->last':>16} "
           f"{'success start->final':>20} {'to target':>10}")
     for x in rows:
         tt = f"{x['time_to_target_s']:.0f}s" if x["time_to_target_s"] is not None else "not reached"
         rw = x["train_reward"]
-        print(f"{x['case']:<16} {x['side']:<9} {x['wall_s']:>7.1f} {x['trained_per_s']:>9.1f} "
+        steady = f"{x['steady_per_s']:.1f}" if x["steady_per_s"] is not None else "-"
+        print(f"{x['case']:<16} {x['side']:<12} {x['wall_s']:>7.1f} {x['trained_per_s']:>9.1f} {steady:>7} "
               f"{rw[0]:>9.3f}->{rw[-1]:.3f} {x['start_success']:>13.3f}->{x['final_success']:.3f} {tt:>10}")
     ratios = {}
     for case in dict.fromkeys(x["case"] for x in rows):
         t = next(x for x in rows if x["case"] == case and x["side"] == "trl")
         for a in (x for x in rows if x["case"] == case and x["side"] != "trl"):
             tt = t["time_to_target_s"] / a["time_to_target_s"] if t["time_to_target_s"] and a["time_to_target_s"] else None
+            steady = (a["steady_per_s"] / t["steady_per_s"]) if a["steady_per_s"] and t["steady_per_s"] else None
             ratios[f"{case} {a['side']}"] = {"wall_trl_over_astraflow": t["wall_s"] / a["wall_s"],
                                              "samples_per_s_astraflow_over_trl": a["trained_per_s"] / t["trained_per_s"],
+                                             "steady_per_s_astraflow_over_trl": steady,
                                              "time_to_target_trl_over_astraflow": tt}
     print("time to target, TRL / AstraFlow: " + "; ".join(
         f"{c}: " + (f"{r['time_to_target_trl_over_astraflow']:.2f}x" if r["time_to_target_trl_over_astraflow"]
@@ -290,11 +312,15 @@ def main() -> None:
     _common.write_json(args.json, "vs_trl", {
         "trl_version": trl.__version__, "steps": args.steps, "samples_per_step": _rl.SLOTS, "lr": _rl.LR,
         "group": _rl.GROUP, "median_s": args.median_s, "staleness": args.staleness,
-        "threads": {"astraflow": "1 per role (decode, trainer)", "trl": args.trl_threads},
+        "threads": {"astraflow": "1 per role (decode, trainer)", "pipeline_trainer": trainer_threads,
+                    "trl": args.trl_threads},
         "rows": rows, "ratios": ratios,
     })
     print("AstraFlow vs TRL, samples/s: " + ", ".join(
-        f"{c} {r['samples_per_s_astraflow_over_trl']:.1f}x" for c, r in ratios.items()))
+        f"{c} {r['samples_per_s_astraflow_over_trl']:.2f}x" for c, r in ratios.items()))
+    print("AstraFlow vs TRL, steady samples/s (after the first snapshot): " + ", ".join(
+        f"{c} {r['steady_per_s_astraflow_over_trl']:.2f}x" for c, r in ratios.items()
+        if r["steady_per_s_astraflow_over_trl"] is not None))
 
 
 if __name__ == "__main__":

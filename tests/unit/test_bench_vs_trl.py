@@ -6,7 +6,7 @@ from __future__ import annotations
 # variable, and the leak guard would blame the test.
 import _rl
 import pytest
-from vs_trl import ToolRollout
+from vs_trl import ToolRollout, steady_per_s
 
 pytestmark = pytest.mark.unit
 
@@ -47,3 +47,11 @@ def test_tool_rollout_runs_the_protocol_and_masks_tool_replies(tokenizer) -> Non
     assert out["env_mask"][0] == [1] * len(enc("<calc>2+3</calc>")) + [0] * len(reply) + [1] * (len(enc("Answer: 5")) + 1)
     assert all(m == [1] * len(c) for m, c in zip(out["env_mask"][1:3], out["completion_ids"][1:3], strict=True))
     assert [_rl.reward_of("b", t, '{"answer": "5"}') for t in text] == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_steady_samples_per_s_leave_out_the_time_to_the_first_snapshot() -> None:
+    run = _rl.Run("pipeline", "a", 0.0)
+    run.success = [(0, 0.0, 0.1), (2, 3.0, 0.1), (4, 4.0, 0.2), (6, 5.0, 0.2)]  # 4 steps in the last 2 s
+    assert steady_per_s(run) == 4 * _rl.SLOTS / 2.0
+    run.success = [(0, 0.0, 0.1), (2, 3.0, 0.1)]
+    assert steady_per_s(run) is None
