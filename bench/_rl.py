@@ -53,6 +53,7 @@ from astraflow.records import NodeInfo, SamplingParams, Task, Trajectory
 from astraflow.rl import PolicyLossConfig, policy_loss, sequence_logprobs
 from stream_apps.groups import train_samples
 from trainers.batching import collate
+from trainers.config import TrainerSettings
 
 GROUP = 8  # samples per prompt
 PROMPTS_PER_STEP = 8  # 64 samples per optimizer step, as the demo's trainer batch
@@ -155,6 +156,9 @@ def reward_of(workload: str, completion: str, reference: str | None) -> float:
 class Learner:
     """The trainer side: its own copy of the model, AdamW, one GRPO batch per call.
 
+    AdamW's weight decay and betas and the gradient clip are the trainer's defaults
+    (`trainers.config.TrainerSettings`), so an in-process schedule optimises as `astraflow train` does.
+
     `loss` is the policy loss (default: PPO clip on the behaviour logprobs). A batch is split
     into `minibatches` optimizer steps; the proximal policy of decoupled PPO is the model before
     the first of them (its logprobs recomputed once per batch, no gradient), so from the second
@@ -169,7 +173,9 @@ class Learner:
         self.policy = policy  # the policy whose sequences of each trajectory it trains on
         self.model, self.tokenizer = load_tiny(model_dir)
         self.model.train()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        trainer = TrainerSettings()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, betas=trainer.betas, weight_decay=trainer.weight_decay)
+        self.grad_clip = trainer.grad_clip
         self.pad = self.tokenizer.pad_token_id or 0
         self.loss = loss or PolicyLossConfig()
         self.minibatches = max(1, minibatches)
@@ -200,7 +206,8 @@ class Learner:
                               proximal_logprobs=None if proximal is None else proximal[part], token_lags=lags[part])
             self.opt.zero_grad()
             out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            if self.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
             self.opt.step()
             seen.append(out.metrics)
         row = {k: float(np.mean([m[k] for m in seen if k in m])) for k in seen[0]}

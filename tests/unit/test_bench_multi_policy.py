@@ -4,8 +4,12 @@ and the lowest plateau, reached by every schedule, the same rule for each."""
 from __future__ import annotations
 
 # At collection (see test_bench_vs_trl.py): importing the benchmark imports lightning.
+import _rl
 import multi_policy as mp
 import pytest
+
+from astraflow.models.tiny import init_tiny
+from trainers.config import TrainerSettings
 
 pytestmark = pytest.mark.unit
 
@@ -72,3 +76,13 @@ def test_first_version_hops_follow_the_groups_of_the_first_step(tmp_path) -> Non
     hops = _first_version_hops(tmp_path, tasks, rollouts, scored, train, (102.6, 0.4, 0.1), 102.7, 100.0)
     assert hops == {"first_rollout": 0.9, "tasks": 0.0, "rolled_out": 1.0, "scored": 1.3, "curated": 1.6,
                     "step_began": 2.1, "step_ended": 2.5, "published": 2.6, "followed": 2.7}
+
+
+def test_the_in_process_learner_optimises_with_the_trainers_settings(tmp_path) -> None:
+    # The trainer-centred loop and the pipeline's trainers must differ in scheduling only:
+    # AdamW's weight decay (torch's default is 0.01, the trainer's 0), betas and the clip.
+    model = init_tiny(tmp_path / "m", vocab_size=512, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64)
+    learner, trainer = _rl.Learner(str(model)), TrainerSettings()
+    group = learner.opt.param_groups[0]
+    assert (group["lr"], group["weight_decay"], tuple(group["betas"])) == (_rl.LR, trainer.weight_decay, trainer.betas)
+    assert learner.grad_clip == trainer.grad_clip
