@@ -5,7 +5,11 @@ models, its arithmetic prompts (difficulty 1), the `solver_verifier` workflow (t
 answers with the calculator, the verifier judges the answer and may use the calculator too),
 the `solver_verifier` reward (each policy its own), GRPO, the trainer's PPO-clip loss, lr 3e-4,
 8 samples per prompt and 64 samples per optimizer step for each policy. The calculator sits
-behind a log-normal delay (median `--median-s`, log-space std sigma; `bench/_rl.py` says why).
+behind a log-normal delay (median `--median-s`, log-space std sigma; `bench/_rl.py` says why),
+and every tool call is cut at the RaaS node's tool timeout (`NodeSettings.tool_timeout_s`, 10 s)
+in every schedule: the pipeline's node cuts there, so the in-process schedules do too (until
+docs/benchmarks.md's "Equal tool timeouts" runs they waited up to 120 s for a call the
+pipeline's node cut at 10 s).
 
 Both schedules run in ONE process with its engines (no Kafka, no serde: they isolate the scheduling, as the
 in-process modes of `bench/async_vs_sync.py`), with one `TorchBackend` per policy (64 slots
@@ -85,12 +89,14 @@ from _mp_figures import POLICIES, first_at_or_above, over_seeds, ratios, smoothe
 
 from astraflow.dataflow.judge_rewards import SolverVerifier
 from astraflow.raas.backends.torch_backend import TorchBackend
+from astraflow.raas.node import NodeSettings
 from astraflow.raas.tools import ToolBox, calculator, slow_tool
 from astraflow.raas.workflows import RolloutContext
 from astraflow.raas.workflows.builtin import solver_verifier
 from astraflow.records import NodeInfo, SamplingParams, Task, Trajectory
 
 MODES = ("trainer-centred", "dataflow", "pipeline")  # pipeline: the real roles on Kafka (`--modes`)
+TOOL_TIMEOUT_S = NodeSettings.__dataclass_fields__["tool_timeout_s"].default  # the pipeline's node's, for every schedule
 G, P = _rl.GROUP, _rl.PROMPTS_PER_STEP
 
 
@@ -173,7 +179,7 @@ class Job:
                                          process=engine_process)
                          for i, p in enumerate(POLICIES)}
         self.learners = {p: _rl.Learner(models[p], policy=p) for p in POLICIES}
-        self.tools = ToolBox({"calc": slow_tool(calculator, median_s, sigma, seed=seed)}, timeout_s=120.0)
+        self.tools = ToolBox({"calc": slow_tool(calculator, median_s, sigma, seed=seed)}, timeout_s=TOOL_TIMEOUT_S)
         self.reward = SolverVerifier()
         self.node = NodeInfo("bench", "cpu", "local", "torch")
 
