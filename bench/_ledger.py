@@ -112,6 +112,7 @@ class IssuedTask:
     task_id: str
     n_samples: int
     ts_ms: int  # Kafka timestamp: when the curator wrote it
+    where: tuple[str, int] | None = None  # (topic, partition) it was written to
 
 
 @dataclass
@@ -228,12 +229,13 @@ class Ledger:
     def refresh(self, timeout_s: float = 30.0) -> None:
         from astraflow.records import Task
 
-        for rec, ts in [x for r in self.tasks_readers for x in r.read(timeout_s)]:
-            if isinstance(rec, Task):
-                if rec.task_id in self.tasks:
-                    self.duplicate_tasks += 1
-                else:
-                    self.tasks[rec.task_id] = IssuedTask(rec.task_id, int(rec.n_samples), ts)
+        for r in self.tasks_readers:
+            for rec, ts, partition, _ in r.read_located(timeout_s):
+                if isinstance(rec, Task):
+                    if rec.task_id in self.tasks:
+                        self.duplicate_tasks += 1
+                    else:
+                        self.tasks[rec.task_id] = IssuedTask(rec.task_id, int(rec.n_samples), ts, (r.topic, partition))
         for rec, _ in self.dlq_reader.read(timeout_s):
             self._dead_letter(rec)
         self.steps, self.torn_lines = parse_trained_log(self.trained_log.read_text()) if self.trained_log.exists() else ([], 0)

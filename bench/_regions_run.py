@@ -37,6 +37,7 @@ class Seen:
     """What the run has read back from Kafka so far."""
 
     rollouts: list[tuple[str, float, str, int]] = field(default_factory=list)  # node, ts s, task id, version
+    started: list[tuple[str, str, float, float]] = field(default_factory=list)  # node, task id, queued s, started s (its clock)
     inflight: list[tuple[str, float, float]] = field(default_factory=list)  # node, ts s, rollouts in flight
     node_version: list[tuple[str, float, int]] = field(default_factory=list)  # node, ts s, applied version
     manifests: dict[int, PolicyVersion] = field(default_factory=dict)
@@ -178,6 +179,8 @@ class RegionsRun:
             elif isinstance(rec, Trajectory):
                 v = max((int(seg.versions.max()) for seg in rec.segments if len(seg.versions)), default=-1)
                 self.seen.rollouts.append((rec.node.node_id, ts / 1000, rec.task_id, v))
+                self.seen.started.append((rec.node.node_id, rec.task_id, rec.timings.queued_at / 1000,
+                                          rec.timings.started_at / 1000))
         for rec, _ in self.r_metrics.read(10.0):
             if isinstance(rec, Metric) and rec.component == "raas":
                 if rec.name == "inflight":
@@ -295,6 +298,18 @@ class RegionsRun:
         self.ledger.refresh()
 
     # ---- figures ---------------------------------------------------------------------------------
+
+    def save_raw(self, path: Path) -> None:
+        """What the figures are computed from (the seen records, marks, calibration, issued tasks),
+        so that they can be computed again from a finished run."""
+        import pickle
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(pickle.dumps({"seen": self.seen, "marks": self.marks, "calib": self.calib,
+                                       "wan_bytes": self.wan_bytes, "args": vars(self.a), "exp": self.exp,
+                                       "tasks": self.ledger.tasks, "logs": {n: (self.work / "logs" / f"{n}.log").read_text(errors="replace")
+                                                                            for n, _, _ in self.node_specs
+                                                                            if (self.work / "logs" / f"{n}.log").exists()}}))
 
     def report(self) -> dict:
         from _regions_report import build

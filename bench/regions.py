@@ -65,7 +65,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--snapshot-every", type=int, default=5, help="trainer: a snapshot every N versions")
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--max-ahead", type=int, default=24, help="curator: tasks ahead of the trainer")
+    ap.add_argument("--max-ahead", type=int, default=48,
+                    help="curator: tasks ahead of the trainer; enough to cover every node's rate x refill delay "
+                         "(the placement's reserves) and what the nodes hold, or some node runs short")
     ap.add_argument("--inflight", type=int, default=8, help="node: rollouts in flight")
     ap.add_argument("--prefetch", type=int, default=4, help="node: tasks fetched ahead")
     ap.add_argument("--via", choices=("wan", "mm2"), default="wan",
@@ -112,6 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
         stop.set()
         follower.join(timeout=10)
         run.close_links()
+        run.save_raw(Path(a.json or Path(__file__).parent / "results" / "regions.json").with_suffix(".raw.pickle"))
         report = run.report()
     finally:
         stop.set()

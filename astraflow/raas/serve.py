@@ -24,6 +24,7 @@ def serve_node(cfg: AstraflowConfig, experiment: str, policies: dict[str, str], 
                seed: int | None = None, tokenizer: str | None = None,
                tool_latency: dict[str, tuple[float, float]] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log.info("node starting (modules imported)")  # the start-up's parts are timed from these lines
     # The operator creates the topics (`astraflow topics create`); checked before loading any model.
     needed = role_topics("raas", experiment, list(policies))
     if tasks_region:
@@ -42,6 +43,7 @@ def serve_node(cfg: AstraflowConfig, experiment: str, policies: dict[str, str], 
     elif backend == "vllm":
         opts = {"seed": seed}
     backends = {name: create_backend(backend, name, target, **opts) for name, target in policies.items()}
+    log.info("backends built: %s", ", ".join(backends))
     followers: list = []
     prometheus = None
     try:
