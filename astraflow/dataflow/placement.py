@@ -41,11 +41,16 @@ latencies (by Little's law backlog / rate is the mean latency, so latencies cann
 starved by its link from one with a queue), at most `max_delay_s`, and not counted for a partition
 whose rate is at the floor (a dead node's partition gets no reserve). Placement only chooses the
 partition: how many tasks are outstanding in all is the caller's count (the curator's max-ahead),
-exactly as before. When that total is smaller than the partitions' rate x D together, some node
+exactly as before. When that total is smaller than the nodes' speed x D together, some node
 runs short whatever the choice: the partitions furthest below their reserve in time are filled
 first, then, among equals, the one where a task would be done soonest ((backlog + 1) / rate -
-delay), which keeps the most tasks moving (in tests/unit/test_task_placement.py's simulation the
-slowest node is the one left short); raise max-ahead so that it covers them.
+delay), which keeps the most tasks moving (in tests/unit/test_task_placement.py's simulations the
+node left short is the slowest one, or the one behind the longest delay). The placement cannot see
+that shortfall itself, nor share it out in proportion: a rate is measured from commits, so a
+node short of work shows a lower rate, and its rate x D shrinks with it (scaling the reserves down
+when the tasks held do not cover their sum was tried in that simulation and changed nothing: the
+sum of measured rate x D never exceeded them). So max-ahead must cover every node's speed x its
+delay, plus what the nodes hold in flight (bench/regions.py runs with 48).
 
 Pure: the caller measures (end offsets, committed offsets, refill delays, the time) and applies the choice.
 """

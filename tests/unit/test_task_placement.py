@@ -140,6 +140,29 @@ def test_without_the_refill_delay_a_node_behind_a_slow_link_runs_dry():
     assert sim.idle[2] - idle[2] > 0.25 * 120 / 0.2
 
 
+def test_max_ahead_must_cover_every_nodes_speed_times_its_refill_delay():
+    """The rule bench/regions.py's --max-ahead follows: the tasks outstanding must cover each
+    node's speed x its refill delay together (here 3 x 1.2 + 1 x 1.2 + 3 x 2.2 = 11.4). With 8
+    the WAN node is short of work and below its share (its measured rate, its throughput, falls
+    with it, so the placement cannot tell: the sum of measured rate x delay stays under 8); with
+    20 every node gets its share and none is idle."""
+    owners = {p: p % 3 for p in range(12)}
+    got, idle = {}, {}
+    for outstanding in (8, 20):
+        sim = Sim(owners, {0: 3.0, 1: 1.0, 2: 3.0}, outstanding=outstanding, delays={0: 1.0, 1: 1.0, 2: 2.0})
+        sim.run(60)
+        before, idle_before = dict(sim.by_node), dict(sim.idle)
+        sim.run(120)
+        got[outstanding] = shares({n: sim.by_node[n] - before[n] for n in sim.by_node})
+        idle[outstanding] = {n: (sim.idle[n] - idle_before[n]) / (120 / 0.2) for n in sim.idle}
+        if outstanding == 8:
+            assert sum(sim.pl.rate_of(p) * sim.pl.reserve_s(p) for p in range(12)) < outstanding
+    assert got[8][2] < 0.7 * 3 / 7 and idle[8][2] > 0.25, (got, idle)
+    for node, expected in {0: 3 / 7, 1: 1 / 7, 2: 3 / 7}.items():
+        assert abs(got[20][node] - expected) / expected < 0.15, got
+        assert idle[20][node] <= 0.05, idle
+
+
 def test_a_dead_partition_gets_no_new_tasks():
     pl = Placement(3, tau_s=2.0)
     written, committed = {0: 0, 1: 0, 2: 0}, {0: 0, 1: 0, 2: 0}
