@@ -17,6 +17,88 @@ def _r(x: float | None, nd: int = 2) -> float | None:
     return None if x is None else round(x, nd)
 
 
+Where = tuple[str, int]  # (tasks topic, partition)
+
+
+def owners(starts: list[tuple[str, Where, float]]) -> dict[Where, list[tuple[float, str]]]:
+    """Who owned each partition when: (start time, node) of the rollouts started from it, in time
+    order (a node owns a partition from its first start there until another node starts one)."""
+    out: dict[Where, list[tuple[float, str]]] = {}
+    for node, where, t in starts:
+        out.setdefault(where, []).append((t, node))
+    for v in out.values():
+        v.sort()
+    return out
+
+
+def owner_at(by_part: dict[Where, list[tuple[float, str]]], where: Where, t: float) -> str | None:
+    """The node that started the last rollout of `where` at or before t (before any: the first one)."""
+    seq = by_part.get(where)
+    if not seq:
+        return None
+    i = bisect.bisect_right(seq, (t, "\uffff")) - 1
+    return seq[max(i, 0)][1]
+
+
+def transit_s(node: str, starts: list[tuple[str, str, float]], written: dict[str, float]) -> float:
+    """The shortest time from a task's write to its start on `node` (`starts`: node, task id, start):
+    what crossing to the node takes when nothing queues (a WAN's one way, a mirror's delivery); at
+    least 0."""
+    gaps = [t - written[tid] for n, tid, t in starts if n == node and tid in written]
+    return max(0.0, min(gaps)) if gaps else 0.0
+
+
+def idle_while_waiting(node: str, samples: list[tuple[float, float]], tasks: list[tuple[Where, float, float]],
+                       by_part: dict[Where, list[tuple[float, str]]], transit: float) -> float:
+    """The fraction of the node's metric samples (time, rollouts in flight) at which it had nothing in
+    flight while a task it could take was waiting: in a partition it owned then, written at least
+    `transit` before (arrived, not in transit), not started by anyone yet. Tasks in other nodes'
+    partitions, in flight elsewhere or still crossing do not count. `tasks`: (where, written,
+    first start or inf)."""
+    if not samples:
+        return 0.0
+
+    def waiting(t: float) -> bool:
+        return any(w + transit <= t < st and owner_at(by_part, where, t) == node for where, w, st in tasks)
+
+    return sum(1 for t, v in samples if v == 0 and waiting(t)) / len(samples)
+
+
+STARTUP = (("imports", "node starting"), ("backends", "backends built"), ("caught_up", "caught up in"),
+           ("assigned", "assigned ["))
+
+
+def startup_parts(log_text: str, since: float, first_start: float | None, first_rollout: float | None) -> dict[str, float | None]:
+    """A node's start after `since` (epoch s, when its process was started) in parts, from its log's
+    lines (the first of each kind after `since`) and its first rollout's start and end: process
+    start to modules imported, to backends built (the model), to caught up with the newest weights
+    (the snapshot and deltas pulled), to its tasks partitions assigned (the group join), to its
+    first rollout started, to that rollout written. A part whose line is missing is None (the next
+    part includes its time)."""
+    import datetime as dt
+
+    marks: dict[str, float] = {}
+    for line in log_text.splitlines():
+        try:
+            t = dt.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        except ValueError:
+            continue
+        if t < since:
+            continue
+        for name, text in STARTUP:
+            if name not in marks and text in line and not line.rstrip().endswith("[]"):
+                marks[name] = t
+    seq = [("start", since), *((n, marks.get(n)) for n, _ in STARTUP), ("first_start", first_start),
+           ("first_rollout", first_rollout)]
+    out: dict[str, float | None] = {}
+    prev = since
+    for (name, t) in seq[1:]:
+        out[f"to_{name}"] = None if t is None or prev is None else round(t - prev, 2)
+        prev = t if t is not None else prev
+    out["total"] = None if first_rollout is None else round(first_rollout - since, 2)
+    return out
+
+
 def build(run: RegionsRun) -> dict[str, Any]:
     seen, m, a = run.seen, run.marks, run.a
     t0, t1 = m["mixed_start"], m["mixed_end"]
@@ -31,9 +113,15 @@ def build(run: RegionsRun) -> dict[str, Any]:
         first_rollout[tid] = min(ts, first_rollout.get(tid, float("inf")))
     issued_sorted = sorted(issued_at.items(), key=lambda kv: kv[1])
 
-    def waiting(t: float) -> int:
-        """Tasks issued by t whose first trajectory came after t (waiting or in flight)."""
-        return sum(1 for tid, at in issued_sorted if at <= t and first_rollout.get(tid, float("inf")) > t)
+    # idle: exact, per node (see idle_while_waiting): a task's partition, write and first start
+    first_start: dict[str, float] = {}
+    for _, tid, _, st in seen.started:
+        first_start[tid] = min(st, first_start.get(tid, float("inf")))
+    where_of = {t.task_id: t.where for t in run.ledger.tasks.values() if t.where is not None}
+    located = [(n, where_of[tid], st) for n, tid, _, st in seen.started if tid in where_of]
+    by_part = owners(located)
+    tasks = [(where_of[tid], at, first_start.get(tid, float("inf"))) for tid, at in issued_sorted
+             if tid in where_of and at <= t1 and first_start.get(tid, float("inf")) >= t0]
 
     nodes = []
     for name, region, slowed in run.node_specs:
@@ -41,12 +129,13 @@ def build(run: RegionsRun) -> dict[str, Any]:
         share = n / mixed_total
         expected = alone[name] / total_alone if name in alone else None  # None: not calibrated (--no-calibrate)
         samples = [(ts, v) for node, ts, v in seen.inflight if node == name and t0 <= ts < t1]
-        idle = [ts for ts, v in samples if v == 0 and waiting(ts) > 0]
+        transit = transit_s(name, [(n, tid, st) for n, tid, _, st in seen.started], issued_at)
         nodes.append({"node": name, "region": region, "slowed_cpus": a.slow_cpus if slowed else None,
                       "alone_rps": _r(alone.get(name)), "rel_speed": _r(alone[name] / fastest) if name in alone else None,
                       "mixed_rps": _r(n / (t1 - t0)), "share": _r(share), "expected_share": _r(expected),
                       "share_dev": None if expected is None else _r((share - expected) / expected if expected else 0.0),
-                      "idle_while_waiting": _r(len(idle) / len(samples) if samples else 0.0),
+                      "idle_while_waiting": _r(idle_while_waiting(name, samples, tasks, by_part, transit)),
+                      "transit_s": _r(transit), "inflight_samples": len(samples),
                       "error_trajectories": seen.errors.get(name, 0)})
 
     # Weights: payload per version by kind; the WAN's bytes over the mixed phase per version.
@@ -120,6 +209,9 @@ def build(run: RegionsRun) -> dict[str, Any]:
             figs[f"{what}_{node}_longest_task_wait_s"] = _r(longest_task_wait(first_rollout, issued_at, t_ev), 1)
             firsts = [ts for n, ts, _, _ in seen.rollouts if n == node and ts > t_join]
             figs[f"join_{node}_first_rollout_s"] = _r(min(firsts) - t_join if firsts else None, 1)
+            starts = [st for n, _, _, st in seen.started if n == node and st > t_join]
+            figs[f"join_{node}_startup_s"] = startup_parts(run.node_log(node), t_join, min(starts) if starts else None,
+                                                           min(firsts) if firsts else None)
             wins = rate_windows([ts for _, ts, _, _ in seen.rollouts], t_join, end)
             back = next((w for w, rps in wins if rps >= 0.9 * base), None)
             figs[f"join_{node}_throughput_back_s"] = _r(back - t_join if back else None, 1)

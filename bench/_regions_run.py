@@ -299,6 +299,10 @@ class RegionsRun:
 
     # ---- figures ---------------------------------------------------------------------------------
 
+    def node_log(self, name: str) -> str:
+        path = self.work / "logs" / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
     def save_raw(self, path: Path) -> None:
         """What the figures are computed from (the seen records, marks, calibration, issued tasks),
         so that they can be computed again from a finished run."""
@@ -307,9 +311,7 @@ class RegionsRun:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(pickle.dumps({"seen": self.seen, "marks": self.marks, "calib": self.calib,
                                        "wan_bytes": self.wan_bytes, "args": vars(self.a), "exp": self.exp,
-                                       "tasks": self.ledger.tasks, "logs": {n: (self.work / "logs" / f"{n}.log").read_text(errors="replace")
-                                                                            for n, _, _ in self.node_specs
-                                                                            if (self.work / "logs" / f"{n}.log").exists()}}))
+                                       "tasks": self.ledger.tasks, "logs": {n: self.node_log(n) for n, _, _ in self.node_specs}}))
 
     def report(self) -> dict:
         from _regions_report import build
