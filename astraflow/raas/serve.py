@@ -42,7 +42,14 @@ def serve_node(cfg: AstraflowConfig, experiment: str, policies: dict[str, str], 
         opts = {"tokenizer": tokenizer}
     elif backend == "vllm":
         opts = {"seed": seed}
-    backends = {name: create_backend(backend, name, target, **opts) for name, target in policies.items()}
+    # the weights are fetched while the model is built (over a WAN a snapshot takes seconds)
+    readers = prefetch_followers(cfg, experiment, list(policies)) if follow_weights and backend != "openai" else {}
+    try:
+        backends = {name: create_backend(backend, name, target, **opts) for name, target in policies.items()}
+    except BaseException:
+        for r in readers.values():
+            r.close()
+        raise
     log.info("backends built: %s", ", ".join(backends))
     followers: list = []
     prometheus = None
@@ -50,7 +57,7 @@ def serve_node(cfg: AstraflowConfig, experiment: str, policies: dict[str, str], 
         if follow_weights and backend == "openai":
             log.info("openai backend: the server manages its weights; not following the weights topics")
         elif follow_weights:
-            followers = start_followers(cfg, experiment, backends)
+            followers = start_followers(cfg, experiment, backends, readers)
             if followers:  # join the tasks group only with the newest weights (raas.catch_up_timeout_s)
                 from astraflow.raas.weight_follower import wait_caught_up
 
@@ -110,11 +117,21 @@ def _prometheus(experiment: str, node: RaasNode):
     return endpoint
 
 
-def start_followers(cfg: AstraflowConfig, experiment: str, backends: dict) -> list:
-    """Starts one weight follower per policy; returns objects with `stop()` (empty until available)."""
+def prefetch_followers(cfg: AstraflowConfig, experiment: str, policies: list[str]) -> dict:
+    """Weight readers positioned at each policy's newest snapshot, fetching while the model is built."""
+    try:
+        from astraflow.raas.weight_follower import prefetch_weights
+    except ImportError:
+        return {}
+    return prefetch_weights(cfg, experiment, policies)
+
+
+def start_followers(cfg: AstraflowConfig, experiment: str, backends: dict, readers: dict | None = None) -> list:
+    """Starts one weight follower per policy (on `readers` from `prefetch_followers`, when given);
+    returns objects with `stop()` (empty until available)."""
     try:
         from astraflow.raas.weight_follower import start_weight_followers
     except ImportError:
         log.warning("weight following unavailable in this build; serving initial weights only")
         return []
-    return start_weight_followers(cfg, experiment, backends)
+    return start_weight_followers(cfg, experiment, backends, readers)

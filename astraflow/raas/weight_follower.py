@@ -8,6 +8,11 @@ payload against the backend's model (`weight_layout()`: tensor names, shapes, dt
 `weights` section of the config (allowed store locations, size bounds); a refused version is
 dead-lettered and counted, and the backend keeps serving the last good one.
 
+`prefetch_weights` positions each policy's reader before the node builds its model: the Kafka
+client fetches the newest snapshot and the deltas after it in the background meanwhile (over a
+WAN, a snapshot takes seconds at the link's cap), and the follower applies them from memory once
+the backend is up (`start_weight_followers(..., readers)`).
+
 `wait_caught_up` holds a starting node back until its backends serve the newest version that
 was published when it started (rule 3 and the staleness bound: a node does not answer tasks
 with the weights it booted with while the trainer is far ahead).
@@ -24,7 +29,7 @@ from astraflow.errors import KafkaLayerError
 from astraflow.kafka.topics import Topics
 from astraflow.raas.backends.base import InferenceBackend
 from astraflow.weights.chain import ApplyStatus
-from astraflow.weights.follow import KafkaWeightFollower
+from astraflow.weights.follow import KafkaWeightFollower, WeightFollower
 from astraflow.weights.layout import ModelLayout
 from astraflow.weights.verify import FollowLimits
 from astraflow.weights.versions import latest_policy_version
@@ -36,21 +41,30 @@ class BackendWeightFollower:
     """Follows one policy's weights topic in a background thread and updates its backend."""
 
     def __init__(self, cfg: AstraflowConfig, experiment: str, policy: str, backend: InferenceBackend,
-                 requester: str = "raas") -> None:
+                 requester: str = "raas", reader: KafkaWeightFollower | None = None) -> None:
+        """`reader`: one `prefetch_weights` started and nothing has polled yet (its fetched records
+        wait in the client); it gets the backend's layout here. Else a new one, started by `start`."""
         self.backend = backend
         layout_of = getattr(backend, "weight_layout", None)
         layout: ModelLayout | None = layout_of() if layout_of is not None else None
         if layout is None:
             log.warning("backend %s does not expose its model's layout: weights of %s are checked for size and "
                         "checksums only", backend.name, policy)
-        self.follower = KafkaWeightFollower(cfg.kafka, experiment, policy, requester=requester,
-                                            limits=FollowLimits.from_settings(cfg.weights), layout=layout)
+        limits = FollowLimits.from_settings(cfg.weights)
+        if reader is None:
+            self.follower = KafkaWeightFollower(cfg.kafka, experiment, policy, requester=requester, limits=limits,
+                                                layout=layout)
+        else:  # nothing fed yet: its chain starts empty, now checked against the model
+            reader.follower = WeightFollower(policy, limits=limits, layout=layout)
+            self.follower = reader
+        self._started = reader is not None
         self.applied = 0  # versions handed to the backend
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"weights-{policy}", daemon=True)
 
     def start(self) -> BackendWeightFollower:
-        self.follower.start()
+        if not self._started:
+            self.follower.start()
         self._thread.start()
         return self
 
@@ -85,8 +99,23 @@ class BackendWeightFollower:
         self.follower.close()
 
 
-def start_weight_followers(cfg: AstraflowConfig, experiment: str, backends: dict[str, InferenceBackend]) -> list[BackendWeightFollower]:
-    return [BackendWeightFollower(cfg, experiment, policy, b).start() for policy, b in backends.items()]
+def prefetch_weights(cfg: AstraflowConfig, experiment: str, policies: list[str],
+                     requester: str = "raas") -> dict[str, KafkaWeightFollower]:
+    """A reader per policy, positioned at its newest snapshot, so that the Kafka client fetches
+    the weights while the model is built; hand them to `start_weight_followers`."""
+    readers: dict[str, KafkaWeightFollower] = {}
+    for policy in policies:
+        readers[policy] = KafkaWeightFollower(cfg.kafka, experiment, policy, requester=requester,
+                                              limits=FollowLimits.from_settings(cfg.weights))
+        readers[policy].start()
+    return readers
+
+
+def start_weight_followers(cfg: AstraflowConfig, experiment: str, backends: dict[str, InferenceBackend],
+                           readers: dict[str, KafkaWeightFollower] | None = None) -> list[BackendWeightFollower]:
+    readers = readers or {}
+    return [BackendWeightFollower(cfg, experiment, policy, b, reader=readers.get(policy)).start()
+            for policy, b in backends.items()]
 
 
 def wait_caught_up(cfg: AstraflowConfig, experiment: str, backends: dict[str, InferenceBackend], timeout_s: float,
