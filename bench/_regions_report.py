@@ -198,23 +198,26 @@ def build(run: RegionsRun) -> dict[str, Any]:
         "publish_to_live_b_s_delta_median": _r(statistics.median(live_d)) if live_d else None,
         "publish_to_live_b_s_snapshot_median": _r(statistics.median(live_s)) if live_s else None,
     }
-    if "elastic_end" in m:
-        base = mixed_total / (t1 - t0)
-        events = EVENTS[a.via]
-        for i, (what, node) in enumerate(events):
-            t_ev, t_join = m[f"{what}_{node}"], m[f"join_{node}"]
-            end = m[f"{events[i + 1][0]}_{events[i + 1][1]}"] if i + 1 < len(events) else m["elastic_end"]
-            before = [v for n, ts, v in seen.inflight if n == node and ts <= t_ev]
-            figs[f"{what}_{node}_inflight_before"] = before[-1] if before else None
-            figs[f"{what}_{node}_longest_task_wait_s"] = _r(longest_task_wait(first_rollout, issued_at, t_ev), 1)
-            firsts = [ts for n, ts, _, _ in seen.rollouts if n == node and ts > t_join]
-            figs[f"join_{node}_first_rollout_s"] = _r(min(firsts) - t_join if firsts else None, 1)
-            starts = [st for n, _, _, st in seen.started if n == node and st > t_join]
-            figs[f"join_{node}_startup_s"] = startup_parts(run.node_log(node), t_join, min(starts) if starts else None,
-                                                           min(firsts) if firsts else None)
-            wins = rate_windows([ts for _, ts, _, _ in seen.rollouts], t_join, end)
-            back = next((w for w, rps in wins if rps >= 0.9 * base), None)
-            figs[f"join_{node}_throughput_back_s"] = _r(back - t_join if back else None, 1)
+    base = mixed_total / (t1 - t0)
+    events = EVENTS[a.via]
+    last_seen = max((ts for _, ts, _, _ in seen.rollouts), default=t1)
+    for i, (what, node) in enumerate(events):  # those that ran (a run stopped by a deadline: not all)
+        if f"join_{node}" not in m:
+            continue
+        t_ev, t_join = m[f"{what}_{node}"], m[f"join_{node}"]
+        nxt = f"{events[i + 1][0]}_{events[i + 1][1]}" if i + 1 < len(events) else "elastic_end"
+        end = m.get(nxt, last_seen)
+        before = [v for n, ts, v in seen.inflight if n == node and ts <= t_ev]
+        figs[f"{what}_{node}_inflight_before"] = before[-1] if before else None
+        figs[f"{what}_{node}_longest_task_wait_s"] = _r(longest_task_wait(first_rollout, issued_at, t_ev), 1)
+        firsts = [ts for n, ts, _, _ in seen.rollouts if n == node and ts > t_join]
+        figs[f"join_{node}_first_rollout_s"] = _r(min(firsts) - t_join if firsts else None, 1)
+        starts = [st for n, _, _, st in seen.started if n == node and st > t_join]
+        figs[f"join_{node}_startup_s"] = startup_parts(run.node_log(node), t_join, min(starts) if starts else None,
+                                                       min(firsts) if firsts else None)
+        wins = rate_windows([ts for _, ts, _, _ in seen.rollouts], t_join, end)
+        back = next((w for w, rps in wins if rps >= 0.9 * base), None)
+        figs[f"join_{node}_throughput_back_s"] = _r(back - t_join if back else None, 1)
     tally = run.ledger.tally(list(run.ledger.tasks.values()))
     figs.update(tasks_issued=tally.tasks_issued, tasks_trained=tally.tasks_trained, samples_lost=tally.lost,
                 samples_dead_lettered=tally.accounted, samples_trained_twice=tally.trained_twice)

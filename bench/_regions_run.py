@@ -296,6 +296,7 @@ class RegionsRun:
             self.wait(2.0)
         self.refresh()
         self.ledger.refresh()
+        self.marks["drained"] = time.time()
 
     # ---- figures ---------------------------------------------------------------------------------
 

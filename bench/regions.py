@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     run = RegionsRun(a, f"regions-{uuid.uuid4().hex[:8]}")
     stop = threading.Event()
+    out = Path(a.json or Path(__file__).parent / "results" / "regions.json")
+    report: dict | None = None
     try:
         run.setup()
         follower = threading.Thread(target=run.follow_wan, args=(stop,), daemon=True)
@@ -113,13 +115,17 @@ def main(argv: list[str] | None = None) -> dict:
         run.drain()
         stop.set()
         follower.join(timeout=10)
-        run.close_links()
-        run.save_raw(Path(a.json or Path(__file__).parent / "results" / "regions.json").with_suffix(".raw.pickle"))
-        report = run.report()
     finally:
         stop.set()
-        run.close()
-    out = Path(a.json or Path(__file__).parent / "results" / "regions.json")
+        try:
+            if "mixed_end" in run.marks:  # stopped later (a deadline): the figures of what was run
+                run.close_links()
+                run.save_raw(out.with_suffix(".raw.pickle"))
+                report = run.report()
+                report["completed"] = "drained" in run.marks
+        finally:
+            run.close()
+    assert report is not None
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")  # before printing: the figures are kept whatever happens
     print_table(report)
