@@ -89,9 +89,8 @@ class PipelineSpec:
 
 def node_role(exp: str, spec: PipelineSpec, env: dict[str, str], index: int) -> Role:
     """RaaS node `raas-<index>` (1-based): `node_inflight` decode rows and up to `n_samples - 1`
-    rollouts beyond them (a node counts samples and starts a group once all its n fit: so a group
-    starts while one row is free and its other samples wait in the engine for the next free rows,
-    which keeps every row busy when groups end at different times)."""
+    rollouts beyond them, waiting in the engine, so a row that frees is refilled in the same step
+    without waiting for the node's turnaround (docs/raas.md, "How many rollouts a node runs")."""
     return Role(f"raas-{index}", [*PY, "raas", "serve", "-e", exp, "-p", f"policy={spec.model_dir}", "--max-inflight",
                                   str(spec.node_inflight + spec.n_samples - 1), "--max-batch", str(spec.node_inflight),
                                   "--prefetch",

@@ -90,12 +90,4 @@ def admit(task: Task, limits: RaasSettings, served: Collection[str]) -> Admitted
     return AdmittedTask(task, workflow)
 
 
-def fits(running: int, n_samples: int, max_inflight: int) -> bool:
-    """Whether a task of `n_samples` rollouts may start on a node running `running` of at most
-    `max_inflight`: when all its samples fit beside them, or, for a task larger than the node,
-    when nothing runs (it then runs alone). Samples are counted, not tasks, so a node never runs
-    more than `max_inflight` rollouts at once (except that lone larger task)."""
-    return running == 0 or running + n_samples <= max_inflight
-
-
-__all__ = ["MAX_ID_CHARS", "AdmittedTask", "InvalidTaskError", "admit", "check_task", "fits"]
+__all__ = ["MAX_ID_CHARS", "AdmittedTask", "InvalidTaskError", "admit", "check_task"]

@@ -1,10 +1,13 @@
 """The RaaS node: pull tasks from the shared consumer group, run workflows, publish trajectories.
 
 Guarantees (DESIGN.md, "RaaS node"):
-- at most `max_inflight` rollouts run: samples are counted, and a task of n samples starts, in
-  the order fetched, when its n fit beside the running ones (`admission.fits`; one larger than
-  `max_inflight` starts alone, when none runs), so the engine never queues rollouts behind its
-  rows and a group's n requests reach it together (its prompt is prefilled once); tasks fetched
+- at most `max_inflight` rollouts run: samples are counted, not tasks. Tasks start in the order
+  fetched, once a rollout slot is free and every sample of the tasks started before has a slot;
+  a task's samples start one by one as slots free (the first at once, each next one in the slot
+  of a rollout that ends), so a node never holds a slot empty while a started group still has
+  samples to run, and the engine never queues rollouts behind its rows (with `max_inflight` at
+  most its rows). The group's later samples find its prompt in the engine's cache (the first
+  sample's slot) and copy it instead of prefilling it again; tasks fetched
   beyond that wait in a small local buffer (`prefetch` tasks, uncommitted, so a crash redelivers them); while that buffer is full the
   node stops fetching, and once it has been full for `PAUSE_AFTER_S` it pauses its partitions
   and polls again, so a rollout that takes minutes never costs it its group membership. (A
@@ -51,7 +54,7 @@ from astraflow.kafka.offsets import OffsetTracker
 from astraflow.kafka.received import DeadLetterWriter, Received
 from astraflow.kafka.task_placer import commit_metadata
 from astraflow.kafka.topics import Topics
-from astraflow.raas.admission import InvalidTaskError, admit, fits
+from astraflow.raas.admission import InvalidTaskError, admit
 from astraflow.raas.agent_api.server import AgentEndpoint
 from astraflow.raas.backends.base import InferenceBackend
 from astraflow.raas.guard import error_trajectory, run_workflow
@@ -108,6 +111,8 @@ class RaasNode:
         self.rollouts_failed = 0  # ERROR trajectories (workflow raised, timed out or returned garbage)
         self._stop = asyncio.Event()
         self._slot_freed = asyncio.Event()  # a rollout ended: the main loop starts a buffered task at once
+        # Samples of started tasks waiting for a rollout slot, in order: a rollout that ends hands its slot on.
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
         self._paused = False
         self._full_since: float | None = None  # when the local buffer last became full
         self._pending: collections.deque[Received[Task]] = collections.deque()  # fetched, not started
@@ -176,7 +181,7 @@ class RaasNode:
                     # Full for a moment: fetch nothing, keep what librdkafka holds, and wake as soon
                     # as a rollout ends so that its slot is refilled from the buffer at once.
                     await self._wait_slot(timeout)
-                elif self._pending and not fits(self.inflight, self._pending[0].record.n_samples, self.s.max_inflight):
+                elif self._pending and not self._can_start():
                     # Buffered tasks wait for a slot: top the buffer up without blocking, then wake
                     # as soon as a rollout ends (a blocking poll held a freed slot empty until it
                     # returned: up to its timeout once the topic has nothing more).
@@ -223,9 +228,14 @@ class RaasNode:
             self.consumer.resume_all()
             self._paused = False
 
+    def _can_start(self) -> bool:
+        """Whether the next buffered task may start: a rollout slot is free and every sample of the
+        tasks started before has one."""
+        return not self._waiting and self.inflight < self.s.max_inflight
+
     def _start_ready(self) -> None:
-        """Starts buffered tasks, in order, while the next one fits (`admission.fits`); a task that
-        fails admission is refused at once, whatever its size."""
+        """Starts buffered tasks, in order, while `_can_start`; a task that fails admission is
+        refused at once, whatever its size."""
         while self._pending:
             rec = self._pending[0]
             if self._head is None or self._head[0] is not rec:
@@ -235,7 +245,7 @@ class RaasNode:
                     self._pending.popleft()
                     self._refuse(rec, exc)
                     continue
-            if not fits(self.inflight, rec.record.n_samples, self.s.max_inflight):
+            if not self._can_start():
                 return
             workflow = self._head[1]
             self._pending.popleft()
@@ -251,17 +261,26 @@ class RaasNode:
         self.tasks_refused += 1
 
     def _start_task(self, rec: Received[Task], workflow: Workflow) -> None:
+        """Starts the task's samples that have a free slot; the others wait in `_waiting`, in order."""
         epoch = self.offsets.received((rec.topic, rec.partition), rec.offset)
-        self.inflight += rec.record.n_samples
-        t = asyncio.create_task(self._serve(rec, workflow, epoch))
+        n = rec.record.n_samples
+        now = min(n, self.s.max_inflight - self.inflight)
+        self.inflight += now
+        loop = asyncio.get_running_loop()
+        grants: list[asyncio.Future[None] | None] = [None] * now + [loop.create_future() for _ in range(n - now)]
+        self._waiting.extend(g for g in grants if g is not None)
+        t = asyncio.create_task(self._serve(rec, workflow, epoch, grants))
         self._running.add(t)
         t.add_done_callback(self._running.discard)
 
-    async def _serve(self, rec: Received[Task], workflow: Workflow, epoch: int) -> None:
+    async def _serve(self, rec: Received[Task], workflow: Workflow, epoch: int,
+                     grants: list[asyncio.Future[None] | None]) -> None:
+        """Runs the task's samples (each once its grant is set: None, a slot from the start) and
+        publishes their trajectories; marks the task finished once all are acknowledged."""
         task = rec.record
         contexts = [RolloutContext(task, i, dict(self.backends), self.tools, self.node, agent_api=self.agent_api)
                     for i in range(task.n_samples)]
-        results = await asyncio.gather(*(self._rollout(ctx, workflow) for ctx in contexts))
+        results = await asyncio.gather(*(self._rollout(ctx, workflow, g) for ctx, g in zip(contexts, grants, strict=True)))
         # Delivery reports may be served by the commit thread's DLQ flush: appends only (thread-safe).
         reports: list[str | None] = []
         failed: list[str] = []
@@ -294,16 +313,33 @@ class RaasNode:
         self.offsets.finished((rec.topic, rec.partition), rec.offset, epoch)  # ignored if revoked meanwhile
         self.tasks_done += 1
 
-    async def _rollout(self, ctx: RolloutContext, workflow: Workflow) -> Trajectory:
+    async def _rollout(self, ctx: RolloutContext, workflow: Workflow, grant: asyncio.Future[None] | None = None) -> Trajectory:
+        if grant is not None:
+            try:
+                await grant  # a rollout that ended handed this sample its slot (`_release`)
+            except asyncio.CancelledError:
+                if grant.done() and not grant.cancelled():  # the slot came, the sample will not run
+                    self._release()
+                raise
         try:
             traj = await run_workflow(workflow, ctx, self.cfg.raas.rollout_timeout_s, self._workflows)
         finally:
-            self.inflight -= 1
-            self._slot_freed.set()
+            self._release()
         self.rollouts_done += 1
         self.rollouts_failed += traj.error is not None
         self.tokens_done += traj.num_tokens
         return traj
+
+    def _release(self) -> None:
+        """A rollout ended: its slot goes to the first waiting sample of a started task (one whose
+        rollout was cancelled meanwhile is skipped), else it is free for the next task."""
+        while self._waiting:
+            grant = self._waiting.popleft()
+            if not grant.done():
+                grant.set_result(None)
+                return
+        self.inflight -= 1
+        self._slot_freed.set()
 
     def _commit(self) -> None:
         """Commits finished tasks, blocking (rebalance callback, drain)."""

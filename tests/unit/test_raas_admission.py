@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from astraflow.config import RaasSettings
-from astraflow.raas.admission import InvalidTaskError, admit, check_task, fits
+from astraflow.raas.admission import InvalidTaskError, admit, check_task
 from astraflow.raas.workflows import WorkflowNotAllowedError, resolve_workflow
 from astraflow.raas.workflows.builtin import rlvr
 from astraflow.records import SamplingParams, Task
@@ -119,10 +119,3 @@ def test_each_value_outside_its_limit_is_refused_naming_field_and_limit(field: s
     _set(t, field, value)
     with pytest.raises(InvalidTaskError, match=f"{re.escape(field)}.*{re.escape(says)}"):
         check_task(t, LIMITS, SERVED)
-
-
-def test_a_task_starts_only_when_all_its_samples_fit() -> None:
-    assert fits(0, 8, 16) and fits(8, 8, 16) and fits(15, 1, 16)
-    assert not fits(15, 8, 16) and not fits(9, 8, 16) and not fits(16, 1, 16)
-    assert fits(0, 40, 16)  # larger than the node: alone, when nothing runs
-    assert not fits(1, 40, 16)

@@ -1,8 +1,10 @@
-"""Which buffered tasks a RaaS node starts: samples are counted against max_inflight, in order.
+"""Which buffered tasks a RaaS node starts: samples are counted against max_inflight, in order,
+and a started task's samples start one by one as rollout slots free.
 
 A node at max-inflight 16 with groups of 8 used to start a task whenever fewer than 16 rollouts
 ran, so one finished sample let 8 more in (23 requests on 16 engine rows, the rest queued in the
-engine). Here the node's rollouts are stand-ins that end when the test says so; no broker.
+engine); then it waited until all 8 fit, holding up to 7 slots empty meanwhile. Here the node's
+rollouts are stand-ins that end when the test says so; no broker.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ def _rec(offset: int, n: int) -> Received[Task]:
 
 
 class _Node:
-    """A RaasNode with only what starting tasks uses; each started task holds its samples until
-    `finish(offset, k)` ends k of them."""
+    """A RaasNode with only what starting tasks uses; each started task's samples run once they
+    have a slot, until `finish(offset, k)` ends k of its running ones."""
 
     def __init__(self, max_inflight: int, pending: list[Received[Task]]) -> None:
         node = RaasNode.__new__(RaasNode)
@@ -33,28 +35,40 @@ class _Node:
         node.backends = {"policy": object()}
         node.offsets, node.inflight, node.tasks_refused = OffsetTracker(), 0, 0
         node._pending, node._head, node._running = collections.deque(pending), None, set()
+        node._waiting, node._slot_freed = collections.deque(), SimpleNamespace(set=lambda: None)
         self.refused: list[int] = []
         node.consumer = SimpleNamespace(dead_letter=lambda rec, exc: self.refused.append(rec.offset))
-        self.node, self.started, self.left = node, [], {}
+        self.node, self.started = node, []
+        self.running: collections.Counter[int] = collections.Counter()  # samples running, per task
         self.peak = 0
 
-        async def serve(rec, workflow, epoch) -> None:
+        async def serve(rec, workflow, epoch, grants) -> None:
             self.started.append(rec.offset)
-            self.peak = max(self.peak, node.inflight)
-            self.left[rec.offset] = rec.record.n_samples
+            for grant in grants:
+                if grant is None:
+                    self._run(rec.offset)
+                else:
+                    grant.add_done_callback(lambda g, o=rec.offset: g.cancelled() or self._run(o))
 
         node._serve = serve  # type: ignore[method-assign]
 
+    def _run(self, offset: int) -> None:
+        self.running[offset] += 1
+
     async def start(self) -> None:
         self.node._start_ready()
-        await asyncio.sleep(0)  # the started tasks' coroutines run
+        await asyncio.sleep(0)  # the started tasks' coroutines run, granted samples start
+        await asyncio.sleep(0)
+        assert sum(self.running.values()) == self.node.inflight  # every running sample holds a slot
+        self.peak = max(self.peak, self.node.inflight)
 
     def finish(self, offset: int, k: int) -> None:
-        self.left[offset] -= k
-        self.node.inflight -= k
+        for _ in range(k):
+            assert self.running[offset] > 0
+            self.running[offset] -= 1
+            self.node._release()
 
-
-def test_groups_start_when_all_their_samples_fit_in_order_and_bad_tasks_are_refused_at_once() -> None:
+def test_tasks_start_in_order_their_samples_one_by_one_as_slots_free_and_bad_tasks_are_refused_at_once() -> None:
     bad = _rec(3, 8)
     bad.record.n_samples = 0  # outside the limits: refused whatever room there is
     n = _Node(16, [_rec(0, 8), _rec(1, 8), _rec(2, 8), bad, _rec(4, 40), _rec(5, 1)])
@@ -62,25 +76,51 @@ def test_groups_start_when_all_their_samples_fit_in_order_and_bad_tasks_are_refu
     async def scenario() -> None:
         await n.start()
         assert n.started == [0, 1] and n.node.inflight == 16
-        n.finish(0, 1)  # one sample of task 0 ends: 15 run, 8 do not fit
+        n.finish(0, 1)  # one sample of task 0 ends: task 2 starts in its slot, 7 samples wait
         await n.start()
-        assert n.started == [0, 1] and n.node.inflight == 15
-        n.finish(0, 7)
-        await n.start()  # task 2 fits; the bad task behind it is refused at once; 40 samples wait
-        assert n.started == [0, 1, 2] and n.refused == [3] and n.node.tasks_refused == 1
-        assert n.node.inflight == 16 and [r.offset for r in n.node._pending] == [4, 5]
+        assert n.started == [0, 1, 2] and n.running[2] == 1 and n.node.inflight == 16 and len(n.node._waiting) == 7
+        # the bad task behind it is refused at once; task 4 waits: task 2 still has samples to start
+        assert n.refused == [3] and n.node.tasks_refused == 1 and [r.offset for r in n.node._pending] == [4, 5]
+        n.finish(0, 3)  # each slot that frees goes to task 2's next sample at once
+        await n.start()
+        assert n.running[2] == 4 and n.node.inflight == 16 and len(n.node._waiting) == 4 and n.started == [0, 1, 2]
         n.finish(1, 8)
-        await n.start()
-        assert n.started == [0, 1, 2]  # task 5 (1 sample) fits but waits its turn behind task 4
+        await n.start()  # task 2's last 4 samples, then task 4 (larger than the node) in the other 4 slots
+        assert n.running[2] == 8 and n.started == [0, 1, 2, 4] and n.running[4] == 4 and len(n.node._waiting) == 36
+        n.finish(0, 4)
         n.finish(2, 8)
-        await n.start()  # nothing runs: the task larger than the node starts alone
-        assert n.started == [0, 1, 2, 4] and n.node.inflight == 40 and [r.offset for r in n.node._pending] == [5]
-        n.finish(4, 40)
         await n.start()
-        assert n.started == [0, 1, 2, 4, 5] and not n.node._pending
+        assert n.running[4] == 16 and n.started == [0, 1, 2, 4]  # task 5 waits behind task 4's samples
+        for _ in range(3):
+            n.finish(4, 8)
+            await n.start()
+        assert n.running[4] == 16 and not n.node._waiting and n.started == [0, 1, 2, 4]
+        n.finish(4, 1)
+        await n.start()
+        assert n.started == [0, 1, 2, 4, 5] and not n.node._pending and n.node.inflight == 16
 
     asyncio.run(scenario())
-    assert n.peak == 40  # the lone larger task; at most 16 otherwise (checked step by step above)
+    assert n.peak == 16  # never more rollouts than max_inflight, even for the task larger than the node
+
+
+def test_a_cancelled_waiting_sample_is_skipped_and_its_slot_goes_to_the_next() -> None:
+    n = _Node(2, [_rec(0, 2), _rec(1, 3)])
+
+    async def scenario() -> None:
+        await n.start()
+        assert n.started == [0] and n.node.inflight == 2
+        n.finish(0, 1)
+        await n.start()
+        assert n.started == [0, 1] and n.running[1] == 1 and len(n.node._waiting) == 2
+        n.node._waiting[0].cancel()  # that sample's rollout was cancelled while it waited
+        n.finish(0, 1)
+        await n.start()
+        assert n.running[1] == 2 and not n.node._waiting and n.node.inflight == 2
+        n.finish(1, 2)
+        await n.start()
+        assert n.node.inflight == 0
+
+    asyncio.run(scenario())
 
 
 def test_a_rollout_ending_during_a_slow_commit_has_its_room_refilled_at_once() -> None:
@@ -97,7 +137,6 @@ def test_a_rollout_ending_during_a_slow_commit_has_its_room_refilled_at_once() -
 
     node.consumer.raw = SimpleNamespace(commit=commit)
     node.dlq = SimpleNamespace(count=0)
-    node._slot_freed = None
 
     async def scenario() -> None:
         node._slot_freed = asyncio.Event()
@@ -107,7 +146,6 @@ def test_a_rollout_ending_during_a_slow_commit_has_its_room_refilled_at_once() -
         commit_task = asyncio.create_task(node._commit_in_thread(start_meanwhile=True))
         await asyncio.sleep(0.05)
         n.finish(0, 8)
-        node._slot_freed.set()
         for _ in range(100):
             await asyncio.sleep(0.01)
             if n.started == [0, 1, 2]:
