@@ -41,11 +41,14 @@ def owner_at(by_part: dict[Where, list[tuple[float, str]]], where: Where, t: flo
 
 
 def transit_s(node: str, starts: list[tuple[str, str, float]], written: dict[str, float]) -> float:
-    """The shortest time from a task's write to its start on `node` (`starts`: node, task id, start):
-    what crossing to the node takes when nothing queues (a WAN's one way, a mirror's delivery); at
-    least 0."""
+    """How long a task may still be crossing to `node` (`starts`: node, task id, start): three
+    times the shortest time from a task's write to its start there. The shortest is one way (a
+    WAN's latency, a mirror's delivery), for a task written just as the node's fetch reached the
+    broker; one written just after that fetch's answer left waits for the next fetch: the answer's
+    way back, the next request's way there, and its own answer's way back, three one-way trips.
+    At least 0."""
     gaps = [t - written[tid] for n, tid, t in starts if n == node and tid in written]
-    return max(0.0, min(gaps)) if gaps else 0.0
+    return 3 * max(0.0, min(gaps)) if gaps else 0.0
 
 
 def idle_while_waiting(node: str, samples: list[tuple[float, float]], tasks: list[tuple[Where, float, float]],

@@ -38,10 +38,10 @@ def test_idle_counts_only_tasks_in_its_own_arrived_and_not_started():
     assert idle_while_waiting("n1", [], tasks, by, transit=0.0) == 0.0
 
 
-def test_transit_is_the_shortest_write_to_start():
+def test_transit_is_a_fetch_cycle_three_times_the_shortest_write_to_start():
     starts = [("b1", "t1", 10.4), ("b1", "t2", 20.2), ("a1", "t3", 30.0), ("b1", "unknown", 1.0)]
     written = {"t1": 10.0, "t2": 20.05, "t3": 30.01}
-    assert transit_s("b1", starts, written) == pytest.approx(0.15)
+    assert transit_s("b1", starts, written) == pytest.approx(0.45)
     assert transit_s("a1", starts, written) == 0.0  # clocks a little apart: never below 0
     assert transit_s("zz", starts, written) == 0.0
 
