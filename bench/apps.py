@@ -9,8 +9,10 @@ answers right so no group is filtered) go through
   transactions, DLQ and metrics;
 * ours, at-least-once: the same apps with `guarantee="at_least_once"` (Faust's own commits);
 * plain: two confluent-kafka loops that copy the bytes unchanged (consume -> produce, same
-  producer settings as ours: idempotent, acks=all, zstd; flush then commit every second), the
-  floor any Kafka app pays.
+  producer settings as ours: idempotent, acks=all, and the apps' codec, `--compression`,
+  snappy by default like `EngineSettings`; flush then commit every second), the floor any
+  Kafka app pays. The first stage of both sides reads `rollouts` as the rollout nodes write it
+  (zstd, `astraflow.kafka.clients`); each later stage reads what the stage before it wrote.
 
 Stages run one after another on an otherwise idle pipeline; a stage's time runs from its first
 record consumed until its consumer group's committed offsets cover all N inputs (polled every
@@ -31,7 +33,7 @@ first frame from the leaf that is not the event loop's or the standard library's
 encode/decode, the app's own work, Faust, aiokafka's producer or consumer, the engine, ...); the
 samples themselves stay in /tmp (their paths are printed).
 
-Usage: python bench/apps.py [--quick] [--json OUT] [--records N] [--tokens 4096] [--profile PY_SPY]
+Usage: python bench/apps.py [--quick] [--json OUT] [--records N] [--tokens 4096] [--compression snappy] [--profile PY_SPY]
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from astraflow.config import KafkaSettings, TopicSettings
 from astraflow.kafka.clients import RecordProducer, producer_config
 from astraflow.kafka.topics import TopicAdmin, Topics, TopicSpec, topic_specs
 from astraflow.serde import AvroSerde
-from stream_apps.engine import EngineSettings
+from stream_apps.engine import COMPRESSIONS, EngineSettings
 from stream_apps.launch import AppOptions, build_worker
 
 write_json = _common.write_json
@@ -169,11 +171,11 @@ class Finish:
         return self.at
 
 
-def plain_stage(kafka: KafkaSettings, src: str, dst: str, n: int, serde: AvroSerde, cpu: StageCpu) -> float:
-    """Copies n records src -> dst with a bare confluent-kafka loop; returns seconds."""
+def plain_stage(kafka: KafkaSettings, src: str, dst: str, n: int, serde: AvroSerde, codec: str, cpu: StageCpu) -> float:
+    """Copies n records src -> dst with a bare confluent-kafka loop writing `codec`; returns seconds."""
     group = f"bench-plain-{uuid.uuid4().hex}"
     done = Finish(kafka, src, group, n)
-    producer = Producer(producer_config(kafka, serde.max_record_bytes))
+    producer = Producer({**producer_config(kafka, serde.max_record_bytes), "compression.type": codec})
     consumer = Consumer({
         **kafka.client_config(), "group.id": group, "enable.auto.commit": False,
         "auto.offset.reset": "earliest", "isolation.level": "read_committed",
@@ -206,10 +208,10 @@ def plain_stage(kafka: KafkaSettings, src: str, dst: str, n: int, serde: AvroSer
 
 
 def our_stage(kafka: KafkaSettings, app: str, experiment: str, src: str, n: int, options: AppOptions | None,
-              guarantee: str, cpu: StageCpu) -> float:
+              guarantee: str, codec: str, cpu: StageCpu) -> float:
     """Runs one app worker until it committed all n inputs; returns seconds from its first record."""
     settings = EngineSettings(experiment, kafka, metrics_interval_s=5.0, guarantee=guarantee,  # type: ignore[arg-type]
-                              group_id=f"af.{experiment}.{app}.{guarantee}")
+                              group_id=f"af.{experiment}.{app}.{guarantee}", compression=codec)  # type: ignore[arg-type]
     done = Finish(kafka, src, settings.group_id or "", n)
     worker = build_worker(app, settings, options)
     cpu.when_first(lambda: worker.stats.first_in_at is not None)
@@ -227,12 +229,13 @@ def our_stage(kafka: KafkaSettings, app: str, experiment: str, src: str, n: int,
 
 
 def restart(kafka: KafkaSettings, app: str, experiment: str, src: str, options: AppOptions | None,
-            tokens: int) -> float:
+            tokens: int, codec: str) -> float:
     """Starts the exactly-once worker of `app` again after its stages, with
     one more group of records in `src`; returns seconds from its start to its first record: a
     restarted worker's start-up, with the recovery of its tables from their changelogs."""
     fill(kafka, src, 8, tokens, 8)
-    settings = EngineSettings(experiment, kafka, metrics_interval_s=5.0, group_id=f"af.{experiment}.{app}.exactly_once")
+    settings = EngineSettings(experiment, kafka, metrics_interval_s=5.0, group_id=f"af.{experiment}.{app}.exactly_once",
+                              compression=codec)  # type: ignore[arg-type]
     started = time.monotonic()
     worker = build_worker(app, settings, options)
     thread = worker.start_thread()
@@ -266,7 +269,10 @@ STAGE_LABELS = {"p1": "plain loop stage 1", "o1": "reward exactly-once", "a1": "
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default=None, metavar="PY_SPY", help="py-spy binary: profile each stage (module doc)")
+    ap.add_argument("--compression", default=EngineSettings.compression, choices=COMPRESSIONS,
+                    help="codec the apps and the plain loops write (default: the apps' default)")
     args, n, repeats, kafka = _common.stream_args(ap, "stream_apps", "records")
+    codec = args.compression
     serde = AvroSerde()
     times: dict[str, list[float]] = {k: [] for k in ("p1", "o1", "a1", "p2", "o2", "a2", "r1", "r2")}
     cpu_us: dict[str, list[float]] = {k: [] for k in ("p1", "o1", "a1", "p2", "o2", "a2")}  # CPU per record
@@ -294,21 +300,21 @@ def main() -> None:
             size = fill(kafka, topics.rollouts, n, args.tokens, args.group_size)
             # Interleaved so that machine noise hits both sides alike.
             curate = AppOptions(policies=["policy"])
-            times["p1"].append(stage("p1", plain_stage, kafka, topics.rollouts, plain1, n, serde))
-            times["o1"].append(stage("o1", our_stage, kafka, "reward", exp, topics.rollouts, n, None, "exactly_once"))
-            times["a1"].append(stage("a1", our_stage, kafka, "reward", exp, topics.rollouts, n, None, "at_least_once"))
-            times["p2"].append(stage("p2", plain_stage, kafka, plain1, plain2, n, serde))
-            times["o2"].append(stage("o2", our_stage, kafka, "curate", exp, topics.scored, n, curate, "exactly_once"))
-            times["a2"].append(stage("a2", our_stage, kafka, "curate", exp, topics.scored, n, curate, "at_least_once"))
-            times["r1"].append(restart(kafka, "reward", exp, topics.rollouts, None, args.tokens))
-            times["r2"].append(restart(kafka, "curate", exp, topics.scored, curate, args.tokens))
+            times["p1"].append(stage("p1", plain_stage, kafka, topics.rollouts, plain1, n, serde, codec))
+            times["o1"].append(stage("o1", our_stage, kafka, "reward", exp, topics.rollouts, n, None, "exactly_once", codec))
+            times["a1"].append(stage("a1", our_stage, kafka, "reward", exp, topics.rollouts, n, None, "at_least_once", codec))
+            times["p2"].append(stage("p2", plain_stage, kafka, plain1, plain2, n, serde, codec))
+            times["o2"].append(stage("o2", our_stage, kafka, "curate", exp, topics.scored, n, curate, "exactly_once", codec))
+            times["a2"].append(stage("a2", our_stage, kafka, "curate", exp, topics.scored, n, curate, "at_least_once", codec))
+            times["r1"].append(restart(kafka, "reward", exp, topics.rollouts, None, args.tokens, codec))
+            times["r2"].append(restart(kafka, "curate", exp, topics.scored, curate, args.tokens, codec))
         finally:
             admin.delete([s.name for s in specs])
     p1, o1, a1, p2, o2, a2, r1, r2 = (min(times[k]) for k in ("p1", "o1", "a1", "p2", "o2", "a2", "r1", "r2"))
     plain_rate, ours_rate, alo_rate = n / (p1 + p2), n / (o1 + o2), n / (a1 + a2)
     rows: list[tuple[str, Any]] = [
         ("records", f"{n:,} trajectories, {args.tokens:,} tokens, {size:,} bytes each, {PARTITIONS} partitions, "
-                    f"best of {repeats}"),
+                    f"best of {repeats}, apps and plain loops write {codec}"),
         ("plain copy loop, stage 1 /s", f"{n / p1:,.0f}"),
         ("plain copy loop, stage 2 /s", f"{n / p2:,.0f}"),
         ("reward app, exactly-once /s", f"{n / o1:,.0f}"),
@@ -327,7 +333,7 @@ def main() -> None:
     ]
     _common.print_rows(rows)
     write_json(args.json, "stream_apps", {
-        "records": n, "tokens": args.tokens, "bytes": size, "partitions": PARTITIONS, "repeats": repeats,
+        "records": n, "tokens": args.tokens, "bytes": size, "partitions": PARTITIONS, "repeats": repeats, "compression": codec,
         "stage_seconds": times,
         "plain_stage1_per_s": n / p1, "plain_stage2_per_s": n / p2, "reward_per_s": n / o1, "curate_per_s": n / o2,
         "reward_at_least_once_per_s": n / a1, "curate_at_least_once_per_s": n / a2,

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from astraflow.config import TopicSettings
-from astraflow.errors import AstraflowError, KafkaLayerError, SerdeError
+from astraflow.errors import AstraflowError, ConfigError, KafkaLayerError, SerdeError
 from astraflow.kafka.offsets import OffsetTracker
 from astraflow.kafka.received import Received, dead_letter_bytes, decode_headers
 from astraflow.records import Metric
@@ -65,6 +65,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("astraflow.stream")
 
 Guarantee = Literal["exactly_once", "at_least_once"]
+Compression = Literal["snappy", "zstd", "lz4", "gzip", "none"]
+COMPRESSIONS: tuple[str, ...] = ("snappy", "zstd", "lz4", "gzip", "none")
 
 
 @dataclass
@@ -86,6 +88,11 @@ class EngineSettings:
     faust_overrides: dict[str, Any] = field(default_factory=dict)  # extra faust.App settings
     source_partitions: int | None = None  # partitions of the source topic; None: asked from Kafka
     topics: TopicSettings = field(default_factory=TopicSettings)  # replication / min ISR of its changelogs
+    compression: Compression = "snappy"  # codec of every batch the worker writes (stream_apps.faust_app)
+
+    def __post_init__(self) -> None:
+        if self.compression not in COMPRESSIONS:
+            raise ConfigError(f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
 
 
 @dataclass(slots=True)

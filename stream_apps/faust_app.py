@@ -21,15 +21,17 @@ Settings chosen for AstraFlow (and why):
 * `producer_max_request_size` / `consumer_max_fetch_size` follow the serde's record limit,
   `producer_max_batch_size` is 1 MiB (aiokafka's 16 KiB default sends a 4,096-token
   trajectory alone in its request);
-  `producer_compression_type="zstd"` like every other AstraFlow producer (aiokafka needs
-  `cramjam` for it, a dependency). lz4 costs the app's thread less (1 ms per MB against 20) but
-  made no measurable difference in `bench/apps.py` (reward 522/s against 556/s, curate 277/s
-  against 261/s, two runs at load 4-5), for ~30% more bytes.
-* zstd at level 1 (`ZSTD_LEVEL`), not aiokafka's fixed 3: aiokafka compresses each batch in
-  the worker's own thread, the one that runs the agent (librdkafka does it in a thread of its
-  own), and on 4,096-token trajectories level 3 took 148 us per record against 47 us at level 1
-  for 0.47 against 0.49 of the bytes (one core, cramjam 2.14). aiokafka has no setting for the
-  level: `zstd_level` sets it where its batch builders call the codec.
+  `producer_compression_type` from `EngineSettings.compression`: **snappy** by default (aiokafka
+  needs `cramjam` for it and for zstd, a dependency). aiokafka compresses each batch in the
+  worker's own thread, the one that runs the agent (librdkafka does it in a thread of its own),
+  so the agent waits while a batch compresses. On 4,096-token trajectories (53.6 kB,
+  one core, cramjam 2.14, through aiokafka's own codec functions): snappy 10 us per record to
+  compress and 17 us to decompress, for 0.64 of the bytes; zstd (aiokafka always asks for level
+  3) 155 us and 36 us for 0.47; lz4 (aiokafka writes the frame format) 697 us and 12 us for
+  0.60. Every reader of the apps' topics reads snappy: librdkafka (trainer, status, archive,
+  RaaS nodes, the benchmarks' readers) has it built in, aiokafka (Faust's consumers, the
+  changelogs at recovery) through cramjam. `zstd` is there for links where bytes cost more than
+  the workers' CPU.
 """
 
 from __future__ import annotations
@@ -45,27 +47,6 @@ if TYPE_CHECKING:
 
     from astraflow.config import KafkaSettings
     from stream_apps.engine import StreamEngine
-
-
-ZSTD_LEVEL = 1  # of the batches the stream apps' aiokafka producers write (module doc)
-
-
-def zstd_level(level: int = ZSTD_LEVEL) -> None:
-    """Makes aiokafka compress zstd batches at `level` (it always asks for 3). Its batch builders
-    (the Cython one and the pure-Python one) call the codec through a module global: both are set."""
-    import aiokafka.codec
-    import aiokafka.record.default_records as py_records
-
-    def encode(payload: Any, level_: int | None = None) -> bytes:
-        return aiokafka.codec.zstd_encode(payload, level=level)
-
-    try:
-        import aiokafka.record._crecords.default_records as c_records  # absent with AIOKAFKA_NO_EXTENSIONS builds
-    except ImportError:
-        c_records = None
-    for module in (py_records, c_records):
-        if module is not None and hasattr(module, "zstd_encode"):
-            module.zstd_encode = encode
 
 
 def broker_urls(kafka: KafkaSettings) -> list[str]:
@@ -142,7 +123,6 @@ def build_app(engine: StreamEngine) -> faust.App:
     )
 
     register(engine.serde)
-    zstd_level()
     s = engine.settings
     partitions = s.source_partitions or (source_partitions(engine.kafka, engine.source) if engine.source else 1)
     conf: dict[str, Any] = dict(
@@ -168,7 +148,7 @@ def build_app(engine: StreamEngine) -> faust.App:
         broker_max_poll_interval=300.0,
         producer_acks=-1,
         producer_linger=0.005,
-        producer_compression_type="zstd",
+        producer_compression_type=None if s.compression == "none" else s.compression,
         producer_max_request_size=engine.serde.max_record_bytes + 64 * 1024,
         producer_max_batch_size=1024 * 1024,  # aiokafka's 16 KiB default puts one 50 KB trajectory per request
         consumer_max_fetch_size=max(4 * 1024 * 1024, engine.serde.max_record_bytes + 64 * 1024),

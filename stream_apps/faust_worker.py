@@ -10,7 +10,7 @@ Importing this module builds the `faust.App` (`app`) of one AstraFlow worker, ex
 transaction manager), from environment variables: `ASTRAFLOW_APP` (reward | curate) or
 `ASTRAFLOW_PROCESSOR` (module:function), `ASTRAFLOW_EXPERIMENT`, and optionally
 `ASTRAFLOW_POLICIES` (comma-separated, curate), `ASTRAFLOW_GUARANTEE` (exactly_once |
-at_least_once), `ASTRAFLOW_CONFIG` (a config file; `ASTRAFLOW__*` variables apply as usual).
+at_least_once), `ASTRAFLOW_COMPRESSION` (snappy | zstd | lz4 | gzip | none), `ASTRAFLOW_CONFIG` (a config file; `ASTRAFLOW__*` variables apply as usual).
 Faust's own worker then runs it: its logging, signals and `--web-port` options apply. The
 difference with `astraflow app run`: when the app crashes (a broker gone longer than the
 timeouts), Faust's worker exits and its supervisor must restart it, where `astraflow app run`
@@ -39,7 +39,7 @@ def build_from_env(env: dict[str, str] | None = None) -> StreamEngine:
         raise ConfigError("set ASTRAFLOW_EXPERIMENT (and ASTRAFLOW_APP or ASTRAFLOW_PROCESSOR) for faust -A stream_apps.faust_worker")
     cfg = load_config(env.get("ASTRAFLOW_CONFIG"), [])
     settings = EngineSettings(experiment, cfg.kafka, guarantee=env.get("ASTRAFLOW_GUARANTEE", "exactly_once"),  # type: ignore[arg-type]
-                              topics=cfg.topics)
+                              topics=cfg.topics, compression=env.get("ASTRAFLOW_COMPRESSION", "snappy"))  # type: ignore[arg-type]
     if env.get("ASTRAFLOW_PROCESSOR"):
         return build_processor_worker(env["ASTRAFLOW_PROCESSOR"], settings)
     name = env.get("ASTRAFLOW_APP", "")

@@ -34,18 +34,21 @@ def _kind(slot: str) -> str | None:
 
 def _settings(ctx: typer.Context, experiment: str, group: str | None, instance_id: str | None,
               max_inflight: int, metrics_interval: float, guarantee: str = "exactly_once",
-              commit_idle: float = 0.05, commit_interval: float = 1.0) -> object:
+              commit_idle: float = 0.05, commit_interval: float = 1.0, compression: str = "snappy") -> object:
     from astraflow.errors import ConfigError
-    from stream_apps.engine import EngineSettings
+    from stream_apps.engine import COMPRESSIONS, EngineSettings
 
     if guarantee not in ("exactly_once", "at_least_once"):
         raise ConfigError(f"--guarantee must be exactly_once or at_least_once, got {guarantee!r}")
     if commit_interval <= 0:
         raise ConfigError(f"--commit-interval must be above 0, got {commit_interval}")
+    if compression not in COMPRESSIONS:
+        raise ConfigError(f"--compression must be one of {', '.join(COMPRESSIONS)}, got {compression!r}")
     cfg = load(ctx)
     return EngineSettings(experiment, cfg.kafka, group_id=group, instance_id=instance_id, max_inflight=max_inflight,
                           metrics_interval_s=metrics_interval, guarantee=guarantee,  # type: ignore[arg-type]
-                          commit_idle_s=commit_idle, commit_interval_s=commit_interval, topics=cfg.topics)
+                          commit_idle_s=commit_idle, commit_interval_s=commit_interval, topics=cfg.topics,
+                          compression=compression)  # type: ignore[arg-type]
 
 
 def _logging(level: str) -> None:
@@ -88,6 +91,8 @@ def run_app(
                                       "long, before the 1 s commit interval (a burst's outputs show sooner)."),
     commit_interval: float = typer.Option(1.0, help="Exactly-once: most seconds between commits under steady input; "
                                           "downstream sees outputs when they commit, so this bounds the added latency."),
+    compression: str = typer.Option("snappy", help="Codec of the batches the worker writes: snappy | zstd | lz4 | gzip | "
+                                    "none (snappy costs the worker least; see docs/processors.md)."),
     group_timeout: float | None = typer.Option(None, help="curate: seconds before an incomplete group is emitted or dropped (300)."),
     min_group_size: int | None = typer.Option(None, help="curate: smallest timed-out group still trained on (2)."),
     emitted_ttl: float | None = typer.Option(None, help="curate: seconds emitted group ids are remembered (86400)."),
@@ -147,7 +152,7 @@ def run_app(
             **{k: v for k, v in given.items() if v},
         )
     settings = _settings(ctx, experiment, group, instance_id, max_inflight, metrics_interval, guarantee, commit_idle,
-                         commit_interval)
+                         commit_interval, compression)
     worker = build_worker(name, settings, options)  # type: ignore[arg-type]
     console.print(f"{name} worker (Faust app {worker.group_id}, {guarantee}) for experiment {experiment}; Ctrl-C stops it")
     _run(worker)
@@ -256,6 +261,8 @@ def process_run(
     instance_id: str | None = typer.Option(None, help="Instance name in metrics."),
     metrics_interval: float = typer.Option(10.0, help="Seconds between metrics records."),
     guarantee: str = typer.Option("exactly_once", help="exactly_once (Kafka transactions) | at_least_once."),
+    compression: str = typer.Option("snappy", help="Codec of the batches the worker writes: snappy | zstd | lz4 | gzip | "
+                                    "none (snappy costs the worker least; see docs/processors.md)."),
     region_share: list[str] = typer.Option([], "--region-share", help="curator: REGION=FRACTION of the tasks to "
                                            "af.<exp>.tasks.REGION, for a region fed by MirrorMaker 2 (repeatable)."),
     log_level: str = typer.Option("info", help="debug | info | warning"),
@@ -266,7 +273,8 @@ def process_run(
     if os.getcwd() not in sys.path:  # console scripts do not put the working directory on sys.path
         sys.path.insert(0, os.getcwd())
     _logging(log_level)
-    worker = build_processor_worker(spec, _settings(ctx, experiment, group, instance_id, 16, metrics_interval, guarantee))
+    worker = build_processor_worker(spec, _settings(ctx, experiment, group, instance_id, 16, metrics_interval, guarantee,
+                                                    compression=compression))
     proc = worker.handler.proc  # type: ignore[attr-defined]
     console.print(f"processor {proc.name}: {proc.source} -> {proc.sink or '(Emit topics)'} (group {worker.group_id})")
     _run(worker)

@@ -13,11 +13,13 @@ import asyncio
 import time
 from typing import Any
 
+import pytest
 from stream_fakes import FakeControl
 
 from astraflow.config import KafkaSettings
 from astraflow.dataflow.registry import register
 from astraflow.dataflow.rewards import RewardResult
+from astraflow.errors import ConfigError
 from astraflow.kafka.topics import Topics
 from astraflow.records import Control, DeadLetter, Trajectory
 from astraflow.serde import AvroSerde
@@ -195,26 +197,28 @@ def test_faust_overrides_replace_the_engine_settings() -> None:
     assert app.conf.stream_buffer_maxsize == 64
 
 
-def test_aiokafka_batches_are_compressed_at_our_zstd_level() -> None:
+def test_the_worker_writes_snappy_batches_that_read_back() -> None:
     from aiokafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
 
-    from stream_apps.faust_app import ZSTD_LEVEL, zstd_level
+    settings = EngineSettings("unit", KafkaSettings(), guarantee="at_least_once", source_partitions=1)
+    assert settings.compression == "snappy"
+    app = StreamEngine(RewardApp(), settings).build()
+    assert app.producer._settings_default()["compression_type"] == "snappy"  # what aiokafka's producer gets
+    none = StreamEngine(RewardApp(), EngineSettings("unit", KafkaSettings(), guarantee="at_least_once",
+                                                    source_partitions=1, compression="none")).build()
+    assert none.producer._settings_default()["compression_type"] is None
+    with pytest.raises(ConfigError, match="compression"):
+        EngineSettings("unit", KafkaSettings(), compression="brotli")  # type: ignore[arg-type]
 
-    value = AvroSerde().dumps(make_trajectory(4096, seed=3))
+    # A batch as aiokafka's producer builds it with that codec (transactional, as under exactly-once).
+    values = [AvroSerde().dumps(make_trajectory(4096, seed=s)) for s in (3, 4)]
+    b = DefaultRecordBatchBuilder(magic=2, compression_type=DefaultRecordBatch.CODEC_SNAPPY, is_transactional=1,
+                                  producer_id=7, producer_epoch=0, base_sequence=0, batch_size=1 << 20)
+    for i, v in enumerate(values):
+        b.append(i, timestamp=None, key=b"k", value=v, headers=[])
+    data = bytes(b.build())
+    assert len(data) < 0.8 * sum(map(len, values))  # compressed
+    batch = DefaultRecordBatch(bytearray(data))
+    assert batch.compression_type == DefaultRecordBatch.CODEC_SNAPPY
+    assert [r.value for r in batch] == values  # and it reads back as Faust's consumers read it
 
-    def batch() -> bytes:
-        b = DefaultRecordBatchBuilder(magic=2, compression_type=DefaultRecordBatch.CODEC_ZSTD, is_transactional=0,
-                                      producer_id=-1, producer_epoch=-1, base_sequence=-1, batch_size=1 << 20)
-        b.append(0, timestamp=None, key=b"k", value=value, headers=[])
-        return bytes(b.build())
-
-    try:
-        zstd_level(3)  # aiokafka's own level
-        at3 = batch()
-        zstd_level()
-        ours = batch()
-    finally:
-        zstd_level()
-    assert ZSTD_LEVEL != 3 and ours != at3  # the builder aiokafka uses took our level
-    records = list(DefaultRecordBatch(bytearray(ours)))
-    assert [r.value for r in records] == [value]  # and the batch reads back
