@@ -123,11 +123,11 @@ def main(argv: list[str] | None = None) -> dict:
                 run.save_raw(out.with_suffix(".raw.pickle"))
                 report = run.report()
                 report["completed"] = "drained" in run.marks
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(report, indent=1) + "\n")  # before printing, and when stopped early
         finally:
             run.close()
     assert report is not None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")  # before printing: the figures are kept whatever happens
     print_table(report)
     print(f"figures in {out}")
     return report

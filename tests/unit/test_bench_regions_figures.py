@@ -69,3 +69,55 @@ def test_startup_is_split_at_the_nodes_log_lines():
     parts = startup_parts(log.replace("caught up", "behind"), t, t + 16.5, t + 17.0)
     assert parts["to_caught_up"] is None and parts["to_assigned"] == pytest.approx(7.0, abs=0.01)
     assert startup_parts("", t, None, None)["total"] is None
+
+
+class _FakeRun:
+    """What regions.main drives, without brokers or nodes: stopped (SIGTERM) in its elastic phase."""
+
+    instances: list[_FakeRun] = []
+
+    def __init__(self, a, exp: str) -> None:
+        self.a, self.marks, self.closed, self.saved = a, {}, False, None
+        _FakeRun.instances.append(self)
+
+    def setup(self) -> None: ...
+    def follow_wan(self, stop) -> None: ...
+    def calibrate(self) -> None: ...
+
+    def mixed(self) -> None:
+        self.marks.update(mixed_start=1.0, mixed_end=2.0)
+
+    def elastic(self) -> None:
+        raise SystemExit(143)  # what the benchmark's SIGTERM handler raises
+
+    def drain(self) -> None:
+        self.marks["drained"] = 3.0
+
+    def close_links(self) -> None: ...
+
+    def save_raw(self, path) -> None:
+        self.saved = path
+
+    def report(self) -> dict:
+        return {"experiment": "x", "load_avg": "0.0", "wan": "-", "nodes": [], "figures": {}}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_run_stopped_by_its_deadline_still_writes_its_figures(tmp_path, monkeypatch) -> None:
+    import json
+
+    import regions
+
+    monkeypatch.setattr(regions, "RegionsRun", _FakeRun)
+    monkeypatch.setattr(regions.signal, "signal", lambda *_: None)  # pytest's own SIGTERM handling stays
+    out = tmp_path / "r.json"
+    with pytest.raises(SystemExit):
+        regions.main(["--quick", "--no-calibrate", "--json", str(out), "--work-dir", str(tmp_path)])
+    run = _FakeRun.instances[-1]
+    assert run.closed and run.saved == out.with_suffix(".raw.pickle")
+    assert json.loads(out.read_text())["completed"] is False
+    # a run that ends normally: completed
+    monkeypatch.setattr(_FakeRun, "elastic", lambda self: None)
+    assert regions.main(["--quick", "--no-calibrate", "--json", str(out), "--work-dir", str(tmp_path)])["completed"] is True
