@@ -65,6 +65,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("astraflow.stream")
 
 Guarantee = Literal["exactly_once", "at_least_once"]
+SEND_BATCH_BYTES = 1 << 20  # outputs kept per source partition before they go to its producer (`_send_unsent`)
 Compression = Literal["snappy", "zstd", "lz4", "gzip", "none"]
 COMPRESSIONS: tuple[str, ...] = ("snappy", "zstd", "lz4", "gzip", "none")
 
@@ -151,6 +152,8 @@ class StreamEngine(EngineLifecycle):
         self._reporter = MetricsReporter(handler.name, self.instance_id, {"experiment": settings.experiment})
         self.metric_observers: list[Callable[[Metric], None]] = []  # e.g. the role's /metrics endpoint
         self._dirty: set[int] = set()  # partitions with records produced since their last commit
+        self._unsent: dict[int, list[_Out]] = {}  # source partition -> outputs of its transaction not handed over yet
+        self._unsent_bytes: dict[int, int] = {}  # ...and their bytes
         self._active_at = 0.0  # monotonic time a record last arrived or finished
         self._crashing: asyncio.Future[Any] | None = None
         self._seen_record = False  # per Faust app built: logged once, so supervisors see it is working
@@ -331,21 +334,53 @@ class StreamEngine(EngineLifecycle):
         if not outbox:
             return
         if self.exactly_once and partition is not None:
-            # Straight to the partition's aiokafka producer: Faust's `Producer.send` only adds its
-            # per-send lock, which guards against a commit in between, and the gate held here does.
-            tid = self.tid(partition)
-            txp = self.app.producer._transaction_producers.get(tid)
-            if txp is None:
-                raise KafkaLayerError(f"no transactional producer {tid} for source partition {partition}")
+            # Kept for the partition's transaction and handed over in batches (`_send_unsent`).
+            unsent = self._unsent.setdefault(partition, [])
+            unsent.extend(outbox)
             self._dirty.add(partition)
-            for out in outbox:
-                fut = await txp.send(out.topic, out.value, key=out.key, partition=out.partition)
-                fut.add_done_callback(self._delivered)
+            self._unsent_bytes[partition] = size = self._unsent_bytes.get(partition, 0) + sum(
+                len(o.value or b"") + len(o.key or b"") for o in outbox)
+            if size >= SEND_BATCH_BYTES:
+                await self._send_unsent(partition)
             return
         producer = self.app.producer
         for out in outbox:
             fut = await producer.send(out.topic, out.key, out.value, out.partition, None, None)
             fut.add_done_callback(self._delivered)
+
+    async def _send_unsent(self, partition: int) -> None:
+        """Hands the outputs kept for source `partition`'s transaction to its producer, one batch
+        per destination partition (the caller holds the partition's gate). Before every commit of
+        the partition (`stream_apps.transactions`) and whenever `SEND_BATCH_BYTES` are kept."""
+        unsent = self._unsent.pop(partition, None)
+        self._unsent_bytes.pop(partition, None)
+        if not unsent:
+            return
+        tid = self.tid(partition)
+        txp = self.app.producer._transaction_producers.get(tid)
+        if txp is None:
+            raise KafkaLayerError(f"no transactional producer {tid} for source partition {partition}")
+        by_tp: dict[tuple[str, int], list[_Out]] = {}
+        for topic in {out.topic for out in unsent}:
+            await txp.client._wait_on_metadata(topic)
+        for out in unsent:
+            dest = out.partition
+            if dest is None:  # the key's partition, as `AIOKafkaProducer.send` picks it
+                dest = txp._partition(out.topic, None, out.key, out.value, out.key, out.value)
+            by_tp.setdefault((out.topic, dest), []).append(out)
+        for (topic, dest), outs in by_tp.items():
+            batch = txp.create_batch()
+            for out in outs:
+                if batch.append(key=out.key, value=out.value, timestamp=None) is None:  # full: send it, start another
+                    (await txp.send_batch(batch, topic, partition=dest)).add_done_callback(self._delivered)
+                    batch = txp.create_batch()
+                    batch.append(key=out.key, value=out.value, timestamp=None)  # the first record always fits
+            (await txp.send_batch(batch, topic, partition=dest)).add_done_callback(self._delivered)
+
+    def forget_unsent(self, partition: int) -> None:
+        """Drops what was kept for a transaction that will not commit (its producer is gone or new)."""
+        self._unsent.pop(partition, None)
+        self._unsent_bytes.pop(partition, None)
 
     def _delivered(self, fut: asyncio.Future[Any]) -> None:
         if not fut.cancelled() and fut.exception() is not None:

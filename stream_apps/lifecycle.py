@@ -55,6 +55,8 @@ class EngineLifecycle:
     _gates: dict[int, asyncio.Lock]
     _tasks: set[asyncio.Future[Any]]
     _dirty: set[int]
+    _unsent: dict[int, list[Any]]
+    _unsent_bytes: dict[int, int]
     _seen_record: bool
     _bound: bool
     _rereader: Any
@@ -119,7 +121,7 @@ class EngineLifecycle:
         self._loop = asyncio.get_running_loop()
         self.tracker = OffsetTracker()
         self.takeover = Takeover(self.tracker, bool(self.handler.tables))
-        self._gates, self._tasks, self._dirty = {}, set(), set()
+        self._gates, self._tasks, self._dirty, self._unsent, self._unsent_bytes = {}, set(), set(), {}, {}
         self._seen_record = False
         app = self.build()
         own_dir = self.settings.data_dir is None

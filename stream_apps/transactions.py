@@ -127,6 +127,7 @@ class ExactTransactionManager(TransactionManager):
         tid = engine.tid(partition)
         txp = self.producer._transaction_producers.get(tid)
         if txp is None:
+            engine.forget_unsent(partition)
             return  # not ours (any more)
         tp = (engine.source, partition)
         offset = engine.tracker.committable(tp)
@@ -134,6 +135,7 @@ class ExactTransactionManager(TransactionManager):
         if offset is not None and (state is None or offset <= state.committed):
             offset = None
         try:
+            await engine._send_unsent(partition)  # the outputs of the records whose offset this commits
             async with self.producer._trn_locks[tid]:
                 if offset is not None:
                     await txp.send_offsets_to_transaction({TopicPartition(engine.source, partition): offset}, self.app.conf.id)
@@ -182,6 +184,7 @@ class ExactTransactionManager(TransactionManager):
                 async with engine._gate(partition):
                     await self.commit_partition(partition)
                 continue
+            engine.forget_unsent(int(tid.rsplit("-", 1)[1]))  # kept for a producer that is gone: those records are read again
             await self.producer.maybe_begin_transaction(tid)
             if tid not in self.producer._transaction_producers:  # Faust logged why and went on
                 raise KafkaLayerError(f"could not start the transactional producer {tid}; the app restarts")

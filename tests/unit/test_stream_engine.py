@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -222,3 +223,96 @@ def test_the_worker_writes_snappy_batches_that_read_back() -> None:
     assert batch.compression_type == DefaultRecordBatch.CODEC_SNAPPY
     assert [r.value for r in batch] == values  # and it reads back as Faust's consumers read it
 
+
+
+class _Batch:
+    """aiokafka's BatchBuilder as `_send_unsent` uses it: full after `capacity` records."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.values = capacity, []  # type: list[bytes | None]
+
+    def append(self, *, key: bytes | None, value: bytes | None, timestamp: None) -> object | None:
+        if len(self.values) >= self.capacity and self.values:
+            return None
+        self.values.append(value)
+        return object()
+
+
+class _TxProducer:
+    """The calls a source partition's transactional producer gets, in order."""
+
+    def __init__(self, capacity: int) -> None:
+        self.calls: list[Any] = []
+        self.capacity = capacity
+        self.client = SimpleNamespace(_wait_on_metadata=self._metadata)
+
+    async def _metadata(self, topic: str) -> None:
+        pass
+
+    def _partition(self, topic: str, partition: None, key: bytes, value: bytes, skey: bytes, svalue: bytes) -> int:
+        return int(key[-1:])  # aiokafka's murmur2 of the key in the real producer; here the key's last digit
+
+    def create_batch(self) -> _Batch:
+        return _Batch(self.capacity)
+
+    async def send_batch(self, batch: _Batch, topic: str, *, partition: int) -> asyncio.Future[None]:
+        self.calls.append(("batch", topic, partition, batch.values))
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(None)
+        return fut
+
+    async def send_offsets_to_transaction(self, offsets: dict[Any, int], group: str) -> None:
+        self.calls.append(("offsets", *offsets.values()))
+
+    async def commit_transaction(self) -> None:
+        self.calls.append("commit")
+
+    async def begin_transaction(self) -> None:
+        self.calls.append("begin")
+
+
+def test_outputs_go_to_the_transaction_in_batches_before_the_offsets_they_commit() -> None:
+    from stream_apps.engine import SEND_BATCH_BYTES, _Out
+    from stream_apps.transactions import ExactTransactionManager
+
+    engine = StreamEngine(RewardApp(), EngineSettings(EXP, KafkaSettings(), source_partitions=1))
+    txp = _TxProducer(capacity=2)
+    producer = SimpleNamespace(_transaction_producers={f"app-{p}": txp for p in (0, 1)},
+                               _trn_locks={f"app-{p}": asyncio.Lock() for p in (0, 1)})
+    engine.app = SimpleNamespace(producer=producer, conf=SimpleNamespace(id="app"))  # type: ignore[assignment]
+    manager = ExactTransactionManager.__new__(ExactTransactionManager)
+    manager.app = SimpleNamespace(astraflow_engine=engine, conf=SimpleNamespace(id="app"),  # type: ignore[assignment]
+                                  monitor=SimpleNamespace(on_tp_commit=lambda offsets: None),
+                                  consumer=SimpleNamespace(_thread=SimpleNamespace(_commit_recorded=lambda tp: None)))
+    manager.producer = producer  # type: ignore[assignment]
+    tp = (engine.source, 0)
+
+    async def run() -> list[Any]:
+        for offset, outs in enumerate([
+            [_Out("train", b"g1", b"a"), _Out("changelog", b"k", b"c0", partition=0)],
+            [_Out("train", b"g0", b"b"), _Out("train", b"g1", b"d")],
+            [_Out("train", b"g1", b"e")],
+        ]):
+            epoch = engine.tracker.received(tp, offset)
+            await engine._produce(outs, 0)
+            engine.tracker.finished(tp, offset, epoch)
+        assert txp.calls == []  # kept until the commit: small outputs
+        await manager.commit_partition(0)
+        first_commit = list(txp.calls)
+        txp.calls.clear()
+        await engine._produce([_Out("train", b"g1", b"x" * SEND_BATCH_BYTES)], 1)  # a MiB kept: handed over now
+        assert txp.calls == [("batch", "train", 1, [b"x" * SEND_BATCH_BYTES])]
+        txp.calls.clear()
+        await engine._produce([_Out("train", b"g1", b"y")], 1)
+        engine.forget_unsent(1)  # a producer gone: nothing of it is sent later
+        await manager.commit_partition(1)
+        assert txp.calls == ["commit", "begin"]
+        assert engine._unsent == {}
+        return first_commit
+
+    first_commit = asyncio.run(run())
+    # One batch per destination partition, in the records' order, split when full; then the
+    # offset past the three records, then the commit.
+    assert first_commit == [("batch", "train", 1, [b"a", b"d"]), ("batch", "train", 1, [b"e"]),
+                            ("batch", "changelog", 0, [b"c0"]), ("batch", "train", 0, [b"b"]),
+                            ("offsets", 3), "commit", "begin"]

@@ -50,10 +50,15 @@ class Producer:
         self._transaction_producers[tid] = self.txp
 
 
+async def _no_unsent(partition: int) -> None:
+    pass
+
+
 def test_a_kept_partition_commits_its_transaction_at_the_assignment() -> None:
     engine = SimpleNamespace(tracker=SimpleNamespace(committable=lambda tp: None, _parts={}), source="src",
                              _gates={}, tid=lambda p: f"app-{p}")
     engine._gate = lambda p: engine._gates.setdefault(p, asyncio.Lock())
+    engine._send_unsent, engine.forget_unsent = _no_unsent, lambda p: None
     manager = ExactTransactionManager.__new__(ExactTransactionManager)
     manager.app = SimpleNamespace(astraflow_engine=engine, conf=SimpleNamespace(id="app"))  # type: ignore[assignment]
     manager.producer = Producer(kept="app-1")  # type: ignore[assignment]
@@ -69,6 +74,7 @@ def test_an_assigned_partition_forgets_the_read_offset_recorded_after_the_revoca
     engine = SimpleNamespace(tracker=SimpleNamespace(committable=lambda tp: None, _parts={}), source="src",
                              _gates={}, tid=lambda p: f"app-{p}")
     engine._gate = lambda p: engine._gates.setdefault(p, asyncio.Lock())
+    engine._send_unsent, engine.forget_unsent = _no_unsent, lambda p: None
     read_offsets = {TP("src", 1): 57, TP("other", 1): 3}
     manager = ExactTransactionManager.__new__(ExactTransactionManager)
     manager.app = SimpleNamespace(astraflow_engine=engine, conf=SimpleNamespace(id="app"),  # type: ignore[assignment]
