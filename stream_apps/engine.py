@@ -9,8 +9,12 @@ the consumer group `af.<experiment>.<app>`:
   raises, goes to the DLQ with its reason (and the strategy's name) and the agent goes on.
 * **Handling.** `handler.handle` runs under the record's partition gate; an awaitable it returns
   (a slow reward, an async user function) runs concurrently, up to `max_inflight` per worker.
-  Outputs, dead letters and table writes made for a record are collected and produced together
-  when it finishes, into the transaction of its source partition.
+  Outputs, dead letters and table writes made for a record are collected when it finishes and
+  kept for the transaction of its source partition; they go to that partition's producer in
+  batches (aiokafka's `send_batch`, one per destination partition: one call for many records,
+  not one `send` each) `SEND_LINGER_S` (5 ms) after the first of them was kept, once
+  `SEND_BATCH_BYTES` (1 MiB) are kept, and before every commit of the partition, ahead of its
+  offsets.
 * **Exactly-once** (`processing_guarantee="exactly_once"`): Faust keeps one transactional
   producer per assigned source partition. `ExactTransactionManager` (`stream_apps.transactions`
   lists every gap of Faust 0.15 it closes): outputs go to the transaction of the SOURCE
@@ -66,6 +70,7 @@ log = logging.getLogger("astraflow.stream")
 
 Guarantee = Literal["exactly_once", "at_least_once"]
 SEND_BATCH_BYTES = 1 << 20  # outputs kept per source partition before they go to its producer (`_send_unsent`)
+SEND_LINGER_S = 0.005  # ...or this long after the first of them was kept
 Compression = Literal["snappy", "zstd", "lz4", "gzip", "none"]
 COMPRESSIONS: tuple[str, ...] = ("snappy", "zstd", "lz4", "gzip", "none")
 
@@ -154,6 +159,7 @@ class StreamEngine(EngineLifecycle):
         self._dirty: set[int] = set()  # partitions with records produced since their last commit
         self._unsent: dict[int, list[_Out]] = {}  # source partition -> outputs of its transaction not handed over yet
         self._unsent_bytes: dict[int, int] = {}  # ...and their bytes
+        self._lingering: dict[int, asyncio.TimerHandle] = {}  # ...and when they go if nothing sends them sooner
         self._active_at = 0.0  # monotonic time a record last arrived or finished
         self._crashing: asyncio.Future[Any] | None = None
         self._seen_record = False  # per Faust app built: logged once, so supervisors see it is working
@@ -342,6 +348,9 @@ class StreamEngine(EngineLifecycle):
                 len(o.value or b"") + len(o.key or b"") for o in outbox)
             if size >= SEND_BATCH_BYTES:
                 await self._send_unsent(partition)
+            elif partition not in self._lingering:
+                loop = asyncio.get_running_loop()
+                self._lingering[partition] = loop.call_later(SEND_LINGER_S, self._send_lingered, partition)
             return
         producer = self.app.producer
         for out in outbox:
@@ -354,6 +363,8 @@ class StreamEngine(EngineLifecycle):
         the partition (`stream_apps.transactions`) and whenever `SEND_BATCH_BYTES` are kept."""
         unsent = self._unsent.pop(partition, None)
         self._unsent_bytes.pop(partition, None)
+        if (linger := self._lingering.pop(partition, None)) is not None:
+            linger.cancel()
         if not unsent:
             return
         tid = self.tid(partition)
@@ -377,10 +388,29 @@ class StreamEngine(EngineLifecycle):
                     batch.append(key=out.key, value=out.value, timestamp=None)  # the first record always fits
             (await txp.send_batch(batch, topic, partition=dest)).add_done_callback(self._delivered)
 
+    def _send_lingered(self, partition: int) -> None:
+        """`SEND_LINGER_S` after an output was kept: hands the partition's kept outputs over (under its gate)."""
+        async def send() -> None:
+            async with self._gate(partition):
+                if self.app.producer._transaction_producers.get(self.tid(partition)) is None:
+                    self.forget_unsent(partition)  # revoked meanwhile: nothing of it commits
+                else:
+                    await self._send_unsent(partition)
+
+        self._lingering.pop(partition, None)
+        task = asyncio.ensure_future(send())
+        task.add_done_callback(self._lingered_done)
+
+    def _lingered_done(self, task: asyncio.Future[Any]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self._crash(task.exception())  # type: ignore[arg-type]
+
     def forget_unsent(self, partition: int) -> None:
         """Drops what was kept for a transaction that will not commit (its producer is gone or new)."""
         self._unsent.pop(partition, None)
         self._unsent_bytes.pop(partition, None)
+        if (linger := self._lingering.pop(partition, None)) is not None:
+            linger.cancel()
 
     def _delivered(self, fut: asyncio.Future[Any]) -> None:
         if not fut.cancelled() and fut.exception() is not None:

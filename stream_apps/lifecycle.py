@@ -57,6 +57,7 @@ class EngineLifecycle:
     _dirty: set[int]
     _unsent: dict[int, list[Any]]
     _unsent_bytes: dict[int, int]
+    _lingering: dict[int, asyncio.TimerHandle]
     _seen_record: bool
     _bound: bool
     _rereader: Any
@@ -122,6 +123,7 @@ class EngineLifecycle:
         self.tracker = OffsetTracker()
         self.takeover = Takeover(self.tracker, bool(self.handler.tables))
         self._gates, self._tasks, self._dirty, self._unsent, self._unsent_bytes = {}, set(), set(), {}, {}
+        self._lingering = {}
         self._seen_record = False
         app = self.build()
         own_dir = self.settings.data_dir is None

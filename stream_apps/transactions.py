@@ -25,7 +25,8 @@ records with its commits through a per-partition gate):
 
 * `ExactTransactionManager.commit` commits, per source partition and under its gate, the
   offset below which every record has its outputs in that partition's transaction
-  (`OffsetTracker`), then begins the next transaction; a failure crashes the app (the engine
+  (`OffsetTracker`; the outputs the engine kept for it are handed to the producer first), then
+  begins the next transaction; a failure crashes the app (the engine
   rebuilds it: the transaction is aborted, the records are read again).
 * Starting a partition's producer must succeed, or the rebalance fails and the app restarts.
 * Revoked partitions commit what they finished before Faust stops their producers.

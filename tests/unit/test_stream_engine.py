@@ -272,7 +272,7 @@ class _TxProducer:
 
 
 def test_outputs_go_to_the_transaction_in_batches_before_the_offsets_they_commit() -> None:
-    from stream_apps.engine import SEND_BATCH_BYTES, _Out
+    from stream_apps.engine import SEND_BATCH_BYTES, SEND_LINGER_S, _Out
     from stream_apps.transactions import ExactTransactionManager
 
     engine = StreamEngine(RewardApp(), EngineSettings(EXP, KafkaSettings(), source_partitions=1))
@@ -296,18 +296,23 @@ def test_outputs_go_to_the_transaction_in_batches_before_the_offsets_they_commit
             epoch = engine.tracker.received(tp, offset)
             await engine._produce(outs, 0)
             engine.tracker.finished(tp, offset, epoch)
-        assert txp.calls == []  # kept until the commit: small outputs
+        assert txp.calls == []  # kept: small outputs, the linger has not passed
         await manager.commit_partition(0)
         first_commit = list(txp.calls)
         txp.calls.clear()
         await engine._produce([_Out("train", b"g1", b"x" * SEND_BATCH_BYTES)], 1)  # a MiB kept: handed over now
         assert txp.calls == [("batch", "train", 1, [b"x" * SEND_BATCH_BYTES])]
         txp.calls.clear()
+        await engine._produce([_Out("train", b"g1", b"z")], 1)
+        await asyncio.sleep(SEND_LINGER_S * 4)  # kept outputs go to the open transaction after the linger
+        assert txp.calls == [("batch", "train", 1, [b"z"])]
+        txp.calls.clear()
         await engine._produce([_Out("train", b"g1", b"y")], 1)
         engine.forget_unsent(1)  # a producer gone: nothing of it is sent later
+        await asyncio.sleep(SEND_LINGER_S * 4)
         await manager.commit_partition(1)
         assert txp.calls == ["commit", "begin"]
-        assert engine._unsent == {}
+        assert engine._unsent == {} and engine._lingering == {}
         return first_commit
 
     first_commit = asyncio.run(run())
