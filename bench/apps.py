@@ -75,7 +75,7 @@ CATEGORIES = [
              "astraflow/records/", "astraflow/control", "numpy")),
     ("engine", ("stream_apps/engine.py", "stream_apps/takeover.py", "stream_apps/transactions.py",
                 "stream_apps/metrics.py", "astraflow/kafka/")),
-    ("compression (zstd)", ("aiokafka/codec.py", "cramjam")),
+    ("compression (cramjam: snappy, zstd)", ("aiokafka/codec.py", "cramjam")),
     ("aiokafka connections (socket I/O)", ("aiokafka/conn.py",)),
     ("aiokafka producer", ("aiokafka/producer",)),
     ("aiokafka consumer", ("aiokafka/consumer", "aiokafka/record", "aiokafka/protocol")),
