@@ -46,6 +46,7 @@ import torch
 from astraflow.dataflow.advantages import grpo
 from astraflow.models.arith import answers_match, reference_answer
 from astraflow.raas.backends.torch_backend import TorchBackend
+from astraflow.raas.node import NodeSettings
 from astraflow.raas.tools import ToolBox, calculator, slow_tool
 from astraflow.raas.workflows import RolloutContext
 from astraflow.raas.workflows.builtin import extract_answer, rlvr, tool_use
@@ -54,6 +55,10 @@ from astraflow.rl import PolicyLossConfig, policy_loss, sequence_logprobs
 from stream_apps.groups import train_samples
 from trainers.batching import collate
 from trainers.config import TrainerSettings
+
+# Every schedule cuts a tool call where the pipeline's RaaS node does (`NodeSettings.tool_timeout_s`),
+# so no side waits for a call another side would have cut.
+TOOL_TIMEOUT_S = NodeSettings.__dataclass_fields__["tool_timeout_s"].default
 
 GROUP = 8  # samples per prompt
 PROMPTS_PER_STEP = 8  # 64 samples per optimizer step, as the demo's trainer batch
@@ -362,7 +367,7 @@ def one_run(mode: str, workload: str, sigma: float, *, steps: int, eval_every: i
     torch.manual_seed(seed)
     backend = TorchBackend("policy", model_dir, seed=seed, max_batch=max(SLOTS, slots), threads=1, device="cpu")
     learner = Learner(model_dir, loss, minibatches)
-    tools = ToolBox({"calc": slow_tool(calculator, median_s, sigma, seed=seed)}, timeout_s=120.0)
+    tools = ToolBox({"calc": slow_tool(calculator, median_s, sigma, seed=seed)}, timeout_s=TOOL_TIMEOUT_S)
     run = Run(mode, workload, sigma)
     if mode == "sync":
         asyncio.run(sync_mode(tasks, steps, backend, learner, tools, eval_every, run))

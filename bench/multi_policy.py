@@ -89,14 +89,13 @@ from _mp_figures import POLICIES, first_at_or_above, over_seeds, ratios, smoothe
 
 from astraflow.dataflow.judge_rewards import SolverVerifier
 from astraflow.raas.backends.torch_backend import TorchBackend
-from astraflow.raas.node import NodeSettings
 from astraflow.raas.tools import ToolBox, calculator, slow_tool
 from astraflow.raas.workflows import RolloutContext
 from astraflow.raas.workflows.builtin import solver_verifier
 from astraflow.records import NodeInfo, SamplingParams, Task, Trajectory
 
 MODES = ("trainer-centred", "dataflow", "pipeline")  # pipeline: the real roles on Kafka (`--modes`)
-TOOL_TIMEOUT_S = NodeSettings.__dataclass_fields__["tool_timeout_s"].default  # the pipeline's node's, for every schedule
+TOOL_TIMEOUT_S = _rl.TOOL_TIMEOUT_S  # the pipeline's node's, for every schedule
 G, P = _rl.GROUP, _rl.PROMPTS_PER_STEP
 
 

@@ -191,7 +191,7 @@ def trl_run(workload: str, sigma: float, *, steps: int, eval_every: int, seed: i
     rollout = None
     if workload == "b":
         w = _rl.WORKLOADS[workload]
-        tools = ToolBox({"calc": slow_tool(calculator, median_s, sigma, seed=seed)}, timeout_s=120.0)
+        tools = ToolBox({"calc": slow_tool(calculator, median_s, sigma, seed=seed)}, timeout_s=_rl.TOOL_TIMEOUT_S)
         rollout = ToolRollout(tools, w["max_tokens"], w["max_turns"], temperature=1.0)
     model, tokenizer = load_tiny(model_dir)
     with tempfile.TemporaryDirectory(prefix="vs_trl-") as out_dir:

@@ -86,3 +86,19 @@ def test_the_in_process_learner_optimises_with_the_trainers_settings(tmp_path) -
     group = learner.opt.param_groups[0]
     assert (group["lr"], group["weight_decay"], tuple(group["betas"])) == (_rl.LR, trainer.weight_decay, trainer.betas)
     assert learner.grad_clip == trainer.grad_clip
+
+
+def test_every_schedule_cuts_tool_calls_where_the_node_does():
+    """The in-process schedules (multi_policy's, `_rl.one_run`'s, vs_trl's TRL rollout) cut a tool
+    call at the pipeline node's timeout: a side that waits longer measures calls the node cut."""
+    import inspect
+
+    import vs_trl
+
+    from astraflow.raas.node import NodeSettings
+
+    assert _rl.TOOL_TIMEOUT_S == NodeSettings("exp").tool_timeout_s == mp.TOOL_TIMEOUT_S
+    for fn in (_rl.one_run, vs_trl):
+        src = inspect.getsource(fn)
+        assert "ToolBox(" in src and "timeout_s=" in src
+        assert all("TOOL_TIMEOUT_S" in line for line in src.splitlines() if "ToolBox(" in line), fn
