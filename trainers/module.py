@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import inspect
 import logging
 import time
@@ -151,6 +152,7 @@ class PolicyTrainer(L.LightningModule):
         logprobs = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
         ent = torch.zeros_like(logprobs) if entropy is not None else None
         lengths = attn.sum(dim=1).tolist()
+        keeps_logits = _takes_logits_to_keep(type(model))
         for chunk in length_chunks(lengths):
             rows = torch.tensor(chunk, device=ids.device)
             width = max(int(max(lengths[i] for i in chunk)), 2)
@@ -158,7 +160,7 @@ class PolicyTrainer(L.LightningModule):
             cols = torch.nonzero(sub_mask[:, 1:].any(dim=0)).squeeze(1)  # logits at t score token t + 1
             if cols.numel() == 0:
                 continue
-            if _takes_logits_to_keep(model):
+            if keeps_logits:
                 logits = model(input_ids=sub_ids, attention_mask=sub_attn, use_cache=False, logits_to_keep=cols).logits
             else:
                 logits = model(input_ids=sub_ids, attention_mask=sub_attn, use_cache=False).logits[:, cols]
@@ -331,9 +333,11 @@ class PolicyTrainer(L.LightningModule):
         self.steps_skipped = int(saved.get("steps_skipped", 0))
 
 
-def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
-    """Whether `model`'s forward computes logits at chosen positions only (transformers' causal LMs)."""
-    forward = getattr(model, "forward", None)
+@functools.cache
+def _takes_logits_to_keep(model_type: type) -> bool:
+    """Whether the forward of models of `model_type` computes logits at chosen positions only
+    (transformers' causal LMs); asked once per class, not at every step."""
+    forward = getattr(model_type, "forward", None)
     try:
         return forward is not None and "logits_to_keep" in inspect.signature(forward).parameters
     except (TypeError, ValueError):
