@@ -41,16 +41,21 @@ latencies (by Little's law backlog / rate is the mean latency, so latencies cann
 starved by its link from one with a queue), at most `max_delay_s`, and not counted for a partition
 whose rate is at the floor (a dead node's partition gets no reserve). Placement only chooses the
 partition: how many tasks are outstanding in all is the caller's count (the curator's max-ahead),
-exactly as before. When that total is smaller than the nodes' speed x D together, some node
+exactly as before. When that total is smaller than the nodes' reserves together, some node
 runs short whatever the choice: the partitions furthest below their reserve in time are filled
-first, then, among equals, the one where a task would be done soonest ((backlog + 1) / rate -
-delay), which keeps the most tasks moving (in tests/unit/test_task_placement.py's simulations the
-node left short is the slowest one, or the one behind the longest delay). The placement cannot see
-that shortfall itself, nor share it out in proportion: a rate is measured from commits, so a
-node short of work shows a lower rate, and its rate x D shrinks with it (scaling the reserves down
-when the tasks held do not cover their sum was tried in that simulation and changed nothing: the
-sum of measured rate x D never exceeded them). So max-ahead must cover every node's speed x its
-delay, plus what the nodes hold in flight (bench/regions.py runs with 48).
+first, then, among equals, the one where a task would be done soonest.
+
+**Reserve by speed, not throughput.** A reserve of rate x D is a fixed point: the rate is measured
+from commits, so it is a throughput, and a node fed less than it could do (its refill is slower
+than measured, e.g. a WAN fetch cycle) shows a lower rate, gets a smaller reserve, and is fed at
+the rate it is fed (a node behind a 300 ms link did half its share that way, idle 25% of the time
+with its own tasks on the way). So a node also reports its SPEED: tasks per second while it had
+rollouts in flight, over a window (`SpeedMeter`), split over the partitions it owns; that does not
+fall when the node is starved, only when it is slow. The reserve is max(speed, rate) x D (rate
+alone where no speed was reported; the larger, since a node's speed is a measure over its
+partitions together and the rate of one of them may exceed its even split). The speed is
+untrusted (the caller validates and bounds it, `astraflow.kafka.task_placer`); a node that claims
+more than it does only holds more of its own tasks, at most its speed x `max_delay_s`.
 
 Pure: the caller measures (end offsets, committed offsets, refill delays, the time) and applies the choice.
 """
@@ -58,6 +63,8 @@ Pure: the caller measures (end offsets, committed offsets, refill delays, the ti
 from __future__ import annotations
 
 import math
+import threading
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -70,6 +77,7 @@ class PartitionLoad:
     rate: float | None = None  # tasks/s while busy (EWMA); None: never measured busy
     busy: bool = False  # had a backlog at the last observation
     delay: float = 0.0  # refill delay, seconds: write to fetched plus done to commit seen (as measured)
+    speed: float | None = None  # tasks/s its node reports for it while busy (its speed split over its partitions)
 
     @property
     def backlog(self) -> int:
@@ -90,10 +98,11 @@ class Placement:
         self._at: float | None = None  # time of the last observation
 
     def observe(self, now: float, written: dict[int, int], committed: dict[int, int],
-                delays: dict[int, float] | None = None) -> None:
+                delays: dict[int, float] | None = None, speeds: dict[int, float | None] | None = None) -> None:
         """Takes a measurement at time `now` (seconds, monotonic): end offsets and the group's
-        committed offsets per partition (a partition without a commit: its start offset), and
-        the refill delays measured (a partition not in `delays` keeps its last one)."""
+        committed offsets per partition (a partition without a commit: its start offset), the
+        refill delays measured and the speeds reported (tasks/s; None: none reported); a
+        partition not in `delays` or `speeds` keeps its last one."""
         dt = None if self._at is None else now - self._at
         if dt is not None and dt <= 0:
             return
@@ -110,6 +119,9 @@ class Placement:
             load.written = max(load.written, written.get(p, load.written))
             if delays and p in delays:
                 load.delay = min(max(0.0, delays[p]), self.max_delay_s)
+            if speeds and p in speeds:
+                speed = speeds[p]
+                load.speed = speed if speed is not None and math.isfinite(speed) and speed > 0 else None
             load.busy = load.backlog > 0
 
     def rate_of(self, p: int) -> float:
@@ -119,13 +131,13 @@ class Placement:
         rate = self.default_rate() if load.rate is None else load.rate
         return max(rate, self.floor * max(known, default=self.prior_rate), 1e-9)
 
-    def reserve_s(self, p: int) -> float:
-        """The refill delay counted for `p`: its measured one, none while its rate is at the floor."""
+    def reserve(self, p: int) -> float:
+        """Tasks `p` holds for its refill delay: max(speed, rate) x delay; none while its rate is at the floor."""
         load = self.parts[p]
         known = [x.rate for x in self.parts if x.rate is not None]
         if load.rate is None or load.rate <= self.floor * max(known, default=self.prior_rate):
             return 0.0
-        return load.delay
+        return max(load.rate, load.speed or 0.0) * load.delay
 
     def expected_wait(self, p: int) -> float:
         """Seconds until a task written to `p` now would be done, as measured."""
@@ -138,16 +150,59 @@ class Placement:
 
     def choose(self) -> int:
         """The partition for the next task; call `sent` once written. The one whose backlog beyond
-        its refill delay is the shortest in time (backlog / rate - delay), so that every partition
-        holds its rate x delay and then work in proportion to its rate, and none runs dry while
+        its reserve is the shortest in time ((backlog - reserve) / rate), so that every partition
+        holds its reserve and then work in proportion to its rate, and none runs dry while
         another holds tasks; among equals the one where the task would be done first
-        ((backlog + 1) / rate - delay), then the lowest number."""
+        ((backlog + 1 - reserve) / rate), then the lowest number."""
         def key(p: int) -> tuple[float, float, int]:
-            rate, reserve, backlog = self.rate_of(p), self.reserve_s(p), self.parts[p].backlog
-            return backlog / rate - reserve, (backlog + 1) / rate - reserve, p
+            rate, reserve, backlog = self.rate_of(p), self.reserve(p), self.parts[p].backlog
+            return (backlog - reserve) / rate, (backlog + 1 - reserve) / rate, p
 
         return min(range(len(self.parts)), key=key)
 
     def sent(self, p: int) -> None:
         """A task was written to `p` (counts in its backlog until the next observation sees it)."""
         self.parts[p].written += 1
+
+
+class SpeedMeter:
+    """A node's speed: tasks done per second of the time it had rollouts in flight, over about the
+    last `window_s` seconds (a node starved of work is not slow). `update` at every change of
+    busy; `speed` when reporting (each call is also a mark the next ones measure from). Thread-safe
+    (a node reports from its commit thread)."""
+
+    def __init__(self, window_s: float = 10.0, min_busy_s: float = 0.5) -> None:
+        if window_s <= 0 or min_busy_s <= 0:
+            raise ValueError("window_s and min_busy_s must be > 0")
+        self.window_s, self.min_busy_s = window_s, min_busy_s
+        self._lock = threading.Lock()
+        self._busy_total = 0.0  # seconds busy before `_since`
+        self._since: float | None = None  # busy since then
+        self._marks: deque[tuple[float, int, float]] = deque()  # (time, tasks done, busy seconds until then)
+
+    def _busy_at(self, now: float) -> float:
+        return self._busy_total + (0.0 if self._since is None else max(0.0, now - self._since))
+
+    def update(self, now: float, busy: bool) -> None:
+        """The node has rollouts in flight (`busy`) from `now` on, or none."""
+        with self._lock:
+            if busy and self._since is None:
+                self._since = now
+            elif not busy and self._since is not None:
+                self._busy_total = self._busy_at(now)
+                self._since = None
+
+    def speed(self, now: float, done: int) -> float | None:
+        """Tasks/s while busy since the oldest mark in the window (`done`: tasks done so far); None
+        until `min_busy_s` of busy time and one task done were seen since a mark."""
+        with self._lock:
+            busy_now = self._busy_at(now)
+            if not self._marks or now - self._marks[-1][0] >= self.window_s / 20:
+                self._marks.append((now, done, busy_now))
+            while len(self._marks) > 1 and self._marks[1][0] <= now - self.window_s:
+                self._marks.popleft()  # keep the newest mark at or before the window's start
+            _, d0, b0 = self._marks[0]
+            busy = busy_now - b0
+            if busy < self.min_busy_s or done <= d0:
+                return None
+            return (done - d0) / busy

@@ -13,12 +13,20 @@ the duration of its shortest recent commit (one round trip to the group coordina
 node's own stalls: `rtt_ms=N`) into the metadata of every offset it commits, and the delay is that round trip twice (the task's fetch
 and the commit) plus this placer's own lag: the time between its observations and the
 `committed()` call itself. A commit without that metadata counts only the placer's lag.
+
+Speed of each partition (the placement's reserve is max(speed, rate) x delay): the node also
+writes its speed, tasks per second while it had rollouts in flight (`SpeedMeter`), divided by the
+number of partitions it owns (`speed=X`). Metadata is untrusted: anything malformed, not finite,
+negative or above `MAX_SPEED` is ignored (the partition falls back to its measured rate), and the
+first time each reason is seen it is logged.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
+from dataclasses import dataclass
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
@@ -45,6 +53,7 @@ class TaskPlacer:
         # which never subscribes (so it never joins that group).
         self._reader = Consumer(reader_config(kafka, group))
         self._warned = False
+        self._ignored: set[str] = set()  # reasons already logged for metadata ignored
         self._last: float | None = None  # time of the last observation
 
     def observe(self, now: float) -> None:
@@ -60,8 +69,19 @@ class TaskPlacer:
         committed = {self._index[tp.partition]: tp.offset for tp in got if tp.offset >= 0}
         lag = (time.monotonic() - asked) + (0.0 if self._last is None else max(0.0, now - self._last))
         self._last = now
-        delays = {self._index[tp.partition]: 2 * commit_rtt_s(tp.metadata) + lag for tp in got if tp.offset >= 0}
-        self.policy.observe(now, {}, committed, delays)
+        delays: dict[int, float] = {}
+        speeds: dict[int, float | None] = {}
+        for tp in got:
+            if tp.offset < 0:
+                continue
+            report = read_commit_metadata(tp.metadata)
+            if report.problem and report.problem not in self._ignored:
+                self._ignored.add(report.problem)
+                log.warning("commit metadata %r of %s[%d] (partly) ignored: %s (logged once)", tp.metadata[:MAX_METADATA],
+                            self.topic, tp.partition, report.problem)
+            delays[self._index[tp.partition]] = 2 * report.rtt_s + lag
+            speeds[self._index[tp.partition]] = report.speed
+        self.policy.observe(now, {}, committed, delays, speeds)
 
     def choose(self) -> int:
         return self.partitions[self.policy.choose()]
@@ -73,19 +93,55 @@ class TaskPlacer:
         self._reader.close()
 
 
-RTT_KEY = "rtt_ms="
+RTT_KEY, SPEED_KEY = "rtt_ms", "speed"
+MAX_RTT_S = 60.0  # a reported round trip is clipped to this
+MAX_SPEED = 10_000.0  # tasks/s per partition; a report above it is ignored
+MAX_METADATA = 200  # characters; longer metadata is not ours
 
 
-def commit_metadata(rtt_s: float | None) -> str:
-    """What a RaaS node writes with its commits: its last commit's round trip (empty if none yet)."""
-    return "" if rtt_s is None else f"{RTT_KEY}{round(rtt_s * 1000)}"
+def commit_metadata(rtt_s: float | None, speed: float | None = None) -> str:
+    """What a RaaS node writes with its commits: its last commit's round trip and its speed per
+    partition owned, tasks/s (each left out if not measured yet)."""
+    fields = [] if rtt_s is None else [f"{RTT_KEY}={round(rtt_s * 1000)}"]
+    fields += [] if speed is None else [f"{SPEED_KEY}={speed:.3f}"]
+    return ";".join(fields)
 
 
-def commit_rtt_s(metadata: str | None) -> float:
-    """The round trip a node reported in its commit's metadata, seconds (0 if none, or not ours)."""
-    if not metadata or not metadata.startswith(RTT_KEY):
-        return 0.0
-    try:
-        return max(0.0, min(60.0, int(metadata[len(RTT_KEY):]) / 1000))
-    except ValueError:  # untrusted: someone else's metadata
-        return 0.0
+@dataclass(frozen=True)
+class CommitReport:
+    """What a node's commit metadata says, as far as it can be trusted."""
+
+    rtt_s: float = 0.0  # its commit round trip (0: none reported)
+    speed: float | None = None  # tasks/s while busy, per partition (None: none reported, or ignored)
+    problem: str | None = None  # why something in it was ignored
+
+
+def read_commit_metadata(metadata: str | None) -> CommitReport:
+    """Reads `commit_metadata`'s text, untrusted: a round trip is bounded to [0, MAX_RTT_S]; a
+    speed that is not a finite number in (0, MAX_SPEED] is ignored, with the reason."""
+    if not metadata:
+        return CommitReport()
+    if len(metadata) > MAX_METADATA:
+        return CommitReport(problem=f"longer than {MAX_METADATA} characters")
+    fields: dict[str, str] = {}
+    for part in metadata.split(";"):
+        key, eq, value = part.partition("=")
+        if not eq or key not in (RTT_KEY, SPEED_KEY) or key in fields:
+            return CommitReport(problem="not a RaaS node's metadata")
+        fields[key] = value
+    rtt_s, speed, problems = 0.0, None, []
+    if RTT_KEY in fields:
+        try:
+            rtt_s = max(0.0, min(MAX_RTT_S, int(fields[RTT_KEY]) / 1000))
+        except ValueError:
+            problems.append(f"{RTT_KEY} not an integer")
+    if SPEED_KEY in fields:
+        try:
+            value = float(fields[SPEED_KEY])
+        except ValueError:
+            value = math.nan
+        if math.isfinite(value) and 0 < value <= MAX_SPEED:
+            speed = value
+        else:
+            problems.append(f"{SPEED_KEY} not a number in (0, {MAX_SPEED:g}]")
+    return CommitReport(rtt_s, speed, "; ".join(problems) or None)

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from confluent_kafka import TopicPartition
 
 from astraflow.config import AstraflowConfig
+from astraflow.dataflow.placement import SpeedMeter
 from astraflow.errors import AstraflowError, SerdeError
 from astraflow.kafka.clients import RecordConsumer, RecordProducer, commit_offsets
 from astraflow.kafka.offsets import OffsetTracker
@@ -123,6 +124,17 @@ class RaasNode:
         self.agent_api = AgentEndpoint(config.raas)  # OpenAI-compatible endpoint, listening once a rollout asks
 
     _commit_rtts: collections.deque[float] | None = None  # durations of the last commits (the shortest is reported)
+    _speed_meter: SpeedMeter | None = None  # tasks/s while rollouts are in flight (reported with commits)
+    _owned: frozenset[tuple[str, int]] = frozenset()  # partitions assigned (the speed reported is split over them)
+    tasks_done: int = 0  # (set in __init__; a default, like the three above, for nodes that only commit)
+
+    def _speed(self) -> SpeedMeter:
+        if self._speed_meter is None:
+            self._speed_meter = SpeedMeter()
+        return self._speed_meter
+
+    def _busy_changed(self) -> None:
+        self._speed().update(time.monotonic(), self.inflight > 0)
 
     def _make_consumer(self) -> RecordConsumer[Task]:
         return RecordConsumer(
@@ -145,12 +157,14 @@ class RaasNode:
 
     def _on_assign(self, consumer, partitions: list[TopicPartition]) -> None:
         log.info("assigned %s", [p.partition for p in partitions])
+        self._owned = self._owned | {(p.topic, p.partition) for p in partitions}
         if self._paused:
             consumer.pause(partitions)
 
     def _on_revoke(self, consumer, partitions: list[TopicPartition]) -> None:
         self._commit()  # commit what is done before losing the partitions
         lost = {(p.topic, p.partition) for p in partitions}
+        self._owned = self._owned - lost
         self.offsets.forget(lost)  # late finishes of their tasks are ignored; others redo them
         kept = [r for r in self._pending if (r.topic, r.partition) not in lost]
         self._pending.clear()
@@ -266,6 +280,7 @@ class RaasNode:
         n = rec.record.n_samples
         now = min(n, self.s.max_inflight - self.inflight)
         self.inflight += now
+        self._busy_changed()
         loop = asyncio.get_running_loop()
         grants: list[asyncio.Future[None] | None] = [None] * now + [loop.create_future() for _ in range(n - now)]
         self._waiting.extend(g for g in grants if g is not None)
@@ -339,6 +354,7 @@ class RaasNode:
                 grant.set_result(None)
                 return
         self.inflight -= 1
+        self._busy_changed()
         self._slot_freed.set()
 
     def _commit(self) -> None:
@@ -372,9 +388,11 @@ class RaasNode:
             if self.dlq.count:  # a dead-lettered task must be durable before its offset is committed
                 self.dlq.producer.flush()
             # The round trip for the placement's refill delay (astraflow.kafka.task_placer): the shortest
-            # of the last commits, so that a node's own stalls (a CPU quota, a busy loop) do not count.
+            # of the last commits, so that a node's own stalls (a CPU quota, a busy loop) do not count;
+            # and its speed while busy, split over the partitions it owns (the placement's reserve).
             rtts = self._commit_rtts = self._commit_rtts if self._commit_rtts is not None else collections.deque(maxlen=32)
-            meta = commit_metadata(min(rtts) if rtts else None)
+            speed = self._speed().speed(time.monotonic(), self.tasks_done)
+            meta = commit_metadata(min(rtts) if rtts else None, None if speed is None else speed / max(1, len(self._owned)))
             began = time.monotonic()
             commit_offsets(self.consumer.raw, [TopicPartition(t, p, o, metadata=meta) for (t, p), o in positions.items()])
             rtts.append(time.monotonic() - began)

@@ -14,10 +14,11 @@ import asyncio
 import time
 from types import SimpleNamespace
 
+import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from astraflow.kafka.offsets import OffsetTracker
-from astraflow.kafka.task_placer import commit_rtt_s
+from astraflow.kafka.task_placer import read_commit_metadata
 from astraflow.raas.node import RaasNode
 
 
@@ -43,6 +44,7 @@ def _bare_node(consumer: object) -> RaasNode:
     node.offsets = OffsetTracker()
     node.consumer = SimpleNamespace(raw=consumer)  # type: ignore[assignment]
     node.dlq = SimpleNamespace(count=0)  # type: ignore[assignment]
+    node.tasks_done = 0
     return node
 
 
@@ -100,5 +102,28 @@ def test_each_commit_carries_the_shortest_round_trip_of_the_ones_before() -> Non
         node._commit()
     first, *rest = consumer.metadata
     assert first == {""}  # nothing measured yet
-    reported = [commit_rtt_s(next(iter(m))) for m in rest]
+    reported = [read_commit_metadata(next(iter(m))).rtt_s for m in rest]
     assert reported[0] >= 0.2 and 0.05 <= reported[1] < 0.2 and 0.05 <= reported[2] < 0.2  # a stall is not kept
+
+
+def test_each_commit_carries_the_nodes_speed_while_busy_split_over_its_partitions() -> None:
+    import asyncio
+    import collections
+
+    consumer = SlowCommits([0.0, 0.0])
+    node = _bare_node(consumer)
+    node._owned = frozenset({("tasks", 0), ("tasks", 1)})
+    began = time.monotonic() - 2.0
+    node._speed().speed(began, 0)
+    node._speed().update(began, True)  # rollouts in flight for 2 s
+    node.tasks_done = 8
+    _finish(node, 0)
+    node._commit()
+    assert read_commit_metadata(next(iter(consumer.metadata[0]))).speed == pytest.approx(8 / 2 / 2, rel=0.05)
+    # its last rollout ends (the node's own hook): idle time after it does not lower the speed
+    node.inflight, node._waiting, node._slot_freed = 1, collections.deque(), asyncio.Event()
+    node._release()
+    time.sleep(0.3)
+    _finish(node, 1)
+    node._commit()
+    assert read_commit_metadata(next(iter(consumer.metadata[1]))).speed == pytest.approx(8 / 2 / 2, rel=0.05)

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-from astraflow.dataflow.placement import Placement
+from astraflow.dataflow.placement import Placement, SpeedMeter
 
 
 class Sim:
     """Nodes that each own some partitions and finish tasks at their own speed (tasks/s), the
     curator keeping `outstanding` tasks in the system and placing each with the policy. A node
     with a delay d (its round trip: fetch, commit, e.g. a WAN) sees a task d/2 after it is
-    written, and its completion is seen d/2 after it ends."""
+    written, and its completion is seen d/2 after it ends. A node's refill delay as reported is
+    its round trip times `reported_delay` (1: as measured; less: a refill slower than its
+    commits show, e.g. a WAN fetch cycle); with `report_speeds`, each node measures its tasks/s
+    while it had work (`SpeedMeter`) and reports it split over its partitions, as RaaS nodes do."""
 
     def __init__(self, owners: dict[int, int], speeds: dict[int, float], outstanding: int = 24,
-                 delays: dict[int, float] | None = None, report_delays: bool = True, **kw) -> None:
+                 delays: dict[int, float] | None = None, report_delays: bool = True,
+                 reported_delay: float = 1.0, report_speeds: bool = False, **kw) -> None:
         self.owners, self.speeds = owners, speeds  # partition -> node, node -> tasks/s
         self.delays = delays or {}
         self.pl = Placement(len(owners), **kw)
@@ -28,6 +32,8 @@ class Sim:
         self.idle = dict.fromkeys(speeds, 0)  # steps a node had nothing to run
         self.outstanding = outstanding
         self.report_delays = report_delays  # the refill delays given to the placement (as the nodes' commits say)
+        self.reported_delay = reported_delay
+        self.meters = {n: SpeedMeter() for n in speeds} if report_speeds else None
         self.t = 0.0
         self.pl.observe(self.t, self.written, self.done)
 
@@ -43,6 +49,8 @@ class Sim:
             self.credit[node] += speed * dt
             if not any(ready(p) for p in mine):
                 self.idle[node] += 1
+            if self.meters is not None:  # busy through this step if it had work at its start
+                self.meters[node].update(self.t - dt, any(ready(p) for p in mine))
             while self.credit[node] >= 1 and any(ready(p) for p in mine):
                 # first come, first served (as a node's fetched tasks are)
                 p = min((q for q in mine if ready(q)), key=lambda q: self.arrive[q][self.started[q]])
@@ -56,8 +64,14 @@ class Sim:
             self.done[p] += 1
         self.seen_at = [x for x in self.seen_at if x[0] > self.t]
         # refill delay: the round trip, plus this loop's own measuring pace
-        measured = {p: self.delays.get(n, 0.0) + dt for p, n in self.owners.items()} if self.report_delays else None
-        self.pl.observe(self.t, self.written, self.done, measured)
+        measured = ({p: self.delays.get(n, 0.0) * self.reported_delay + dt for p, n in self.owners.items()}
+                    if self.report_delays else None)
+        reported = None
+        if self.meters is not None:
+            node_speed = {n: m.speed(self.t, self.by_node[n]) for n, m in self.meters.items()}
+            per = {n: sum(1 for q in self.owners.values() if q == n) for n in self.speeds}
+            reported = {p: None if node_speed[n] is None else node_speed[n] / per[n] for p, n in self.owners.items()}
+        self.pl.observe(self.t, self.written, self.done, measured, reported)
         while sum(self.written.values()) - sum(self.done.values()) < self.outstanding:
             p = self.pl.choose()
             self.written[p] += 1
@@ -156,7 +170,7 @@ def test_max_ahead_must_cover_every_nodes_speed_times_its_refill_delay():
         got[outstanding] = shares({n: sim.by_node[n] - before[n] for n in sim.by_node})
         idle[outstanding] = {n: (sim.idle[n] - idle_before[n]) / (120 / 0.2) for n in sim.idle}
         if outstanding == 8:
-            assert sum(sim.pl.rate_of(p) * sim.pl.reserve_s(p) for p in range(12)) < outstanding
+            assert sum(sim.pl.reserve(p) for p in range(12)) < outstanding
     assert got[8][2] < 0.7 * 3 / 7 and idle[8][2] > 0.25, (got, idle)
     for node, expected in {0: 3 / 7, 1: 1 / 7, 2: 3 / 7}.items():
         assert abs(got[20][node] - expected) / expected < 0.15, got
@@ -229,13 +243,13 @@ def test_a_dead_node_behind_a_slow_link_keeps_no_reserve():
     owners = {p: p % 3 for p in range(12)}
     sim = Sim(owners, {0: 3.0, 1: 1.0, 2: 3.0}, delays={0: 0.1, 1: 0.1, 2: 2.0}, tau_s=2.0)
     sim.run(60)
-    assert all(sim.pl.reserve_s(p) > 1.5 for p in owners if owners[p] == 2)
+    assert all(sim.pl.reserve(p) > 1.5 * sim.pl.rate_of(p) for p in owners if owners[p] == 2)
     sim.speeds[2] = 0.0
     sim.run(20)
     before = dict(sim.written)
     sim.run(40)
     assert sum(sim.written[p] - before[p] for p in owners if owners[p] == 2) <= 4, sim.written
-    assert all(sim.pl.reserve_s(p) == 0.0 for p in owners if owners[p] == 2)
+    assert all(sim.pl.reserve(p) == 0.0 for p in owners if owners[p] == 2)
 
 
 def test_a_delay_is_capped_and_kept_until_measured_again():
@@ -255,11 +269,92 @@ def test_bad_settings_are_refused():
         Placement(2, floor=0.0)
 
 
-def test_a_nodes_commit_metadata_gives_its_round_trip_and_garbage_gives_none():
-    from astraflow.kafka.task_placer import commit_metadata, commit_rtt_s
+def test_a_node_behind_a_slow_link_gets_a_reserve_by_its_speed_not_its_throughput():
+    """Partition 0 (a local node) and partition 1 (a node behind a 2 s refill) both show 2 tasks/s
+    committed: that is all the WAN node was fed, but it reports 6 tasks/s while busy. Its
+    reserve is speed x delay (12 tasks), not throughput x delay (4), and placement fills it
+    before the local partition gets more than its own reserve of 0.2."""
+    pl = Placement(2, tau_s=1.0)
+    pl.observe(0.0, {0: 0, 1: 0}, {0: 0, 1: 0})
+    for i in range(1, 11):  # both busy, each committing 2 tasks/s
+        pl.observe(float(i), {0: 2 * i + 1, 1: 2 * i + 1}, {0: 2 * i, 1: 2 * i}, {0: 0.1, 1: 2.0}, {0: 2.0, 1: 6.0})
+    assert pl.rate_of(0) == pytest.approx(pl.rate_of(1))
+    assert pl.reserve(1) == pytest.approx(6.0 * 2.0, rel=0.01)
+    assert pl.reserve(0) == pytest.approx(2.0 * 0.1, rel=0.01)
+    placed = []
+    for _ in range(12):
+        p = pl.choose()
+        placed.append(p)
+        pl.sent(p)
+    assert placed.count(1) >= 10, placed  # by throughput it would have held 4 (3 beyond its one queued)
+    pl.observe(11.0, {}, {}, None, {1: None})  # no speed reported any more: back to its rate
+    assert pl.reserve(1) == pytest.approx(pl.rate_of(1) * 2.0)
 
-    assert commit_rtt_s(commit_metadata(0.3104)) == pytest.approx(0.310)
+
+def test_a_reported_speed_below_the_rate_does_not_shrink_the_reserve():
+    pl = Placement(1, tau_s=1.0)
+    pl.observe(0.0, {0: 0}, {0: 0})
+    pl.observe(1.0, {0: 5}, {0: 4}, {0: 1.0}, {0: 0.5})
+    assert pl.reserve(0) == pytest.approx(pl.rate_of(0) * 1.0)
+
+
+def test_reported_speeds_keep_a_node_behind_a_slow_link_busier():
+    """The WAN node's refill is twice what its commits show (a fetch cycle longer than the commit
+    round trip), with few tasks outstanding: placing its reserve by its reported speed instead of
+    its throughput keeps it idle less (the same run side by side)."""
+    owners = {p: p % 3 for p in range(12)}
+    idle = {}
+    for report in (False, True):
+        sim = Sim(owners, {0: 3.0, 1: 1.0, 2: 3.0}, outstanding=14, delays={0: 0.1, 1: 0.1, 2: 2.0},
+                  reported_delay=0.5, report_speeds=report)
+        sim.run(60)
+        before = dict(sim.idle)
+        sim.run(120)
+        idle[report] = (sim.idle[2] - before[2]) / (120 / 0.2)
+    assert idle[True] < 0.75 * idle[False], idle
+
+
+def test_speed_is_tasks_per_second_while_busy_not_throughput():
+    meter = SpeedMeter(window_s=10.0)
+    t, done = 0.0, 0
+    assert meter.speed(t, done) is None  # nothing measured yet
+    for _ in range(20):  # 1 s of work at 6 tasks/s, then 2 s starved: throughput 2 tasks/s
+        meter.update(t, True)
+        done += 6
+        t += 1.0
+        meter.update(t, False)
+        t += 2.0
+        assert meter.speed(t, done) == pytest.approx(6.0)
+    assert done / t == pytest.approx(2.0)
+    meter.update(t, True)  # slower from here on: the window forgets the old speed
+    for _ in range(20):
+        t += 1.0
+        done += 2
+        meter.speed(t, done)
+    assert meter.speed(t, done) == pytest.approx(2.0)
+    quiet = SpeedMeter(min_busy_s=0.5)
+    quiet.speed(0.0, 0)
+    quiet.update(0.0, True)
+    assert quiet.speed(0.2, 3) is None  # too little busy time to tell
+    with pytest.raises(ValueError):
+        SpeedMeter(window_s=0.0)
+
+
+def test_a_nodes_commit_metadata_gives_its_round_trip_and_speed_and_garbage_is_ignored_with_a_reason():
+    from astraflow.kafka.task_placer import commit_metadata, read_commit_metadata
+
+    report = read_commit_metadata(commit_metadata(0.3104, 2.5))
+    assert (report.rtt_s, report.speed, report.problem) == (pytest.approx(0.310), 2.5, None)
+    assert read_commit_metadata(commit_metadata(0.3104)).speed is None  # no speed measured yet
     assert commit_metadata(None) == ""
-    for other in (None, "", "rtt_ms=", "rtt_ms=abc", "samples=12", "rtt_ms=-5"):
-        assert commit_rtt_s(other) == 0.0
-    assert commit_rtt_s("rtt_ms=999999999") == 60.0  # untrusted: bounded
+    assert read_commit_metadata(None) == read_commit_metadata("") == read_commit_metadata(commit_metadata(None))
+    assert read_commit_metadata("").problem is None
+    for other in ("rtt_ms=", "rtt_ms=abc", "samples=12", "held=8;read=110", "rtt_ms=5;rtt_ms=6", "x" * 300):
+        report = read_commit_metadata(other)
+        assert (report.rtt_s, report.speed) == (0.0, None) and report.problem, other
+    assert read_commit_metadata("rtt_ms=-5").rtt_s == 0.0
+    assert read_commit_metadata("rtt_ms=999999999").rtt_s == 60.0  # untrusted: bounded
+    for speed in ("nan", "inf", "-1", "0", "1e9", "fast", ""):
+        report = read_commit_metadata(f"rtt_ms=300;speed={speed}")
+        assert report.speed is None and "speed" in report.problem, speed
+        assert report.rtt_s == pytest.approx(0.3)  # the rest of it still counts
