@@ -142,6 +142,10 @@ def run_pair_pipeline(policies: tuple[str, ...], models: dict[str, str], tasks: 
                   "snapshots": {p: [(v, t - t0, st) for v, t, st in s] for p, s in snapshots.items()}}
         stamps = {t: _stamps(probe, t, cfg.topics.partitions)
                   for t in (topics.tasks, topics.rollouts, topics.scored, *(topics.train(p) for p in policies))}
+        result["groups"] = group_diagnostics(
+            _records(probe, topics.rollouts, cfg.topics.partitions),
+            {p: _records(probe, topics.train(p), cfg.topics.partitions) for p in policies},
+            {p: _trained_log(run_dir / p) for p in policies}, steps, t0, _rl.TOOL_TIMEOUT_S)
         result["first_version"] = {
             p: _first_version_hops(run_dir / p, stamps[topics.tasks], stamps[topics.rollouts], stamps[topics.scored],
                                    stamps[topics.train(p)], _first_step_metric(probe, topics.metrics, p),
@@ -175,6 +179,105 @@ def _stamps(consumer: Consumer, topic: str, partitions: int) -> dict[tuple[int, 
                 out[(p, msg.offset())] = ((msg.key() or b"").decode(), msg.timestamp()[1] / 1000)
                 if msg.offset() >= high - 1:
                     break
+    return out
+
+
+def _records(consumer: Consumer, topic: str, partitions: int) -> list[Any]:
+    """Every record a read_committed reader gets from `topic`, decoded."""
+    from astraflow.kafka.clients import watermarks
+    from astraflow.serde import AvroSerde
+
+    serde, out = AvroSerde(), []
+    for p in range(partitions):
+        low, high = watermarks(consumer, topic, p)
+        if high <= low:
+            continue
+        consumer.assign([TopicPartition(topic, p, low)])
+        while (msg := consumer.poll(2.0)) is not None:
+            if msg.error() is None:
+                out.append(serde.loads(msg.value()))
+                if msg.offset() >= high - 1:
+                    break
+    return out
+
+
+def _trained_log(trainer_dir: Path) -> dict[str, int]:
+    """sample_id -> the optimizer step that trained it, from the trainer's `trained-samples.jsonl`."""
+    out: dict[str, int] = {}
+    for path in trainer_dir.glob("**/trained-samples.jsonl"):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            out.setdefault(row["sample_id"], int(row["step"]))
+    return out
+
+
+CALL_BUCKETS = ((0.0, "<1s"), (1.0, "1-5s"), (5.0, "5-10s"))  # a group's slowest tool call; cut calls apart
+STALE_BUCKETS = ("0", "1", "2", "3", "4+")
+
+
+def group_diagnostics(trajectories: list[Any], samples: dict[str, list[Any]], trained: dict[str, dict[str, int]],
+                      steps: int, t0: float, timeout_s: float) -> dict[str, Any]:
+    """Per policy, for the samples its first `steps` optimizer steps trained: how stale each group
+    was against its slowest tool call, and the policy's reward per staleness.
+
+    `trajectories`: the rollouts (Trajectory); `samples[p]`: p's train topic (TrainSample);
+    `trained[p]`: sample_id -> step (step k trains at version k - 1, so a sample's staleness is
+    k - 1 - its `min_version`, the trainer's own definition). A group's slowest call is the
+    longest tool call of its trajectories (0 without any); a call at the node's timeout (or with
+    an error saying so) counts as cut. Also: when each group's last trajectory ended (s from t0),
+    and the mean issue order of the groups each step trained (task ids end in their issue number)
+    against the step's own place, to show groups trained out of order."""
+    slowest: dict[str, float] = {}
+    cut: dict[str, bool] = {}
+    ended: dict[str, float] = {}
+    for t in trajectories:
+        calls = [c.latency_s for c in t.tool_calls]
+        slowest[t.group_id] = max([slowest.get(t.group_id, 0.0), *calls])
+        cut[t.group_id] = cut.get(t.group_id, False) or any(
+            c.latency_s >= timeout_s - 0.05 or "timed out" in (c.error or "") for c in t.tool_calls)
+        ended[t.group_id] = max(ended.get(t.group_id, 0.0), t.timings.finished_at / 1000 - t0)
+
+    def bucket(g: str) -> str:
+        if cut.get(g):
+            return "cut"
+        return next(name for lo, name in reversed(CALL_BUCKETS) if slowest.get(g, 0.0) >= lo)
+
+    out: dict[str, Any] = {}
+    for p, recs in samples.items():
+        groups: dict[str, dict[str, list[float]]] = {}
+        by_stale: dict[str, list[float]] = {b: [] for b in STALE_BUCKETS}
+        for s in recs:
+            step = trained[p].get(s.sample_id)
+            if step is None or step > steps:
+                continue
+            lag = max(0, step - 1 - int(s.min_version))
+            by_stale[STALE_BUCKETS[min(lag, 4)]].append(float(s.reward))
+            g = groups.setdefault(s.group_id, {"lag": [], "reward": [], "step": []})
+            g["lag"].append(lag)
+            g["reward"].append(float(s.reward))
+            g["step"].append(step)
+        by_call: dict[str, dict[str, list[float]]] = {}
+        rows = []
+        for gid, g in groups.items():
+            lag, reward = sum(g["lag"]) / len(g["lag"]), sum(g["reward"]) / len(g["reward"])
+            b = by_call.setdefault(bucket(gid), {"lag": [], "reward": []})
+            b["lag"].append(lag)
+            b["reward"].append(reward)
+            issued = gid.rsplit("-", 1)[-1]
+            rows.append({"group": gid, "issued": int(issued) if issued.isdigit() else None, "step": min(g["step"]),
+                         "slowest_call_s": round(slowest.get(gid, 0.0), 3), "cut": cut.get(gid, False),
+                         "ended_s": round(ended[gid], 3) if gid in ended else None,
+                         "staleness": round(lag, 3), "reward": round(reward, 4)})
+
+        def mean(xs: list[float]) -> float | None:
+            return round(sum(xs) / len(xs), 4) if xs else None
+
+        out[p] = {
+            "by_slowest_call": {k: {"groups": len(v["lag"]), "staleness": mean(v["lag"]), "reward": mean(v["reward"])}
+                                for k, v in sorted(by_call.items(), key=lambda kv: [*(n for _, n in CALL_BUCKETS), "cut"].index(kv[0]))},
+            "by_staleness": {k: {"samples": len(v), "reward": mean(v)} for k, v in by_stale.items()},
+            "groups": sorted(rows, key=lambda r: (r["step"], r["issued"] if r["issued"] is not None else -1)),
+        }
     return out
 
 

@@ -78,6 +78,42 @@ def test_first_version_hops_follow_the_groups_of_the_first_step(tmp_path) -> Non
                     "step_began": 2.1, "step_ended": 2.5, "published": 2.6, "followed": 2.7}
 
 
+def test_group_diagnostics_ties_each_groups_staleness_to_its_slowest_call(tmp_path) -> None:
+    import json
+    from types import SimpleNamespace as NS
+
+    from _pipeline_pair import _trained_log, group_diagnostics
+
+    def traj(group: str, calls: list[tuple[float, str | None]], finished_ms: int) -> NS:
+        return NS(group_id=group, tool_calls=[NS(latency_s=lat, error=err) for lat, err in calls],
+                  timings=NS(finished_at=finished_ms))
+
+    def sample(group: str, i: int, min_version: int, reward: float) -> NS:
+        return NS(sample_id=f"{group}/{i}#solver", group_id=group, min_version=min_version, reward=reward)
+
+    # r-0: fast (no call over 1 s), trained at step 1 from version 0. r-1: a call cut at the
+    # node's timeout, trained at step 3 from version 0 (2 behind). r-2: one 6 s call, trained at
+    # step 2 from version 0 (1 behind). r-3 was trained at step 4, after the `steps` counted.
+    trajectories = [traj("r-0", [(0.2, None)], 1_000), traj("r-0", [], 1_500),
+                    traj("r-1", [(0.3, None)], 2_000), traj("r-1", [(10.0, "tool calc timed out after 10s")], 12_000),
+                    traj("r-2", [(6.0, None)], 7_000), traj("r-3", [], 3_000)]
+    samples = {"solver": [sample("r-0", 0, 0, 1.0), sample("r-0", 1, 0, 0.0), sample("r-1", 0, 0, 1.0),
+                          sample("r-1", 1, 0, 0.0), sample("r-2", 0, 0, 1.0), sample("r-3", 0, 2, 1.0)]}
+    (tmp_path / "trained-samples.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"sample_id": "r-0/0#solver", "step": 1}, {"sample_id": "r-0/1#solver", "step": 1},
+        {"sample_id": "r-2/0#solver", "step": 2}, {"sample_id": "r-1/0#solver", "step": 3},
+        {"sample_id": "r-1/1#solver", "step": 3}, {"sample_id": "r-3/0#solver", "step": 4}]))
+    out = group_diagnostics(trajectories, samples, {"solver": _trained_log(tmp_path)}, 3, 0.0, 10.0)["solver"]
+    assert out["by_slowest_call"] == {"<1s": {"groups": 1, "staleness": 0.0, "reward": 0.5},
+                                      "5-10s": {"groups": 1, "staleness": 1.0, "reward": 1.0},
+                                      "cut": {"groups": 1, "staleness": 2.0, "reward": 0.5}}
+    assert out["by_staleness"]["0"] == {"samples": 2, "reward": 0.5}
+    assert out["by_staleness"]["2"] == {"samples": 2, "reward": 0.5}
+    assert sum(b["samples"] for b in out["by_staleness"].values()) == 5  # r-3's step 4 is past `steps`
+    assert [(g["group"], g["issued"], g["step"], g["cut"], g["ended_s"]) for g in out["groups"]] == [
+        ("r-0", 0, 1, False, 1.5), ("r-2", 2, 2, False, 7.0), ("r-1", 1, 3, True, 12.0)]
+
+
 def test_the_in_process_learner_optimises_with_the_trainers_settings(tmp_path) -> None:
     # The trainer-centred loop and the pipeline's trainers must differ in scheduling only:
     # AdamW's weight decay (torch's default is 0.01, the trainer's 0), betas and the clip.
