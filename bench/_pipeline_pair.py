@@ -8,7 +8,10 @@ writing each policy's samples to its own train topic, one `astraflow train` per 
 (64 rollouts in flight, the calculator behind `--tool-latency`). Nothing is simulated: tasks,
 trajectories, scored trajectories, train samples and both policies' weights go through Kafka,
 in Avro. Curate's zero-variance and length filters are off, as in `bench/_pipeline.py`, so every
-group is trained and a step costs the same 64 rollouts as in the in-process schedules.
+group is trained and a step costs the same 64 rollouts as in the in-process schedules, except
+what a per-policy staleness limit drops (`max_staleness`, curate's `filter.staleness@<policy>`:
+a sample whose oldest trained token is more than that many versions behind the policy's trainer
+when curate sees it is not trained; the policy's trainer then waits for more groups).
 
 The clock starts at the first task's Kafka timestamp and stops when both policies' weights of
 version `steps` have reached the benchmark's followers; snapshots of each policy every
@@ -82,15 +85,18 @@ def _cpu_s(sessions: list[int]) -> float:
 
 def run_pair_pipeline(policies: tuple[str, ...], models: dict[str, str], tasks: list[Task], *, steps: int,
                       eval_every: int, staleness: int, sigma: float, median_s: float, seed: int, bonus: float,
-                      timeout_s: float = 1800.0) -> dict[str, Any]:
+                      max_staleness: dict[str, int] | None = None, timeout_s: float = 1800.0) -> dict[str, Any]:
     """One pipeline run. Returns wall_s, cpu_s (every role process during the run), trajectories,
-    and per policy the weight snapshots [(version, t, state)] including version 0."""
+    per policy the weight snapshots [(version, t, state)] including version 0, and `groups`
+    (`group_diagnostics`). `max_staleness`: policy -> curate's staleness limit for it."""
     cfg = load_config()
     exp = f"bench-pair-{uuid.uuid4().hex[:8]}"
     run_dir = Path(tempfile.gettempdir()) / "astraflow-bench" / exp
     run_dir.mkdir(parents=True, exist_ok=True)
     specs, control = _pipeline.create_experiment(cfg, exp, filters_off=("filter.zero_variance", "filter.length"),
                                                  policies=policies)
+    for slot, strategy, params in staleness_controls(max_staleness or {}):
+        control.set("curate", slot, strategy, params, issued_by="bench")
     admin_t = TopicAdmin(cfg.kafka)
     topics = Topics(exp)
     sup = Supervisor(run_dir / "logs")
@@ -159,6 +165,11 @@ def run_pair_pipeline(policies: tuple[str, ...], models: dict[str, str], tasks: 
         admin_t.delete([s.name for s in specs])
     result["staleness"] = {p: _staleness(run_dir / p, steps) for p in policies}  # the trainers have written their logs
     return result
+
+
+def staleness_controls(max_staleness: dict[str, int]) -> list[tuple[str, str, dict[str, str]]]:
+    """Curate's control settings for per-policy staleness limits: (slot, strategy, params)."""
+    return [(f"filter.staleness@{p}", "staleness", {"max_staleness": str(int(k))}) for p, k in sorted(max_staleness.items())]
 
 
 def _stamps(consumer: Consumer, topic: str, partitions: int) -> dict[tuple[int, int], tuple[str, float]]:
@@ -276,6 +287,7 @@ def group_diagnostics(trajectories: list[Any], samples: dict[str, list[Any]], tr
             "by_slowest_call": {k: {"groups": len(v["lag"]), "staleness": mean(v["lag"]), "reward": mean(v["reward"])}
                                 for k, v in sorted(by_call.items(), key=lambda kv: [*(n for _, n in CALL_BUCKETS), "cut"].index(kv[0]))},
             "by_staleness": {k: {"samples": len(v), "reward": mean(v)} for k, v in by_stale.items()},
+            "on_train_topic": len(recs),  # curate's output for this policy, trained in `steps` or not
             "groups": sorted(rows, key=lambda r: (r["step"], r["issued"] if r["issued"] is not None else -1)),
         }
     return out

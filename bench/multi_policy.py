@@ -47,6 +47,16 @@ the demo's roles as separate processes on Kafka (curator, reward, curate, one tr
 one RaaS node serving both), same models, prompts, reward, batch sizes and steps; its clock runs
 from the first task on Kafka to both policies' last weights at the benchmark's followers.
 
+**Staleness limit (pipeline)**: the pipeline runs with curate's `filter.staleness@solver` at 2
+versions (`--max-staleness solver=2`, `none` for no limit): a solver sample whose oldest trained
+token is more than 2 versions behind the solver's trainer when curate sees it is not trained.
+Why (docs/benchmarks.md, "A staleness limit for the solver"): at sigma 2.0 a quarter of the groups
+wait for a call cut at 10 s, finish last and were trained about 3 versions behind, the others
+about 1. The verifier keeps curate's default (8). Each pipeline row also has `groups`
+(`_pipeline_pair.group_diagnostics`): per policy, staleness and reward by the group's slowest
+tool call, reward per staleness, and every trained group's issue number, step, slowest call and
+staleness. The in-process schedules have no such filter.
+
 **First version**: each run also reports, per policy, where the time to its first version went
 (seconds from the clock's start): in-process, when its first step began (the batch was there)
 and ended; in the pipeline, from the records' Kafka timestamps, the last task, trajectory,
@@ -96,6 +106,7 @@ from astraflow.records import NodeInfo, SamplingParams, Task, Trajectory
 
 MODES = ("trainer-centred", "dataflow", "pipeline")  # pipeline: the real roles on Kafka (`--modes`)
 TOOL_TIMEOUT_S = _rl.TOOL_TIMEOUT_S  # the pipeline's node's, for every schedule
+PIPELINE_MAX_STALENESS = "solver=2"  # curate's filter.staleness@solver in the pipeline (module doc)
 G, P = _rl.GROUP, _rl.PROMPTS_PER_STEP
 
 
@@ -109,6 +120,7 @@ class PolicyRun:
     score: list[tuple[int, float, float]] = field(default_factory=list)  # step, t, held-out figure
     staleness: list[float] = field(default_factory=list)  # per optimizer step: mean versions behind of its samples
     first_version: dict[str, float] = field(default_factory=dict)  # s from the clock's start to its hops
+    groups: dict[str, Any] = field(default_factory=dict)  # pipeline: `_pipeline_pair.group_diagnostics`
 
 
 @dataclass
@@ -146,7 +158,7 @@ class Run:
                       "steps_to_target": hit[0] if hit else None,
                       "old_target": old_targets[p], "time_to_old_target_s": old_hit[1] if old_hit else None,
                       "staleness_mean": sum(r.staleness) / len(r.staleness) if r.staleness else None,
-                      "first_version": r.first_version}
+                      "first_version": r.first_version, **({"groups": r.groups} if r.groups else {})}
         return out
 
 
@@ -297,7 +309,7 @@ def pipeline_run(sigma: float, args: argparse.Namespace, models: dict[str, str])
     scorers = {p: load_tiny(models[p]) for p in POLICIES}
     out = run_pair_pipeline(POLICIES, models, tasks, steps=args.steps, eval_every=args.eval_every,
                             staleness=args.staleness, sigma=sigma, median_s=args.median_s, seed=args.seed,
-                            bonus=SolverVerifier().bonus)
+                            bonus=SolverVerifier().bonus, max_staleness=parse_limits(args.max_staleness))
     run = Run("pipeline", sigma, wall_s=out["wall_s"], cpu_s=out["cpu_s"], load=out["load"],
               trajectories=out["trajectories"], cpu_s_by_role=out["cpu_s_by_role"])
     for p in POLICIES:
@@ -306,6 +318,7 @@ def pipeline_run(sigma: float, args: argparse.Namespace, models: dict[str, str])
         run.policies[p].trained = args.steps * _rl.SLOTS
         run.policies[p].staleness = out["staleness"][p]
         run.policies[p].first_version = out["first_version"][p]
+        run.policies[p].groups = out["groups"][p]
     score(run, scorers, heldout)
     return run
 
@@ -331,6 +344,19 @@ def one_run(mode: str, sigma: float, args: argparse.Namespace, models: dict[str,
         run.policies[p].staleness = [m["staleness_mean"] for m in job.learners[p].metrics]
     score(run, {p: (job.learners[p].model, job.learners[p].tokenizer) for p in POLICIES}, heldout)
     return run
+
+
+def parse_limits(text: str) -> dict[str, int]:
+    """`solver=2,verifier=3` -> {"solver": 2, "verifier": 3}; empty or `none`: no limits."""
+    if not text or text.strip().lower() == "none":
+        return {}
+    out = {}
+    for item in text.split(","):
+        policy, _, k = item.partition("=")
+        if policy.strip() not in POLICIES or not k.strip().isdigit():
+            raise ValueError(f"--max-staleness wants policy=versions for {', '.join(POLICIES)}, got {item!r}")
+        out[policy.strip()] = int(k)
+    return out
 
 
 def models() -> dict[str, str]:
@@ -361,6 +387,9 @@ def main() -> None:
     ap.add_argument("--seeds", default=None, help="several seeds, e.g. 0,1 (default: --seed)")
     ap.add_argument("--modes", default="trainer-centred,dataflow",
                     help="schedules to run, of " + ",".join(MODES) + " (trainer-centred is the baseline, always run)")
+    ap.add_argument("--max-staleness", default=PIPELINE_MAX_STALENESS,
+                    help="pipeline: curate's per-policy staleness limits, policy=versions,... or none "
+                         f"(default {PIPELINE_MAX_STALENESS}; module doc, 'Staleness limit')")
     ap.add_argument("--in-process-engines", action="store_true",
                     help="run the rollout engines in this process (before: they share its interpreter lock with the learners)")
     args = ap.parse_args()
@@ -424,7 +453,7 @@ def main() -> None:
         print(line["text"])
     _common.write_json(args.json, "multi_policy", {
         "median_s": args.median_s, "steps_per_policy": args.steps, "samples_per_step": _rl.SLOTS, "lr": _rl.LR,
-        "staleness": args.staleness, "seeds": seeds, "eval_every": args.eval_every, "heldout": args.heldout,
+        "staleness": args.staleness, "pipeline_max_staleness": parse_limits(args.max_staleness), "seeds": seeds, "eval_every": args.eval_every, "heldout": args.heldout,
         "target_rule": {"frac": args.target_frac, "smooth": args.smooth, "old_target_gain": args.target_gain},
         "rows": rows, "headline": headline,
         "over_seeds": [{k: v for k, v in line.items() if k != "text"} for line in summary], "load_average": _loadavg(),

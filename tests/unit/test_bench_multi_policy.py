@@ -114,6 +114,20 @@ def test_group_diagnostics_ties_each_groups_staleness_to_its_slowest_call(tmp_pa
         ("r-0", 0, 1, False, 1.5), ("r-2", 2, 2, False, 7.0), ("r-1", 1, 3, True, 12.0)]
 
 
+def test_staleness_limits_become_curates_per_policy_filter_slots() -> None:
+    from _pipeline_pair import staleness_controls
+
+    assert mp.parse_limits(mp.PIPELINE_MAX_STALENESS) == {"solver": 2}
+    assert mp.parse_limits("verifier=3, solver=1") == {"verifier": 3, "solver": 1}
+    assert mp.parse_limits("none") == {} == mp.parse_limits("")
+    for bad in ("solver", "critic=2", "solver=-1", "solver=x"):
+        with pytest.raises(ValueError):
+            mp.parse_limits(bad)
+    assert staleness_controls({"verifier": 3, "solver": 2}) == [
+        ("filter.staleness@solver", "staleness", {"max_staleness": "2"}),
+        ("filter.staleness@verifier", "staleness", {"max_staleness": "3"})]
+
+
 def test_the_in_process_learner_optimises_with_the_trainers_settings(tmp_path) -> None:
     # The trainer-centred loop and the pipeline's trainers must differ in scheduling only:
     # AdamW's weight decay (torch's default is 0.01, the trainer's 0), betas and the clip.
