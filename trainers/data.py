@@ -371,6 +371,7 @@ class TrainStream(IterableDataset):
         dist = _distributed()
         self.min_samples = 1 if dist is None else dist[1]
         while True:
+            t0 = time.perf_counter()
             if dist is None:
                 items = self.next_batch()
             else:
@@ -395,8 +396,11 @@ class TrainStream(IterableDataset):
             self._inflight_ids.update(i.sample.sample_id for i in kept)  # type: ignore[union-attr]
             while len(self._inflight) > 8:  # a reader that never settles (no data module) stays bounded
                 self.settle(min(self._inflight))
+            t1 = time.perf_counter()
             batch: dict[str, Any] = dict(collate([s.sample for s in samples], self.pad_id))  # type: ignore[misc]
             batch["meta"] = {
+                "fetch_s": t1 - t0,  # waiting for, decoding and checking its records (metrics)
+                "collate_s": time.perf_counter() - t1,
                 "seq": self._seq,
                 "offsets": dict(self.positions),
                 # every sample of the batch over all ranks: [partition, offset, sample_id]

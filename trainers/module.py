@@ -125,6 +125,7 @@ class PolicyTrainer(L.LightningModule):
         self.last_metrics: dict[str, float] = {}  # metrics of the last step, for the Kafka metrics callback
         self.last_staleness: dict[str, int] = {}
         self._last_step_at: float | None = None
+        self._times: collections.Counter[str] = collections.Counter()  # seconds per part of this step (metrics)
 
     def on_fit_start(self) -> None:
         for ref in self._ref:
@@ -240,6 +241,7 @@ class PolicyTrainer(L.LightningModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         now = time.perf_counter()
         self.skipped_reason = None
+        self._times.clear()
         n = int(batch["input_ids"].shape[0])
         proximal = None
         if self.steps_per_batch > 1 and self.loss_config.mode == "decoupled":
@@ -249,14 +251,18 @@ class PolicyTrainer(L.LightningModule):
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if meta is not None and hasattr(dm, "mark_trained"):
             # Before the first optimizer step and any checkpoint of this batch: these offsets are now trained.
+            t = time.perf_counter()
             dm.mark_trained(meta)
+            self._times["commit_s"] += time.perf_counter() - t
         parts = [p for p in torch.arange(n).chunk(self.minibatches) if len(p)]
         seen: list[dict[str, float]] = []
         loss = torch.zeros(())
         for _ in range(self.ppo_epochs):
             for part in parts:
                 sub = batch if len(parts) == 1 else rows(batch, part)
+                t = time.perf_counter()
                 loss, metrics = self.compute_loss(sub, None if proximal is None else proximal[part])
+                self._times["forward_s"] += time.perf_counter() - t
                 seen.append(metrics)
                 self._optimizer_step(loss)
                 if self.skipped_reason is not None:
@@ -274,6 +280,7 @@ class PolicyTrainer(L.LightningModule):
         metrics["steps_skipped"] = float(self.steps_skipped)
         if self._last_step_at is not None:
             metrics["tokens_per_s"] = metrics["tokens"] / max(now - self._last_step_at, 1e-9)
+            metrics["cycle_s"] = now - self._last_step_at  # from the previous step's start to this one's
         self._last_step_at = now
         hist = staleness_histogram(self.policy_version, batch["min_versions"])
         lags = [max(0, self.policy_version - int(v)) for v in batch["min_versions"].tolist()]
@@ -281,6 +288,9 @@ class PolicyTrainer(L.LightningModule):
         metrics["staleness_max"] = float(max(lags, default=0))
         metrics["policy_version"] = float(self.policy_version)
         metrics["loss_control_version"] = float(self.loss_control_version)
+        metrics.update(self._times)  # commit_s, forward_s (loss included), backward_s, optimizer_s
+        if meta is not None:  # the stream's share: waiting for and decoding records, collating them
+            metrics.update(fetch_s=float(meta.get("fetch_s", 0.0)), collate_s=float(meta.get("collate_s", 0.0)))
         metrics["step_s"] = time.perf_counter() - now  # forward, backward and optimizer steps of this batch
         self.last_metrics, self.last_staleness = metrics, hist
         self.log_dict({f"train/{k}": v for k, v in metrics.items()}, on_step=True, batch_size=len(lags))
@@ -292,13 +302,17 @@ class PolicyTrainer(L.LightningModule):
         opt = self.optimizers()
         self._loss_finite = bool(torch.isfinite(loss.detach()))
         opt.zero_grad(set_to_none=True)
+        t = time.perf_counter()
         self.manual_backward(loss)
+        t1 = time.perf_counter()
+        self._times["backward_s"] += t1 - t
         if self.grad_clip is not None:
             self.clip_gradients(opt, gradient_clip_val=self.grad_clip, gradient_clip_algorithm="norm")
         opt.step()
         sched = self.lr_schedulers()
         if sched is not None:
             sched.step()
+        self._times["optimizer_s"] += time.perf_counter() - t1
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Skip the step (drop every gradient) when the loss or a gradient is not finite."""
