@@ -1,7 +1,8 @@
 """Lightning pieces that connect the trainer to the dataflow; publication is in `publishing`.
 
 - `AtomicCheckpointIO` + `save_checkpoint`: checkpoints written to a temporary file, fsynced and
-  renamed (and the directory fsynced), so `kill -9` never leaves a torn file.
+  renamed (and the directory fsynced), so `kill -9` never leaves a torn file; `prepare_checkpoint`
+  takes the state at once and writes it later (the publication's background thread).
 - `SnapshotRequests`: snapshot requests for this policy from the control topic.
 - `KafkaMetrics`: the module's metrics and staleness histogram of every `every`-th batch as
   Metric records (best effort: a broker outage delays them, never stops training).
@@ -22,6 +23,7 @@ import lightning as L
 import torch
 from confluent_kafka import Consumer, TopicPartition
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning_utilities.core.apply_func import apply_to_collection
 
 from astraflow.config import KafkaSettings
 from astraflow.errors import KafkaLayerError, ProduceError, SerdeError
@@ -37,10 +39,25 @@ _CKPT = re.compile(r"^step-(\d+)\.ckpt$")
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """torch.save to a temporary file in the same directory, fsync, then rename into place."""
+    """torch.save to a temporary file in the same directory, fsync, then rename into place.
+
+    While `deferred` is a list (see `prepare_checkpoint`), a save copies the checkpoint's tensors
+    to the CPU and appends the write to that list instead of writing: training may then change
+    the weights and optimizer state while the copy is written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.deferred: list[Callable[[], None]] | None = None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        path = Path(path)
+        if self.deferred is not None:
+            copy = apply_to_collection(checkpoint, torch.Tensor, _cpu_copier())
+            self.deferred.append(lambda: self._write(copy, Path(path)))
+            return
+        self._write(checkpoint, Path(path))
+
+    @staticmethod
+    def _write(checkpoint: dict[str, Any], path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         with open(tmp, "wb") as f:
@@ -55,6 +72,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             os.close(fd)
 
 
+def _cpu_copier() -> Callable[[torch.Tensor], torch.Tensor]:
+    """Copies tensors to the CPU; one copy per tensor seen twice (tied weights stay tied in the file)."""
+    seen: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if key not in seen:
+            seen[key] = t.detach().to("cpu", copy=True)
+        return seen[key]
+
+    return copy
+
+
 def newest_checkpoint(directory: Path) -> Path | None:
     """The checkpoint with the highest step in `directory` (complete by construction), or None."""
     if not directory.is_dir():
@@ -66,14 +96,36 @@ def newest_checkpoint(directory: Path) -> Path | None:
 def save_checkpoint(trainer: L.Trainer, directory: Path, keep: int = 2) -> Path:
     """Write `step-<global_step>.ckpt` (complete state: weights, optimizer, loops, data module,
     callbacks) atomically into `directory`; keep the newest `keep` checkpoints."""
+    return prepare_checkpoint(trainer, directory, keep)()
+
+
+def prepare_checkpoint(trainer: L.Trainer, directory: Path, keep: int = 2) -> Callable[[], Path]:
+    """Take the state of `save_checkpoint` now; the function returned writes it (and prunes the
+    old ones). Through an `AtomicCheckpointIO` the state taken is a CPU copy, so training may go
+    on before the write; a strategy that writes by other means (FSDP) has written it here already."""
     directory = Path(directory)
     path = directory / f"step-{trainer.global_step:09d}.ckpt"
-    trainer.save_checkpoint(path, weights_only=False)
-    if trainer.is_global_zero:
-        found = sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _CKPT.match(p.name)))
-        for _, old in found[:-keep]:
-            old.unlink(missing_ok=True)
-    return path
+    io = getattr(trainer.strategy, "checkpoint_io", None)
+    jobs: list[Callable[[], None]] = []
+    if isinstance(io, AtomicCheckpointIO):
+        io.deferred = jobs
+    try:
+        trainer.save_checkpoint(path, weights_only=False)
+    finally:
+        if isinstance(io, AtomicCheckpointIO):
+            io.deferred = None
+    zero = trainer.is_global_zero
+
+    def write() -> Path:
+        for job in jobs:
+            job()
+        if zero:
+            found = sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := _CKPT.match(p.name)))
+            for _, old in found[:-keep]:
+                old.unlink(missing_ok=True)
+        return path
+
+    return write
 
 
 class SnapshotRequests:

@@ -7,7 +7,9 @@
 - ``after_checkpoint``: the checkpoint of a version is durable, the version is not published;
 - ``chunks_sent``: a version's manifest and chunks are acknowledged inside their transaction,
   the transaction is not committed;
-- ``after_publish``: the version is committed, the next step has not started.
+- ``after_publish``: the version is committed (it goes out in the background while the next step
+  trains; the point is reached when the trainer next waits for it: before its next checkpoint,
+  publication or the end), nothing later is checkpointed.
 
 Unset (the default), every point is a no-op.
 """

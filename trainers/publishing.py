@@ -6,6 +6,11 @@ are finite; (2) writes a checkpoint holding the weights, the optimizer, the cons
 the trained sample-id window and the version number it promises (`pending`); (3) appends the
 trained-sample log lines of that version; (4) publishes the version in one Kafka transaction,
 with `TrainedSamples` records on the lineage topic (which step trained each sample it carries).
+The trainer's thread only copies the state (the weights of (1), the checkpoint's state of (2));
+writing (2), (3) and (4) run in that order in a background thread while the next step trains.
+The next checkpoint, publication or the end of training first waits for that commit, so
+versions commit in order and a checkpoint never promises a version while an earlier one is
+unsent (a failed checkpoint or publication is raised there, in the trainer's thread).
 
 On start it reconciles the restored state with the committed versions (after fencing any
 earlier publisher, which aborts a version left half-sent):
@@ -28,6 +33,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +44,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from astraflow.records import TrainedSamples
 from astraflow.weights.bits import StateManifest
 from astraflow.weights.publish import NonFiniteWeightsError, WeightPublisher, check_finite, published_state
-from trainers.callbacks import SnapshotRequests, save_checkpoint
+from trainers.callbacks import SnapshotRequests, prepare_checkpoint, save_checkpoint
 from trainers.crash import CrashPoints
 
 log = logging.getLogger(__name__)
@@ -142,7 +148,11 @@ class DurablePublication(L.Callback):
         self._saved_step = -1
         self._published_step = -1
         self.last_checkpoint_s = 0.0  # seconds the last checkpoint took (reported in metrics)
-        self.last_publish_s = 0.0  # seconds the last publication took, its checkpoint included (metrics)
+        self.last_publish_s = 0.0  # seconds the trainer's step loop spent publishing (metrics)
+        self.last_send_s = 0.0  # seconds the last version took to checkpoint, send and commit, in the background (metrics)
+        # The publication under way in the background: (thread, its error if it fails); joined
+        # before the next checkpoint, publication or the end (see `publish_durably`).
+        self._sending: tuple[threading.Thread, list[BaseException]] | None = None
 
     # -- Lightning state ------------------------------------------------------------------------
 
@@ -159,6 +169,7 @@ class DurablePublication(L.Callback):
     # -- pieces -----------------------------------------------------------------------------------
 
     def _checkpoint(self, trainer: L.Trainer) -> None:
+        self.wait_published()  # a checkpoint never promises a version while the last one is unsent
         t0 = time.perf_counter()
         save_checkpoint(trainer, self.checkpoint_dir, self.keep)
         self.last_checkpoint_s = time.perf_counter() - t0
@@ -179,19 +190,37 @@ class DurablePublication(L.Callback):
             raise NonFiniteWeightsError(f"{problem} (step {trainer.global_step}; restart resumes from the last checkpoint)")
         return new
 
-    def _send(self, trainer: L.Trainer, weights: dict[str, Any], version: int, snapshot: bool) -> int:
+    def _send(self, weights: dict[str, Any], version: int, snapshot: bool, step: int, trained_samples: int,
+              samples: list[list[Any]]) -> int:
+        """Log `samples` under `version`, then publish `weights` as `version` (its lineage: `samples`)."""
+        self.sample_log.write(version, samples)
         if self.requests is not None and self.requests.pending():
             snapshot = True
-        dm = trainer.datamodule
         manifest = self.publisher.publish(
             weights,
-            trainer_step=trainer.global_step,
-            trained_samples=getattr(dm, "trained_samples", 0),
+            trainer_step=step,
+            trained_samples=trained_samples,
             snapshot=snapshot,
             version=version,
-            lineage=trained_records(self.publisher.policy, version, trainer.global_step, self.unpublished),
+            lineage=trained_records(self.publisher.policy, version, step, samples),
         )
         return manifest.version
+
+    def _send_now(self, trainer: L.Trainer, weights: dict[str, Any], version: int, snapshot: bool) -> int:
+        return self._send(weights, version, snapshot, trainer.global_step,
+                          getattr(trainer.datamodule, "trained_samples", 0), self.unpublished)
+
+    def wait_published(self) -> None:
+        """Block until the version sent in the background is committed; re-raise its failure."""
+        if self._sending is None:
+            return
+        thread, error = self._sending
+        thread.join()
+        self._sending = None
+        if error:
+            raise error[0]
+        self.pending = False
+        self.crash("after_publish")
 
     def _set_version(self, trainer: L.Trainer, module: L.LightningModule, version: int | None) -> None:
         version = trainer.strategy.broadcast(version, src=0)
@@ -205,22 +234,49 @@ class DurablePublication(L.Callback):
         self._published_step = trainer.global_step
 
     def publish_durably(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        """Finite check, checkpoint (promising the version), log lines, publish."""
+        """Finite check and the state of the checkpoint (promising the version) here; writing that
+        checkpoint, the log lines and the publication in the background, in that order, while the
+        next step trains. Both the checkpoint and the weights sent are copies taken here, so the
+        version is exactly the checkpointed weights; the next checkpoint, publication or the end
+        waits for the commit first, so versions commit in order and no checkpoint promises a
+        version while an earlier one is unsent."""
         t0 = time.perf_counter()
+        self.wait_published()
         weights = self._weights(trainer)
         version = self.publisher.encoder.next_version if trainer.is_global_zero else None
-        version = trainer.strategy.broadcast(version, src=0)
-        self.version, self.pending = int(version), True
-        module.policy_version = int(version)
-        self._checkpoint(trainer)
-        self.crash("after_checkpoint")
+        version = int(trainer.strategy.broadcast(version, src=0))
+        self.version, self.pending = version, True
+        module.policy_version = version
+        write = prepare_checkpoint(trainer, self.checkpoint_dir, self.keep)
+        self._saved_step = trainer.global_step
+        samples, self.unpublished = self.unpublished, []
         if trainer.is_global_zero:
             assert weights is not None
-            self.sample_log.write(int(version), self.unpublished)
-            self._send(trainer, weights, int(version), snapshot=False)
-        self.crash("after_publish")
-        self.unpublished, self.pending = [], False
-        self._set_version(trainer, module, int(version))
+            step, trained = trainer.global_step, getattr(trainer.datamodule, "trained_samples", 0)
+            error: list[BaseException] = []
+
+            def send() -> None:
+                try:
+                    t = time.perf_counter()
+                    write()
+                    self.last_checkpoint_s = time.perf_counter() - t
+                    self.crash("after_checkpoint")
+                    self._send(weights, version, False, step, trained, samples)
+                    self.last_send_s = time.perf_counter() - t
+                except BaseException as exc:  # re-raised by wait_published in the trainer's thread
+                    error.append(exc)
+
+            thread = threading.Thread(target=send, name=f"publish-v{version}", daemon=True)
+            thread.start()
+            self._sending = (thread, error)
+        else:
+            write()
+            self.crash("after_checkpoint")
+            self.pending = False
+            self.crash("after_publish")
+        # Promised and checkpointed (or being written: a restart without that checkpoint never
+        # published it either), so samples may claim it from now on.
+        self._set_version(trainer, module, version)
         self.last_publish_s = time.perf_counter() - t0
 
     def reconcile(self, trainer: L.Trainer, module: L.LightningModule, resumed: bool) -> None:
@@ -235,8 +291,7 @@ class DurablePublication(L.Callback):
                 committed.state_checksum == StateManifest.of(weights).checksum().hex()
             )
             if resumed and self.pending and self.version is not None and (last is None or last < self.version):
-                self.sample_log.write(self.version, self.unpublished)
-                version = self._send(trainer, weights, self.version, snapshot=True)
+                version = self._send_now(trainer, weights, self.version, snapshot=True)
                 log.info("published version %d promised by the checkpoint of step %d", version, trainer.global_step)
             elif same:
                 assert last is not None
@@ -246,9 +301,7 @@ class DurablePublication(L.Callback):
             else:
                 if self.pending:  # promised a number that is used: its samples are logged under it
                     self.unpublished = []
-                version = self.publisher.encoder.next_version
-                self.sample_log.write(version, self.unpublished)
-                version = self._send(trainer, weights, version, snapshot=True)
+                version = self._send_now(trainer, weights, self.publisher.encoder.next_version, snapshot=True)
         self.unpublished, self.pending = [], False
         self._set_version(trainer, module, version)
         self._started = True
@@ -283,11 +336,12 @@ class DurablePublication(L.Callback):
             self._checkpoint(trainer)
         if hasattr(pl_module, "last_metrics"):
             pl_module.last_metrics = {**pl_module.last_metrics, "checkpoint_s": self.last_checkpoint_s,
-                                      "publish_s": self.last_publish_s}
+                                      "publish_s": self.last_publish_s, "send_s": self.last_send_s}
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_step != self._published_step:
             self.publish_durably(trainer, pl_module)
+        self.wait_published()
         self.publisher.close()
         if self.requests is not None:
             self.requests.close()
