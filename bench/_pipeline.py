@@ -213,7 +213,8 @@ def stage_timeline(consumer: Consumer, topics: Topics, partitions: int, t0: floa
     own durations per step (`trainer_step_s`: forward, backward, optimizer; `trainer_checkpoint_s`;
     `trainer_publish_s`: finite check, checkpoint, sample log, weights transaction; and the parts of a
     step: `trainer_cycle_s` from one step's start to the next, `trainer_fetch_s`, `trainer_collate_s`,
-    `trainer_commit_s`, `trainer_forward_s`, `trainer_backward_s`, `trainer_optimizer_s`)."""
+    `trainer_commit_s`, `trainer_forward_s`, `trainer_backward_s`, `trainer_optimizer_s`; `trainer_send_s`: the
+    last checkpoint write and publication the background thread finished)."""
     per, group = _rl.SLOTS, _rl.PROMPTS_PER_STEP
 
     def marks(times: list[float], every: int) -> list[float | None]:
@@ -342,7 +343,7 @@ def run_pipeline(mode: str, workload: str, sigma: float, *, steps: int, eval_eve
         run.stages = stage_timeline(probe, topics, parts, t0, steps, seen,
                                     _trainer_step_times(probe, topics.metrics))
         for name in ("step_s", "checkpoint_s", "publish_s", "cycle_s", "fetch_s", "collate_s", "commit_s", "forward_s",
-                     "backward_s", "optimizer_s"):  # the trainer's own durations per step
+                     "backward_s", "optimizer_s", "send_s"):  # the trainer's own durations per step
             run.stages[f"trainer_{name}"] = [round(v, 3) for v in metrics.get(name, [])[:steps]]
         print_timeline(run.stages)
     finally:
