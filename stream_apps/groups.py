@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 
 from astraflow.dataflow.sequences import policy_sequences, sequence_sample_id
-from astraflow.records import StrategyRef, TrainSample, Trajectory
+from astraflow.records import Segment, StrategyRef, TrainSample, Trajectory
+from astraflow.records.base import FLOAT32, INT32, UINT8
 
 
 @dataclass
@@ -250,34 +251,55 @@ def train_samples(
     """
     out: list[TrainSample] = []
     for k, seq in enumerate(policy_sequences(traj, policy)):
-        loss_mask = np.concatenate([np.asarray(seg.loss_mask, dtype=np.uint8) for seg in seq])
-        on = loss_mask.astype(bool)
-        if not on.any():
+        found = [_trained_part(seg) for seg in seq]
+        bad = [seg for seg, part in zip(seq, found, strict=True) if part is None]
+        if not any(p is not None and p[4] is not None for p in found) and not any(
+                np.frombuffer(seg.to_avro()["loss_mask"], UINT8).any() for seg in bad):
             continue
-        for seg in seq:
-            sizes = {len(seg.token_ids), len(seg.logprobs), len(seg.loss_mask), len(seg.versions)}
-            if len(sizes) != 1:
-                raise ValueError(f"trajectory {traj.trajectory_id}: a {seg.role} segment of policy {policy!r} has "
-                                 f"arrays of unequal lengths {sorted(sizes)}; the node that wrote it is broken")
-        token_ids = np.concatenate([np.asarray(seg.token_ids, dtype=np.int32) for seg in seq])
-        logp = np.concatenate([np.asarray(seg.logprobs, dtype=np.float32) for seg in seq])
-        vers = np.concatenate([np.asarray(seg.versions, dtype=np.int32) for seg in seq])
-        logp = np.where(on, logp, np.float32(0))
-        vers = np.where(on, vers, np.int32(-1))
+        for seg in bad:
+            w = seg.to_avro()
+            sizes = {len(w["token_ids"]) // 4, len(w["logprobs"]) // 4, len(w["loss_mask"]), len(w["versions"]) // 4}
+            raise ValueError(f"trajectory {traj.trajectory_id}: a {seg.role} segment of policy {policy!r} has "
+                             f"arrays of unequal lengths {sorted(sizes)}; the node that wrote it is broken")
+        parts = [p for p in found if p is not None]
+        on = [p[4] for p in parts if p[4] is not None]
+        # The arrays' wire bytes joined (each segment's as it came, masked ones written out): one
+        # copy of the tokens, which TrainSample.to_avro then encodes as they are (`pack`).
+        token_ids, logp, loss_mask, vers = (b"".join(p[i] for p in parts) for i in range(4))
         out.append(TrainSample(
             sample_id=sequence_sample_id(traj.trajectory_id, policy, k),
             trajectory_id=traj.trajectory_id,
             group_id=traj.group_id,
             prompt_id=traj.prompt_id,
             policy=policy,
-            token_ids=token_ids,
-            loss_mask=loss_mask,
-            behaviour_logprobs=logp,
-            versions=vers,
+            token_ids=np.frombuffer(token_ids, INT32),
+            loss_mask=np.frombuffer(loss_mask, UINT8),
+            behaviour_logprobs=np.frombuffer(logp, FLOAT32),
+            versions=np.frombuffer(vers, INT32),
             advantage=float(advantage),
             reward=policy_reward(traj, policy),
-            min_version=int(vers[on].min()),
+            min_version=min(on),
             lineage=list(lineage or []),
             temperature=traj.temperature,
         ))
     return out
+
+
+def _trained_part(seg: Segment) -> tuple[bytes, bytes, bytes, bytes, int | None] | None:
+    """A segment's part of a sample, as wire bytes: (token ids, behaviour logprobs (0 where not
+    trained), loss mask, versions (-1 where not trained), its oldest trained version or None when
+    it trains nothing); None when its arrays' lengths differ."""
+    wire = seg.to_avro()
+    token_ids, logp, mask_bytes, versions = wire["token_ids"], wire["logprobs"], wire["loss_mask"], wire["versions"]
+    n = len(mask_bytes)
+    if not (len(token_ids) == len(logp) == len(versions) == 4 * n):
+        return None
+    mask = np.frombuffer(mask_bytes, UINT8)
+    if not mask.any():
+        return token_ids, bytes(4 * n), mask_bytes, b"\xff" * (4 * n), None
+    v = np.frombuffer(versions, INT32)
+    if mask.all():
+        return token_ids, logp, mask_bytes, versions, int(v.min())
+    on = mask.astype(bool)
+    return (token_ids, np.where(on, np.frombuffer(logp, FLOAT32), np.float32(0)).tobytes(), mask_bytes,
+            np.where(on, v, np.int32(-1)).tobytes(), int(v[on].min()))

@@ -23,10 +23,14 @@ def now_ms() -> int:
 
 
 def pack(arr: Any, dtype: np.dtype) -> bytes:
-    """Packs a sequence or array into little-endian bytes of `dtype` (no copy if already so)."""
+    """Packs a sequence or array into little-endian bytes of `dtype`: the very bytes an array wraps
+    whole (`unpack`'s, or bytes joined by the caller), else a copy."""
     a = np.asarray(arr)
     if a.dtype != dtype:
         a = a.astype(dtype)
+    base = a.base
+    if base.__class__ is bytes and a.nbytes == len(base) and a.flags.c_contiguous:  # type: ignore[union-attr]
+        return base  # type: ignore[return-value]
     return a.tobytes()
 
 

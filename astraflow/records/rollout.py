@@ -248,10 +248,10 @@ class Trajectory:
         """Per policy that trained tokens (loss_mask 1) here: the (oldest, newest) version among them."""
         out: dict[str, tuple[int, int]] = {}
         for seg in self.segments:
-            mask = np.asarray(seg.loss_mask).astype(bool, copy=False)
+            mask = seg.loss_mask
             if not mask.any():
                 continue
-            v = np.asarray(seg.versions)[mask]
+            v = seg.versions if mask.all() else seg.versions[mask.astype(bool)]
             lo, hi = int(v.min()), int(v.max())
             old = out.get(seg.policy)
             out[seg.policy] = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
