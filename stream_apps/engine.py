@@ -14,7 +14,8 @@ the consumer group `af.<experiment>.<app>`:
   batches (aiokafka's `send_batch`, one per destination partition: one call for many records,
   not one `send` each) `SEND_LINGER_S` (25 ms) after the first of them was kept, once
   `SEND_BATCH_BYTES` (1 MiB) are kept, and before every commit of the partition, ahead of its
-  offsets.
+  offsets. Of the table writes handed over together, only the last one of each key goes (the
+  others are replaced in the same transaction: a recovery would read the last one anyway).
 * **Exactly-once** (`processing_guarantee="exactly_once"`): Faust keeps one transactional
   producer per assigned source partition. `ExactTransactionManager` (`stream_apps.transactions`
   lists every gap of Faust 0.15 it closes): outputs go to the transaction of the SOURCE
@@ -109,10 +110,28 @@ class _Out:
     key: bytes | None
     value: bytes | None
     partition: int | None = None  # changelog writes (co-partitioned with the source), placed tasks (curator)
+    table: bool = False  # a table's changelog write: only the last one per key of a hand-over is sent
 
 
 _OUTBOX: contextvars.ContextVar[list[_Out] | None] = contextvars.ContextVar("astraflow_outbox", default=None)
 _PARTITION: contextvars.ContextVar[int | None] = contextvars.ContextVar("astraflow_partition", default=None)
+
+
+def _last_table_writes(outs: list[_Out]) -> list[_Out]:
+    """`outs` without the table writes a later write of the same key (same table, same partition)
+    replaces: all of them are in one transaction, and a table recovered from its changelog keeps
+    the last value of each key (curate writes a group's state once per member, then deletes it)."""
+    seen: set[tuple[str, int | None, bytes | None]] = set()
+    kept: list[_Out] = []
+    for out in reversed(outs):
+        if out.table:
+            where = (out.topic, out.partition, out.key)
+            if where in seen:
+                continue
+            seen.add(where)
+        kept.append(out)
+    kept.reverse()
+    return kept
 
 
 def _key(key: str | bytes | None) -> bytes | None:
@@ -206,7 +225,7 @@ class StreamEngine(EngineLifecycle):
         partition = _PARTITION.get()
         if partition is None:
             raise AstraflowError(f"table {table.name} written outside a record or partition transaction")
-        self._outbox().append(_Out(table.changelog_topic.get_topic_name(), key, value, partition))
+        self._outbox().append(_Out(table.changelog_topic.get_topic_name(), key, value, partition, table=True))
 
     def reread(self, partition: int, offsets: list[int]) -> dict[int, bytes]:
         """Values of the source's records at `offsets` of `partition`, read again (read_committed);
@@ -374,7 +393,7 @@ class StreamEngine(EngineLifecycle):
         by_tp: dict[tuple[str, int], list[_Out]] = {}
         for topic in {out.topic for out in unsent}:
             await txp.client._wait_on_metadata(topic)
-        for out in unsent:
+        for out in _last_table_writes(unsent):
             dest = out.partition
             if dest is None:  # the key's partition, as `AIOKafkaProducer.send` picks it
                 dest = txp._partition(out.topic, None, out.key, out.value, out.key, out.value)

@@ -289,9 +289,10 @@ def test_outputs_go_to_the_transaction_in_batches_before_the_offsets_they_commit
 
     async def run() -> list[Any]:
         for offset, outs in enumerate([
-            [_Out("train", b"g1", b"a"), _Out("changelog", b"k", b"c0", partition=0)],
+            [_Out("train", b"g1", b"a"), _Out("changelog", b"k", b"c0", partition=0, table=True)],
             [_Out("train", b"g0", b"b"), _Out("train", b"g1", b"d")],
-            [_Out("train", b"g1", b"e")],
+            [_Out("train", b"g1", b"e"), _Out("changelog", b"k", b"c1", partition=0, table=True),
+             _Out("changelog", b"j", b"c2", partition=0, table=True)],
         ]):
             epoch = engine.tracker.received(tp, offset)
             await engine._produce(outs, 0)
@@ -316,8 +317,9 @@ def test_outputs_go_to_the_transaction_in_batches_before_the_offsets_they_commit
         return first_commit
 
     first_commit = asyncio.run(run())
-    # One batch per destination partition, in the records' order, split when full; then the
-    # offset past the three records, then the commit.
+    # One batch per destination partition, in the records' order, split when full, a table's
+    # key written twice in the transaction only once (its last value); then the offset past the
+    # three records, then the commit.
     assert first_commit == [("batch", "train", 1, [b"a", b"d"]), ("batch", "train", 1, [b"e"]),
-                            ("batch", "changelog", 0, [b"c0"]), ("batch", "train", 0, [b"b"]),
+                            ("batch", "train", 0, [b"b"]), ("batch", "changelog", 0, [b"c1", b"c2"]),
                             ("offsets", 3), "commit", "begin"]
