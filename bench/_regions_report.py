@@ -67,14 +67,17 @@ def idle_while_waiting(node: str, samples: list[tuple[float, float]], tasks: lis
     return sum(1 for t, v in samples if v == 0 and waiting(t)) / len(samples)
 
 
-STARTUP = (("imports", "node starting"), ("backends", "backends built"), ("caught_up", "caught up in"),
-           ("assigned", "assigned ["))
+STARTUP = (("imports", "node starting"), ("engine_torch", "engine process: modules imported"),
+           ("engine_transformers", "engine process: transformers imported"), ("engine_model", "engine process: model loaded"),
+           ("backends", "backends built"), ("caught_up", "caught up in"), ("assigned", "assigned ["))
 
 
 def startup_parts(log_text: str, since: float, first_start: float | None, first_rollout: float | None) -> dict[str, float | None]:
     """A node's start after `since` (epoch s, when its process was started) in parts, from its log's
     lines (the first of each kind after `since`) and its first rollout's start and end: process
-    start to modules imported, to backends built (the model), to caught up with the newest weights
+    start to modules imported, to its engine process's torch imported, transformers imported and
+    model loaded (the engine starts right after the node's imports), to backends built (the node's
+    own torch and tokenizer, overlapping the engine's), to caught up with the newest weights
     (the snapshot and deltas pulled), to its tasks partitions assigned (the group join), to its
     first rollout started, to that rollout written. A part whose line is missing is None (the next
     part includes its time)."""

@@ -34,8 +34,15 @@ def serve_node(cfg: AstraflowConfig, experiment: str, policies: dict[str, str], 
         needed = [t.tasks_of(tasks_region) if n == t.tasks else n for n in needed]
     TopicAdmin(cfg.kafka).require(needed, create_command(experiment, list(policies)))
     opts: dict[str, Any] = {}
+    started: dict[str, Any] = {}
     if backend == "torch":
         # The engine in its own process: workflows, serde and Kafka never hold its interpreter lock.
+        # Started first, before this process imports torch: the child's imports and model load
+        # (the longest part of a start) run meanwhile instead of after.
+        from astraflow.raas.backends.engine_spawn import engine_args, start_engine
+
+        started = {name: start_engine(engine_args(target, max_batch=max_batch, threads=threads, seed=seed))
+                   for name, target in policies.items()}
         opts = {"max_batch": max_batch, "threads": threads, "seed": seed, "process": True,
                 "engine_restarts": cfg.raas.engine_restarts}
     elif backend == "openai":
@@ -45,10 +52,13 @@ def serve_node(cfg: AstraflowConfig, experiment: str, policies: dict[str, str], 
     # the weights are fetched while the model is built (over a WAN a snapshot takes seconds)
     readers = prefetch_followers(cfg, experiment, list(policies)) if follow_weights and backend != "openai" else {}
     try:
-        backends = {name: create_backend(backend, name, target, **opts) for name, target in policies.items()}
+        backends = {name: create_backend(backend, name, target, **opts, **({"started": started.pop(name)} if name in started else {}))
+                    for name, target in policies.items()}
     except BaseException:
         for r in readers.values():
             r.close()
+        for s in started.values():  # not adopted by a backend
+            s.close()
         raise
     log.info("backends built: %s", ", ".join(backends))
     followers: list = []

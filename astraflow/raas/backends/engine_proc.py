@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import queue
 import socket
 import subprocess
@@ -41,6 +40,7 @@ from astraflow.raas.backends.engine_loop import (
     state_frame,
     state_of,
 )
+from astraflow.raas.backends.engine_spawn import StartedEngine, adopt_or_start, engine_args
 from astraflow.raas.backends.slots import BackendError, Finished, load_engine, model_layout
 from astraflow.weights.bits import DTYPE_BY_NAME, TensorMeta
 from astraflow.weights.layout import ModelLayout
@@ -51,29 +51,20 @@ log = logging.getLogger("astraflow.raas.engine")
 class EngineProcess:
     """Parent side of one engine process, started by the constructor; `wait_ready()` before use.
     `on_result(rid, Generation | None, error, ttft_s)` and `on_version(version, error)` are called
-    from the reader thread; `stats` is the child's last report."""
+    from the reader thread; `stats` is the child's last report. `started`: a child started early
+    (`engine_spawn`), adopted if its arguments match."""
 
     def __init__(self, model_dir: str, *, on_result: Callable[[int, Generation | None, str | None, float], None],
                  on_version: Callable[[int, str | None], None], max_batch: int, cache_slots: int | None,
                  device: str | None, version: int, seed: int | None, threads: int | None, batch_wait_s: float,
                  max_cache_lag: int, start_timeout_s: float = 600.0,
-                 on_exit: Callable[[], None] | None = None) -> None:
+                 on_exit: Callable[[], None] | None = None, started: StartedEngine | None = None) -> None:
         self.on_result, self.on_version, self.on_exit = on_result, on_version, on_exit
         self.stats: dict[str, int] = {}
-        parent, child = socket.socketpair()
-        args = [sys.executable, "-m", "astraflow.raas.backends.engine_proc", "--fd", str(child.fileno()),
-                "--model", model_dir, "--max-batch", str(max_batch), "--version", str(version),
-                "--batch-wait-s", str(batch_wait_s), "--max-cache-lag", str(max_cache_lag)]
-        for flag, value in (("--cache-slots", cache_slots), ("--device", device), ("--seed", seed), ("--threads", threads)):
-            if value is not None:
-                args += [flag, str(value)]
-        # Its own session: a signal to the node's process group (Ctrl-C, a group SIGTERM) does not
-        # cut the rollouts in flight; the node ends it by closing the socket (and it exits when
-        # the node dies: its read of the socket ends).
-        self.proc = subprocess.Popen(args, pass_fds=(child.fileno(),), env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                     start_new_session=True)
-        child.close()
-        self.sock = parent
+        started = adopt_or_start(engine_args(model_dir, max_batch=max_batch, cache_slots=cache_slots, device=device,
+                                             version=version, seed=seed, threads=threads, batch_wait_s=batch_wait_s,
+                                             max_cache_lag=max_cache_lag), started)
+        self.proc, self.sock = started.proc, started.sock
         self.model_dir, self.start_timeout_s = model_dir, start_timeout_s
         self.alive = False  # True from the child's "ready" until the connection ends
         self._out: queue.SimpleQueue[tuple[dict[str, Any], bytes] | None] = queue.SimpleQueue()
@@ -197,12 +188,16 @@ def _serve(args: argparse.Namespace) -> None:
             send_frame(sock, head, blob)
 
     try:
+        import transformers  # noqa: F401  (here, to time it: load_engine imports its Auto* classes)
+
+        log.info("engine process: transformers imported")
         engine, hardware = load_engine(args.model, max_batch=args.max_batch, cache_slots=args.cache_slots,
                                        device=args.device, version=args.version, seed=args.seed,
                                        threads=args.threads, max_cache_lag=args.max_cache_lag)
     except Exception as exc:  # report why, then exit: the parent raises it
         send({"kind": "failed", "error": f"{type(exc).__name__}: {exc}"})
         sys.exit(1)
+    log.info("engine process: model loaded")
     tensors, groups = model_layout(engine.model)
     send({"kind": "ready", "hardware": hardware, "tensors": tensors, "groups": groups})
 
@@ -250,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-wait-s", type=float, default=0.002)
     ap.add_argument("--max-cache-lag", type=int, default=0)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log.info("engine process: modules imported (torch)")  # the start-up's parts are timed from these lines
     _serve(ap.parse_args(argv))
 
 

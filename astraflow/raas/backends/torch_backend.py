@@ -37,6 +37,7 @@ import torch
 
 from astraflow.raas.backends.base import GenerateRequest, Generation, model_context_length
 from astraflow.raas.backends.engine_loop import EngineLoop, engine_stats
+from astraflow.raas.backends.engine_spawn import StartedEngine
 from astraflow.raas.backends.sampling import sample_tokens
 from astraflow.raas.backends.slots import BackendError, Finished, load_engine
 from astraflow.weights.layout import ModelLayout
@@ -54,7 +55,8 @@ class TorchBackend:
     def __init__(self, policy: str, model_dir: str, *, max_batch: int = 16, device: str | None = None,
                  version: int = 0, seed: int | None = None, threads: int | None = None,
                  batch_wait_s: float = 0.002, process: bool = False, cache_slots: int | None = None,
-                 max_cache_lag: int = 0, engine_restarts: int = 3) -> None:
+                 max_cache_lag: int = 0, engine_restarts: int = 3, started: StartedEngine | None = None) -> None:
+        """`started`: with `process`, an engine child started early (`engine_spawn.start_engine`)."""
         self.policy = policy
         self.version = version
         self.max_batch = max_batch
@@ -82,7 +84,7 @@ class TorchBackend:
             # Started first: the child imports and loads its model while this process loads the tokenizer.
             self._proc: EngineProcess | None = EngineProcess(model_dir, on_result=self._resolve,
                                                             on_version=self._on_version, on_exit=self._engine_exited,
-                                                            **self._engine_args)
+                                                            started=started, **self._engine_args)
             try:
                 from transformers import AutoTokenizer
 
@@ -94,6 +96,8 @@ class TorchBackend:
             self._hardware = self._proc.hardware
             self._layout = self._proc.layout
         else:
+            if started is not None:  # in this process: a child started for it is not needed
+                started.close()
             self._proc = None
             self.engine, self._hardware = load_engine(model_dir, **opts)
             self.model, self.tokenizer = self.engine.model, self.engine.tokenizer
