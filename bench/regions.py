@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> dict:
         follower.join(timeout=10)
     finally:
         stop.set()
+        # A deadline's SIGTERM while the figures are computed would lose them all (run 1 of this
+        # session: stopped during the report, no JSON): from here on it waits for the report.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             if "mixed_end" in run.marks:  # stopped later (a deadline): the figures of what was run
                 run.close_links()

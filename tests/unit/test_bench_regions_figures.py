@@ -79,6 +79,7 @@ class _FakeRun:
     """What regions.main drives, without brokers or nodes: stopped (SIGTERM) in its elastic phase."""
 
     instances: list[_FakeRun] = []
+    handlers: list[tuple] = []  # regions.main's signal.signal calls
 
     def __init__(self, a, exp: str) -> None:
         self.a, self.marks, self.closed, self.saved = a, {}, False, None
@@ -103,6 +104,7 @@ class _FakeRun:
         self.saved = path
 
     def report(self) -> dict:
+        self.handlers_at_report = list(_FakeRun.handlers)
         return {"experiment": "x", "load_avg": "0.0", "wan": "-", "nodes": [], "figures": {}}
 
     def close(self) -> None:
@@ -115,12 +117,14 @@ def test_a_run_stopped_by_its_deadline_still_writes_its_figures(tmp_path, monkey
     import regions
 
     monkeypatch.setattr(regions, "RegionsRun", _FakeRun)
-    monkeypatch.setattr(regions.signal, "signal", lambda *_: None)  # pytest's own SIGTERM handling stays
+    monkeypatch.setattr(regions.signal, "signal", lambda *a: _FakeRun.handlers.append(a))  # pytest's own stays
     out = tmp_path / "r.json"
     with pytest.raises(SystemExit):
         regions.main(["--quick", "--no-calibrate", "--json", str(out), "--work-dir", str(tmp_path)])
     run = _FakeRun.instances[-1]
     assert run.closed and run.saved == out.with_suffix(".raw.pickle")
+    # a second SIGTERM (the deadline again) while the figures are computed is ignored, not fatal to them
+    assert run.handlers_at_report[-1] == (regions.signal.SIGTERM, regions.signal.SIG_IGN)
     assert json.loads(out.read_text())["completed"] is False
     # a run that ends normally: completed
     monkeypatch.setattr(_FakeRun, "elastic", lambda self: None)
