@@ -117,7 +117,8 @@ def test_group_diagnostics_ties_each_groups_staleness_to_its_slowest_call(tmp_pa
 def test_staleness_limits_become_curates_per_policy_filter_slots() -> None:
     from _pipeline_pair import staleness_controls
 
-    assert mp.parse_limits(mp.PIPELINE_MAX_STALENESS) == {"solver": 2}
+    assert mp.parse_limits(mp.PIPELINE_MAX_STALENESS) == {}  # curate's default limit unless asked
+    assert mp.parse_limits("solver=2") == {"solver": 2}
     assert mp.parse_limits("verifier=3, solver=1") == {"verifier": 3, "solver": 1}
     assert mp.parse_limits("none") == {} == mp.parse_limits("")
     for bad in ("solver", "critic=2", "solver=-1", "solver=x"):
