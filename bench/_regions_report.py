@@ -69,7 +69,8 @@ def idle_while_waiting(node: str, samples: list[tuple[float, float]], tasks: lis
 
 STARTUP = (("imports", "node starting"), ("engine_torch", "engine process: modules imported"),
            ("engine_transformers", "engine process: transformers imported"), ("engine_model", "engine process: model loaded"),
-           ("backends", "backends built"), ("caught_up", "caught up in"), ("assigned", "assigned ["))
+           ("backends", "backends built"), ("caught_up", "caught up in"), ("joined", "joining the tasks group"),
+           ("assigned", "assigned ["))
 
 
 def startup_parts(log_text: str, since: float, first_start: float | None, first_rollout: float | None) -> dict[str, float | None]:
@@ -78,7 +79,8 @@ def startup_parts(log_text: str, since: float, first_start: float | None, first_
     start to modules imported, to its engine process's torch imported, transformers imported and
     model loaded (the engine starts right after the node's imports), to backends built (the node's
     own torch and tokenizer, overlapping the engine's), to caught up with the newest weights
-    (the snapshot and deltas pulled), to its tasks partitions assigned (the group join), to its
+    (the snapshot and deltas pulled), to its joining the tasks group (ready: it subscribes only
+    then), to its tasks partitions assigned (the group's rebalance), to its
     first rollout started, to that rollout written. A part whose line is missing is None (the next
     part includes its time)."""
     import datetime as dt

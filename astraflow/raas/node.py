@@ -137,6 +137,9 @@ class RaasNode:
         self._speed().update(time.monotonic(), self.inflight > 0)
 
     def _make_consumer(self) -> RecordConsumer[Task]:
+        # Subscribing joins the tasks group: the node is built only once it can serve (serve_node:
+        # backends built, weights caught up), so the partitions it takes never wait on its start-up.
+        log.info("joining the tasks group (ready to serve)")  # bench/regions.py splits joins at this line
         return RecordConsumer(
             self.cfg.kafka, self.s.group_id or f"af.{self.s.experiment}.raas",
             [self.topics.tasks_of(self.s.tasks_region) if self.s.tasks_region else self.topics.tasks],

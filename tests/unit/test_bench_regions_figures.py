@@ -62,16 +62,18 @@ def test_startup_is_split_at_the_nodes_log_lines():
         _line(t + 8.5, "engine process: model loaded"),
         _line(t + 9, "backends built: policy"),
         _line(t + 12, "caught up in 3.0 s: policy at version 40"),
+        _line(t + 12.5, "joining the tasks group (ready to serve)"),
         _line(t + 13, "assigned []"),  # an empty assignment is no join
         _line(t + 16, "assigned [2, 5]"),
     ])
     parts = startup_parts(log, t, first_start=t + 16.5, first_rollout=t + 17.0)
     assert parts == pytest.approx({"to_imports": 4.0, "to_engine_torch": 2.0, "to_engine_transformers": 1.0,
-                                   "to_engine_model": 1.5, "to_backends": 0.5, "to_caught_up": 3.0, "to_assigned": 4.0,
+                                   "to_engine_model": 1.5, "to_backends": 0.5, "to_caught_up": 3.0, "to_joined": 0.5,
+                                   "to_assigned": 3.5,
                                    "to_first_start": 0.5, "to_first_rollout": 0.5, "total": 17.0}, abs=0.01)
     # a missing line: that part is None and the next includes it
     parts = startup_parts(log.replace("caught up", "behind"), t, t + 16.5, t + 17.0)
-    assert parts["to_caught_up"] is None and parts["to_assigned"] == pytest.approx(7.0, abs=0.01)
+    assert parts["to_caught_up"] is None and parts["to_joined"] == pytest.approx(3.5, abs=0.01)
     assert startup_parts("", t, None, None)["total"] is None
 
 
