@@ -46,7 +46,8 @@ from astraflow.weights.follow import KafkaWeightFollower
 
 
 def _roles(exp: str, policies: tuple[str, ...], models: dict[str, str], dataset: Path, run_dir: Path, *,
-           staleness: int, sigma: float, median_s: float, seed: int, bonus: float, env: dict[str, str]) -> list[Role]:
+           staleness: int, sigma: float, median_s: float, seed: int, bonus: float, env: dict[str, str],
+           trainer_loss: dict[str, dict[str, Any]] | None = None) -> list[Role]:
     ahead = _rl.PROMPTS_PER_STEP * (1 + staleness)
     out = [
         Role("curator", [*PY, "app", "run", "curator", "-e", exp, *(a for p in policies for a in ("--policy", p)),
@@ -58,7 +59,8 @@ def _roles(exp: str, policies: tuple[str, ...], models: dict[str, str], dataset:
     ]
     for p in policies:
         sets = [f"run_dir={run_dir / p}", f"trainer.lr={_rl.LR}", f"trainer.batch_size={_rl.SLOTS}",
-                "trainer.max_wait_s=600", "trainer.progress_bar=false", "trainer.publish_dtype=float32"]
+                "trainer.max_wait_s=600", "trainer.progress_bar=false", "trainer.publish_dtype=float32",
+                *loss_sets((trainer_loss or {}).get(p, {}))]
         out.append(Role(f"trainer-{p}", [*PY, "train", "-e", exp, "-p", p, "-m", models[p],
                                          *[a for kv in sets for a in ("--set", kv)]], env))
     served = [a for p in policies for a in ("-p", f"{p}={models[p]}")]
@@ -85,10 +87,12 @@ def _cpu_s(sessions: list[int]) -> float:
 
 def run_pair_pipeline(policies: tuple[str, ...], models: dict[str, str], tasks: list[Task], *, steps: int,
                       eval_every: int, staleness: int, sigma: float, median_s: float, seed: int, bonus: float,
-                      max_staleness: dict[str, int] | None = None, timeout_s: float = 1800.0) -> dict[str, Any]:
+                      max_staleness: dict[str, int] | None = None, trainer_loss: dict[str, dict[str, Any]] | None = None,
+                      timeout_s: float = 1800.0) -> dict[str, Any]:
     """One pipeline run. Returns wall_s, cpu_s (every role process during the run), trajectories,
     per policy the weight snapshots [(version, t, state)] including version 0, and `groups`
-    (`group_diagnostics`). `max_staleness`: policy -> curate's staleness limit for it."""
+    (`group_diagnostics`). `max_staleness`: policy -> curate's staleness limit for it;
+    `trainer_loss`: policy -> fields of its trainer's `trainer.loss` (`loss_sets`)."""
     cfg = load_config()
     exp = f"bench-pair-{uuid.uuid4().hex[:8]}"
     run_dir = Path(tempfile.gettempdir()) / "astraflow-bench" / exp
@@ -106,7 +110,7 @@ def run_pair_pipeline(policies: tuple[str, ...], models: dict[str, str], tasks: 
     try:
         for role in _roles(exp, policies, models, _pipeline.write_dataset(tasks, run_dir / "train.jsonl"), run_dir,
                            staleness=staleness, sigma=sigma, median_s=median_s, seed=seed, bonus=bonus,
-                           env=role_env(cfg.kafka.bootstrap_servers)):
+                           env=role_env(cfg.kafka.bootstrap_servers), trainer_loss=trainer_loss):
             sup.start(role)
         admin = AdminClient(cfg.kafka.client_config())
         for p in policies:  # every group has a member and each trainer has published its version 0
@@ -163,8 +167,15 @@ def run_pair_pipeline(policies: tuple[str, ...], models: dict[str, str], tasks: 
             f.close()
         probe.close()
         admin_t.delete([s.name for s in specs])
-    result["staleness"] = {p: _staleness(run_dir / p, steps) for p in policies}  # the trainers have written their logs
+    # the trainers have written their logs
+    result["staleness"] = {p: _staleness(run_dir / p, steps) for p in policies}
+    result["stale_dropped"] = {p: _staleness(run_dir / p, steps, "train/stale_dropped_frac") for p in policies}
     return result
+
+
+def loss_sets(fields: dict[str, Any]) -> list[str]:
+    """A trainer's `--set` overrides of its loss: `trainer.loss.<field>=<value>` (None as `null`)."""
+    return [f"trainer.loss.{k}={'null' if v is None else v}" for k, v in sorted(fields.items())]
 
 
 def staleness_controls(max_staleness: dict[str, int]) -> list[tuple[str, str, dict[str, str]]]:
@@ -350,15 +361,17 @@ def _first_version_hops(trainer_dir: Path, tasks: dict, rollouts: dict, scored: 
     return {k: round(v, 3) for k, v in out.items()}
 
 
-def _staleness(trainer_dir: Path, steps: int) -> list[float]:
+def _staleness(trainer_dir: Path, steps: int, column: str = "train/staleness_mean") -> list[float]:
     """Per optimizer step below version `steps`: the mean versions behind of its samples, from the
-    trainer's metrics log (`train/staleness_mean`, the same definition as `_rl.Learner`'s)."""
+    trainer's metrics log (`train/staleness_mean`, the same definition as `_rl.Learner`'s), or
+    another column of it (`train/stale_dropped_frac`: the share of its tokens the loss's
+    max_staleness zeroed, logged only when set)."""
     out: dict[int, float] = {}
     for path in trainer_dir.glob("**/metrics.csv"):
         with path.open(newline="") as fh:
             for row in csv.DictReader(fh):
-                if row.get("train/policy_version") and row.get("train/staleness_mean"):
+                if row.get("train/policy_version") and row.get(column):
                     version = int(float(row["train/policy_version"]))
                     if version < steps:
-                        out[version] = float(row["train/staleness_mean"])
+                        out[version] = float(row[column])
     return [out[v] for v in sorted(out)]

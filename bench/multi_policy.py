@@ -58,6 +58,18 @@ are trained about 3 versions behind) and what it cost. Each pipeline row also ha
 tool call, reward per staleness, and every trained group's issue number, step, slowest call and
 staleness. The in-process schedules have no such filter.
 
+**Trainer loss** (`--trainer-loss solver.max_staleness=2`): fields of the policy loss per policy,
+set on both sides: the pipeline's trainer of that policy gets `trainer.loss.<field>` (its loss is
+the trainer's default otherwise: decoupled PPO, which with one optimizer step per batch is the
+policy gradient with each token's importance weight from the policy that sampled it, truncated
+at 2), the in-process learners' `PolicyLossConfig` (PPO-clip otherwise) gets the same field.
+`max_staleness=2` gives a token more than 2 versions behind the trainer weight 0 in the loss
+(`astraflow.rl.corrections.staleness_weights`): the stale tail is not learned from, but the
+sample still counts in the trainer's batch of 64, so nothing waits for replacement groups (as
+curate's limit makes it). The in-process schedules train on-policy (every token 0 versions
+behind in the trainer-centred loop), so there the field changes nothing; it is set there so that
+both sides run the same configuration. Default `none`.
+
 **First version**: each run also reports, per policy, where the time to its first version went
 (seconds from the clock's start): in-process, when its first step began (the batch was there)
 and ended; in the pipeline, from the records' Kafka timestamps, the last task, trajectory,
@@ -104,10 +116,12 @@ from astraflow.raas.tools import ToolBox, calculator, slow_tool
 from astraflow.raas.workflows import RolloutContext
 from astraflow.raas.workflows.builtin import solver_verifier
 from astraflow.records import NodeInfo, SamplingParams, Task, Trajectory
+from astraflow.rl.loss_config import PolicyLossConfig
 
 MODES = ("trainer-centred", "dataflow", "pipeline")  # pipeline: the real roles on Kafka (`--modes`)
 TOOL_TIMEOUT_S = _rl.TOOL_TIMEOUT_S  # the pipeline's node's, for every schedule
 PIPELINE_MAX_STALENESS = "none"  # curate's per-policy staleness limits in the pipeline (module doc)
+TRAINER_LOSS = "none"  # per-policy fields of the trainers' loss, on both sides (module doc, "Trainer loss")
 G, P = _rl.GROUP, _rl.PROMPTS_PER_STEP
 
 
@@ -120,6 +134,7 @@ class PolicyRun:
     snapshots: list[tuple[int, float, dict[str, torch.Tensor]]] = field(default_factory=list)
     score: list[tuple[int, float, float]] = field(default_factory=list)  # step, t, held-out figure
     staleness: list[float] = field(default_factory=list)  # per optimizer step: mean versions behind of its samples
+    stale_dropped: list[float] = field(default_factory=list)  # per step: share of its tokens the loss's max_staleness zeroed
     first_version: dict[str, float] = field(default_factory=dict)  # s from the clock's start to its hops
     groups: dict[str, Any] = field(default_factory=dict)  # pipeline: `_pipeline_pair.group_diagnostics`
 
@@ -159,6 +174,7 @@ class Run:
                       "steps_to_target": hit[0] if hit else None,
                       "old_target": old_targets[p], "time_to_old_target_s": old_hit[1] if old_hit else None,
                       "staleness_mean": sum(r.staleness) / len(r.staleness) if r.staleness else None,
+                      "stale_dropped_frac": sum(r.stale_dropped) / len(r.stale_dropped) if r.stale_dropped else None,
                       "first_version": r.first_version, **({"groups": r.groups} if r.groups else {})}
         return out
 
@@ -183,14 +199,15 @@ class Job:
     """Backends, learners, tools and the reward of one run."""
 
     def __init__(self, models: dict[str, str], sigma: float, median_s: float, seed: int,
-                 engine_process: bool = True) -> None:
+                 engine_process: bool = True, loss: dict[str, dict[str, Any]] | None = None) -> None:
         torch.manual_seed(seed)
         # Each engine in its own process, as a RaaS node runs it (`astraflow/raas/serve.py`): in this
         # process its decode loop would take turns with the learners for the interpreter lock.
         self.backends = {p: TorchBackend(p, models[p], seed=seed + i, max_batch=_rl.SLOTS, threads=1, device="cpu",
                                          process=engine_process)
                          for i, p in enumerate(POLICIES)}
-        self.learners = {p: _rl.Learner(models[p], policy=p) for p in POLICIES}
+        self.learners = {p: _rl.Learner(models[p], loss=learner_loss((loss or {}).get(p, {})), policy=p)
+                         for p in POLICIES}
         self.tools = ToolBox({"calc": slow_tool(calculator, median_s, sigma, seed=seed)}, timeout_s=TOOL_TIMEOUT_S)
         self.reward = SolverVerifier()
         self.node = NodeInfo("bench", "cpu", "local", "torch")
@@ -310,7 +327,8 @@ def pipeline_run(sigma: float, args: argparse.Namespace, models: dict[str, str])
     scorers = {p: load_tiny(models[p]) for p in POLICIES}
     out = run_pair_pipeline(POLICIES, models, tasks, steps=args.steps, eval_every=args.eval_every,
                             staleness=args.staleness, sigma=sigma, median_s=args.median_s, seed=args.seed,
-                            bonus=SolverVerifier().bonus, max_staleness=parse_limits(args.max_staleness))
+                            bonus=SolverVerifier().bonus, max_staleness=parse_limits(args.max_staleness),
+                            trainer_loss=parse_loss(args.trainer_loss))
     run = Run("pipeline", sigma, wall_s=out["wall_s"], cpu_s=out["cpu_s"], load=out["load"],
               trajectories=out["trajectories"], cpu_s_by_role=out["cpu_s_by_role"])
     for p in POLICIES:
@@ -318,6 +336,7 @@ def pipeline_run(sigma: float, args: argparse.Namespace, models: dict[str, str])
         run.policies[p].snapshots = [(0, 0.0, base), *out["snapshots"][p]]
         run.policies[p].trained = args.steps * _rl.SLOTS
         run.policies[p].staleness = out["staleness"][p]
+        run.policies[p].stale_dropped = out["stale_dropped"][p]
         run.policies[p].first_version = out["first_version"][p]
         run.policies[p].groups = out["groups"][p]
     score(run, scorers, heldout)
@@ -328,7 +347,8 @@ def one_run(mode: str, sigma: float, args: argparse.Namespace, models: dict[str,
     if mode == "pipeline":
         return pipeline_run(sigma, args, models)
     tasks, heldout = make_tasks(args.steps * P * (2 + args.staleness), args.seed, args.heldout)
-    job = Job(models, sigma, args.median_s, args.seed, engine_process=not args.in_process_engines)
+    job = Job(models, sigma, args.median_s, args.seed, engine_process=not args.in_process_engines,
+              loss=parse_loss(args.trainer_loss))
     run = Run(mode, sigma)
     for p in POLICIES:
         run.policies[p].snapshots.append((0, 0.0, job.learners[p].weights()))
@@ -343,6 +363,7 @@ def one_run(mode: str, sigma: float, args: argparse.Namespace, models: dict[str,
         job.close()
     for p in POLICIES:
         run.policies[p].staleness = [m["staleness_mean"] for m in job.learners[p].metrics]
+        run.policies[p].stale_dropped = [m["stale_dropped_frac"] for m in job.learners[p].metrics if "stale_dropped_frac" in m]
     score(run, {p: (job.learners[p].model, job.learners[p].tokenizer) for p in POLICIES}, heldout)
     return run
 
@@ -358,6 +379,43 @@ def parse_limits(text: str) -> dict[str, int]:
             raise ValueError(f"--max-staleness wants policy=versions for {', '.join(POLICIES)}, got {item!r}")
         out[policy.strip()] = int(k)
     return out
+
+
+def parse_loss(text: str) -> dict[str, dict[str, Any]]:
+    """`solver.max_staleness=2,verifier.staleness_weight=inverse` -> {"solver": {"max_staleness": 2},
+    "verifier": {"staleness_weight": "inverse"}}: fields of `PolicyLossConfig` per policy (ints,
+    floats and `none` parsed), checked by building the config; empty or `none`: none."""
+    import dataclasses
+
+    if not text or text.strip().lower() == "none":
+        return {}
+    fields = {f.name for f in dataclasses.fields(PolicyLossConfig)}
+    out: dict[str, dict[str, Any]] = {}
+    for item in text.split(","):
+        key, _, raw = item.partition("=")
+        policy, _, name = key.strip().partition(".")
+        if policy not in POLICIES or name not in fields or not raw.strip():
+            raise ValueError(f"--trainer-loss wants policy.field=value with a field of PolicyLossConfig, for "
+                             f"{', '.join(POLICIES)}; got {item!r}")
+        value: Any = raw.strip()
+        for cast in (int, float):
+            with contextlib.suppress(ValueError):
+                value = cast(value)
+                break
+        out.setdefault(policy, {})[name] = None if value == "none" else value
+    from astraflow.errors import RLError
+
+    for fields_of in out.values():
+        try:
+            learner_loss(fields_of)
+        except (RLError, TypeError) as exc:
+            raise ValueError(f"--trainer-loss {text!r}: {exc}") from exc
+    return out
+
+
+def learner_loss(fields: dict[str, Any]) -> PolicyLossConfig:
+    """The in-process learner's loss: PPO-clip (module doc) with these fields of the trainer's."""
+    return PolicyLossConfig(**fields)
 
 
 def models() -> dict[str, str]:
@@ -391,6 +449,10 @@ def main() -> None:
     ap.add_argument("--max-staleness", default=PIPELINE_MAX_STALENESS,
                     help="pipeline: curate's per-policy staleness limits, policy=versions,... or none "
                          f"(default {PIPELINE_MAX_STALENESS}; module doc, 'Staleness limit')")
+    ap.add_argument("--trainer-loss", default=TRAINER_LOSS,
+                    help="per-policy loss fields on both sides, policy.field=value,... or none: the pipeline's "
+                         "trainer.loss.<field>, the in-process learners' PolicyLossConfig "
+                         f"(default {TRAINER_LOSS}; module doc, 'Trainer loss')")
     ap.add_argument("--in-process-engines", action="store_true",
                     help="run the rollout engines in this process (before: they share its interpreter lock with the learners)")
     args = ap.parse_args()
@@ -414,6 +476,9 @@ def main() -> None:
                 print(f"  {r.wall_s:.1f}s, {r.cpu_s / r.wall_s:.2f} cores busy, load {r.load[0]}->{r.load[1]}, {r.trajectories} rollouts; " + "; ".join(
                     f"{p} {x.trained / r.wall_s:.1f} samples/s, " + " ".join(f"{s:.3f}@{t:.0f}s" for _, t, s in x.score)
                     for p, x in r.policies.items()), flush=True)
+                if zeroed := {p: x.stale_dropped for p, x in r.policies.items() if any(x.stale_dropped)}:
+                    print("    tokens the loss's max_staleness zeroed: " + ", ".join(
+                        f"{p} {sum(v) / len(v):.1%} of steps' tokens" for p, v in zeroed.items()), flush=True)
                 if r.cpu_s_by_role:
                     print("    CPU s by role: " + ", ".join(f"{k} {v:.1f}" for k, v in r.cpu_s_by_role.items()), flush=True)
                 for p, x in r.policies.items():  # where the first version's time went (module doc)
@@ -454,7 +519,8 @@ def main() -> None:
         print(line["text"])
     _common.write_json(args.json, "multi_policy", {
         "median_s": args.median_s, "steps_per_policy": args.steps, "samples_per_step": _rl.SLOTS, "lr": _rl.LR,
-        "staleness": args.staleness, "pipeline_max_staleness": parse_limits(args.max_staleness), "seeds": seeds, "eval_every": args.eval_every, "heldout": args.heldout,
+        "staleness": args.staleness, "pipeline_max_staleness": parse_limits(args.max_staleness),
+        "trainer_loss": parse_loss(args.trainer_loss), "seeds": seeds, "eval_every": args.eval_every, "heldout": args.heldout,
         "target_rule": {"frac": args.target_frac, "smooth": args.smooth, "old_target_gain": args.target_gain},
         "rows": rows, "headline": headline,
         "over_seeds": [{k: v for k, v in line.items() if k != "text"} for line in summary], "load_average": _loadavg(),

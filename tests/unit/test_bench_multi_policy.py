@@ -153,3 +153,35 @@ def test_every_schedule_cuts_tool_calls_where_the_node_does():
         src = inspect.getsource(fn)
         assert "ToolBox(" in src and "timeout_s=" in src
         assert all("TOOL_TIMEOUT_S" in line for line in src.splitlines() if "ToolBox(" in line), fn
+
+
+def test_trainer_loss_fields_reach_both_sides(tmp_path) -> None:
+    # `--trainer-loss` sets the same loss fields on the pipeline's trainer of a policy (its
+    # `trainer.loss.<field>` overrides, which the trainer's config accepts) and on the in-process
+    # learner of that policy; the other policy keeps its defaults.
+    from _pipeline_pair import _roles, loss_sets
+
+    from astraflow.config import load_config
+    from trainers.config import TrainRunConfig
+
+    assert mp.parse_loss(mp.TRAINER_LOSS) == {} == mp.parse_loss("none")
+    loss = mp.parse_loss("solver.max_staleness=2, solver.staleness_weight=inverse")
+    assert loss == {"solver": {"max_staleness": 2, "staleness_weight": "inverse"}}
+    assert mp.parse_loss("verifier.tis_cap=none,verifier.eps_high=0.3") == {"verifier": {"tis_cap": None, "eps_high": 0.3}}
+    for bad in ("max_staleness=2", "critic.max_staleness=2", "solver.nonsense=1", "solver.max_staleness=-1",
+                "solver.staleness_weight=sometimes", "solver.max_staleness="):
+        with pytest.raises(ValueError):
+            mp.parse_loss(bad)
+    sets = loss_sets(loss["solver"])
+    assert sets == ["trainer.loss.max_staleness=2", "trainer.loss.staleness_weight=inverse"]
+    cfg = load_config(None, sets, model=TrainRunConfig)
+    assert (cfg.trainer.loss.mode, cfg.trainer.loss.max_staleness, cfg.trainer.loss.staleness_weight) == (
+        "decoupled", 2, "inverse")
+    roles = {r.name: r.cmd for r in _roles("e", ("solver", "verifier"), {"solver": "s", "verifier": "v"}, tmp_path / "d",
+                                           tmp_path, staleness=1, sigma=2.0, median_s=0.2, seed=0, bonus=0.0, env={},
+                                           trainer_loss=loss)}
+    assert all(s in roles["trainer-solver"] for s in sets)
+    assert not any("trainer.loss." in a for a in roles["trainer-verifier"])
+    learner = mp.learner_loss(loss["solver"])
+    assert (learner.mode, learner.max_staleness, learner.staleness_weight) == ("ppo", 2, "inverse")
+    assert mp.learner_loss({}) == mp.learner_loss(mp.parse_loss("none").get("solver", {}))
