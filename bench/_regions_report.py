@@ -8,9 +8,12 @@ import statistics
 from typing import Any
 
 from _fault_report import longest_task_wait
-from _regions_run import EVENTS, RegionsRun, rate_windows
+from _regions_run import EVENTS, RegionsRun
 
+from astraflow.kafka.task_placer import read_commit_metadata, refill_delay_s
 from astraflow.records import WeightKind
+
+PLACE_LAG_S = 0.2  # the curator's placement observes every 0.2 s (stream_apps/curator.py PLACE_INTERVAL_S)
 
 
 def _r(x: float | None, nd: int = 2) -> float | None:
@@ -51,20 +54,114 @@ def transit_s(node: str, starts: list[tuple[str, str, float]], written: dict[str
     return 3 * max(0.0, min(gaps)) if gaps else 0.0
 
 
-def idle_while_waiting(node: str, samples: list[tuple[float, float]], tasks: list[tuple[Where, float, float]],
-                       by_part: dict[Where, list[tuple[float, str]]], transit: float) -> float:
-    """The fraction of the node's metric samples (time, rollouts in flight) at which it had nothing in
-    flight while a task it could take was waiting: in a partition it owned then, written at least
-    `transit` before (arrived, not in transit), not started by anyone yet. Tasks in other nodes'
-    partitions, in flight elsewhere or still crossing do not count. `tasks`: (where, written,
-    first start or inf)."""
-    if not samples:
+def busy_spans(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of a node's rollouts' (start, end) spans: when it had at least one in flight."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def idle_while_waiting(node: str, spans: list[tuple[float, float]], tasks: list[tuple[Where, float, float]],
+                            by_part: dict[Where, list[tuple[float, str]]], transit: float, t0: float, t1: float) -> float:
+    """The fraction of [t0, t1] in which the node had no rollout in flight (`spans`: its rollouts'
+    start and end, from their trajectories) while a task it could take was waiting: in a
+    partition it owned then, written at least `transit` before (arrived, not in transit), not
+    started by anyone yet. Tasks in other nodes' partitions, in flight elsewhere or still crossing
+    do not count (with `transit` 0, those crossing do: idle while its work is on the way).
+    `tasks`: (where, written, first start or inf)."""
+    if t1 <= t0:
         return 0.0
+    gaps, t = [], t0
+    for a, b in busy_spans(spans):
+        if a > t:
+            gaps.append((t, min(a, t1)))
+        t = max(t, b)
+        if t >= t1:
+            break
+    if t < t1:
+        gaps.append((t, t1))
+    idle = 0.0
+    for g0, g1 in gaps:
+        if g1 <= g0:
+            continue
+        waits = []
+        for where, w, st in tasks:
+            a, b = max(g0, w + transit), min(g1, st)
+            if a < b and owner_at(by_part, where, a) == node:
+                waits.append((a, b))
+        idle += sum(b - a for a, b in busy_spans(waits))
+    return idle / (t1 - t0)
 
-    def waiting(t: float) -> bool:
-        return any(w + transit <= t < st and owner_at(by_part, where, t) == node for where, w, st in tasks)
 
-    return sum(1 for t, v in samples if v == 0 and waiting(t)) / len(samples)
+def held_mean(spans: list[tuple[float, float]], t0: float, t1: float) -> float:
+    """The mean number of (start, end) spans open over [t0, t1] (tasks written to a node's
+    partitions and not yet done: its backlog as the placement counts it, in transit included)."""
+    if t1 <= t0:
+        return 0.0
+    total = sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in spans)
+    return total / (t1 - t0)
+
+
+def reported(node: str, commits: list[tuple[float, int, int, str]], topic: str,
+             by_part: dict[Where, list[tuple[float, str]]], t0: float, t1: float, group: int) -> dict[str, float | None]:
+    """What `node` reported with its commits over [t0, t1] (each poll of the group's committed
+    offsets, its partitions then): its speed (the sum over its partitions, in rollouts/s: tasks/s
+    x `group` samples), its commit round trip, the refill delay the placement derives from it
+    and the reserve, speed x delay, in tasks (the placement's is max(speed, rate) x delay); the
+    means over the polls. None where it reported nothing."""
+    polls: dict[float, list[tuple[int, str]]] = {}
+    for ts, p, _, meta in commits:
+        if t0 <= ts < t1:
+            polls.setdefault(ts, []).append((p, meta))
+    speeds, rtts, delays, reserves = [], [], [], []
+    for ts, parts in polls.items():
+        speed = reserve = 0.0
+        seen_speed = False
+        for p, meta in parts:
+            if owner_at(by_part, (topic, p), ts) != node:
+                continue
+            r = read_commit_metadata(meta)
+            delay = refill_delay_s(r, PLACE_LAG_S)
+            rtts.append(r.rtt_s)
+            delays.append(delay)
+            if r.speed is not None:
+                seen_speed = True
+                speed += r.speed
+                reserve += r.speed * delay
+        if seen_speed:
+            speeds.append(speed * group)
+            reserves.append(reserve)
+    return {"reported_speed_rps": _r(statistics.mean(speeds)) if speeds else None,
+            "commit_rtt_s": _r(statistics.median(rtts), 3) if rtts else None,
+            "refill_delay_s": _r(statistics.median(delays)) if delays else None,
+            "reserve_tasks": _r(statistics.mean(reserves), 1) if reserves else None}
+
+
+def quantile(xs: list[float], q: float) -> float | None:
+    xs = sorted(xs)
+    return xs[int(q * (len(xs) - 1))] if xs else None
+
+
+def recovered_after(times: list[float], t: float, end: float, base: float, width: float = 5.0,
+                    step: float = 0.5) -> tuple[float | None, float | None]:
+    """From `t` on, the first moment the total rate over the last `width` s is back to 90% of
+    `base` (seconds after t: 0 if it already was), and the lowest such rate in the `3 x width` s
+    after t, as a fraction of `base` (what a join costs the others). `times`: sorted."""
+    back, low, x = None, None, t
+    while x <= end:
+        rate = (bisect.bisect_left(times, x) - bisect.bisect_left(times, x - width)) / width
+        if back is None and rate >= 0.9 * base:
+            back = x - t
+        if x <= t + 3 * width:
+            low = rate if low is None else min(low, rate)
+        if back is not None and x > t + 3 * width:
+            break
+        x += step
+    return back, None if low is None or not base else low / base
 
 
 STARTUP = (("imports", "node starting"), ("engine_torch", "engine process: modules imported"),
@@ -104,6 +201,7 @@ def startup_parts(log_text: str, since: float, first_start: float | None, first_
         out[f"to_{name}"] = None if t is None or prev is None else round(t - prev, 2)
         prev = t if t is not None else prev
     out["total"] = None if first_rollout is None else round(first_rollout - since, 2)
+    out["ready"] = None if "joined" not in marks else round(marks["joined"] - since, 2)  # process start -> joining
     return out
 
 
@@ -121,7 +219,7 @@ def build(run: RegionsRun) -> dict[str, Any]:
         first_rollout[tid] = min(ts, first_rollout.get(tid, float("inf")))
     issued_sorted = sorted(issued_at.items(), key=lambda kv: kv[1])
 
-    # idle: exact, per node (see idle_while_waiting): a task's partition, write and first start
+    # idle, per node (see idle_while_waiting): a task's partition, write and first start
     first_start: dict[str, float] = {}
     for _, tid, _, st in seen.started:
         first_start[tid] = min(st, first_start.get(tid, float("inf")))
@@ -131,20 +229,33 @@ def build(run: RegionsRun) -> dict[str, Any]:
     tasks = [(where_of[tid], at, first_start.get(tid, float("inf"))) for tid, at in issued_sorted
              if tid in where_of and at <= t1 and first_start.get(tid, float("inf")) >= t0]
 
+    spans_of: dict[str, list[tuple[float, float]]] = {}  # node -> its rollouts' (start, end)
+    for (node, ts, _, _), (_, _, _, st) in zip(seen.rollouts, seen.started, strict=True):
+        spans_of.setdefault(node, []).append((st, ts))
+    done_at: dict[str, float] = {}  # task -> its last trajectory
+    for _, ts, tid, _ in seen.rollouts:
+        done_at[tid] = max(ts, done_at.get(tid, 0.0))
+    commits = getattr(seen, "commits", [])  # (not in the raw records of runs before it was read)
     nodes = []
     for name, region, slowed in run.node_specs:
         n = run.count(name, t0, t1)
         share = n / mixed_total
         expected = alone[name] / total_alone if name in alone else None  # None: not calibrated (--no-calibrate)
-        samples = [(ts, v) for node, ts, v in seen.inflight if node == name and t0 <= ts < t1]
         transit = transit_s(name, [(n, tid, st) for n, tid, _, st in seen.started], issued_at)
+        spans = spans_of.get(name, [])
+        mine = [tid for tid, at in issued_sorted if tid in where_of and owner_at(by_part, where_of[tid], at) == name]
+        to_start = [first_start[tid] - issued_at[tid] for tid in mine if t0 <= first_start.get(tid, -1.0) < t1]
         nodes.append({"node": name, "region": region, "slowed_cpus": a.slow_cpus if slowed else None,
                       "alone_rps": _r(alone.get(name)), "rel_speed": _r(alone[name] / fastest) if name in alone else None,
                       "mixed_rps": _r(n / (t1 - t0)), "share": _r(share), "expected_share": _r(expected),
                       "share_dev": None if expected is None else _r((share - expected) / expected if expected else 0.0),
-                      "idle_while_waiting": _r(idle_while_waiting(name, samples, tasks, by_part, transit)),
-                      "transit_s": _r(transit), "inflight_samples": len(samples),
-                      "error_trajectories": seen.errors.get(name, 0)})
+                      **reported(name, commits, run.topics.tasks, by_part, t0, t1, a.group),
+                      "idle_while_waiting": _r(idle_while_waiting(name, spans, tasks, by_part, transit, t0, t1)),
+                      "idle_while_on_the_way": _r(idle_while_waiting(name, spans, tasks, by_part, 0.0, t0, t1)),
+                      "idle": _r(idle_while_waiting(name, spans, [(w, t0, t1) for w in by_part], by_part, 0.0, t0, t1)),
+                      "tasks_held_mean": _r(held_mean([(issued_at[t], done_at.get(t, float("inf"))) for t in mine], t0, t1), 1),
+                      "write_to_start_s_median": _r(quantile(to_start, 0.5)), "write_to_start_s_p90": _r(quantile(to_start, 0.9)),
+                      "transit_s": _r(transit), "error_trajectories": seen.errors.get(name, 0)})
 
     # Weights: payload per version by kind; the WAN's bytes over the mixed phase per version.
     manifests = sorted(seen.manifests.values(), key=lambda p: p.version)
@@ -207,6 +318,7 @@ def build(run: RegionsRun) -> dict[str, Any]:
         "publish_to_live_b_s_snapshot_median": _r(statistics.median(live_s)) if live_s else None,
     }
     base = mixed_total / (t1 - t0)
+    all_times = sorted(ts for _, ts, _, _ in seen.rollouts)
     events = EVENTS[a.via]
     last_seen = max((ts for _, ts, _, _ in seen.rollouts), default=t1)
     for i, (what, node) in enumerate(events):  # those that ran (a run stopped by a deadline: not all)
@@ -223,9 +335,12 @@ def build(run: RegionsRun) -> dict[str, Any]:
         starts = [st for n, _, _, st in seen.started if n == node and st > t_join]
         figs[f"join_{node}_startup_s"] = startup_parts(run.node_log(node), t_join, min(starts) if starts else None,
                                                        min(firsts) if firsts else None)
-        wins = rate_windows([ts for _, ts, _, _ in seen.rollouts], t_join, end)
-        back = next((w for w, rps in wins if rps >= 0.9 * base), None)
-        figs[f"join_{node}_throughput_back_s"] = _r(back - t_join if back else None, 1)
+        parts = figs[f"join_{node}_startup_s"]
+        figs[f"join_{node}_ready_s"] = parts["ready"]  # process start -> it joins the tasks group, ready to serve
+        if parts["ready"] is not None:  # group join -> the total rate back to 90% of the mixed phase's
+            back, low = recovered_after(all_times, t_join + parts["ready"], end, base)
+            figs[f"join_{node}_throughput_back_after_join_s"] = _r(back, 1)
+            figs[f"join_{node}_lowest_rate_after_join"] = _r(low)
     tally = run.ledger.tally(list(run.ledger.tasks.values()))
     figs.update(tasks_issued=tally.tasks_issued, tasks_trained=tally.tasks_trained, samples_lost=tally.lost,
                 samples_dead_lettered=tally.accounted, samples_trained_twice=tally.trained_twice)

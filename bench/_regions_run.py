@@ -4,7 +4,6 @@ the proxy, the roles, the phases and the figures."""
 from __future__ import annotations
 
 import argparse
-import bisect
 import signal
 import subprocess
 import time
@@ -15,6 +14,7 @@ from typing import Any
 from _cpuquota import CpuQuota
 from _ledger import Ledger, TopicReader
 from _pipeline import PipelineSpec, create_experiment, pipeline_roles, wait_ready, write_dataset
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from astraflow.config import KafkaSettings, LocalKafkaSettings, WanSettings, load_config
 from astraflow.demo.common import PY, role_env
@@ -43,6 +43,9 @@ class Seen:
     manifests: dict[int, PolicyVersion] = field(default_factory=dict)
     live_b: dict[int, float] = field(default_factory=dict)  # version -> applied by the WAN follower (epoch s)
     errors: dict[str, int] = field(default_factory=dict)  # node -> ERROR trajectories (not counted as rollouts)
+    # the nodes' group's committed offsets of tasks, read about every second: (time s, partition,
+    # offset, metadata: the node's commit round trip and speed, what the curator's placement uses)
+    commits: list[tuple[float, int, int, str]] = field(default_factory=list)
 
 
 class RegionsRun:
@@ -108,7 +111,6 @@ class RegionsRun:
             if role.name == "curator" and self.kafka_b is not None:  # a fixed share of the tasks for region B
                 role.cmd += ["--region-share", f"b={a.region_share}"]
             self.sup.start(role)
-        from confluent_kafka import Consumer
         from confluent_kafka.admin import AdminClient
 
         self.probe = Consumer({**self.cfg.kafka.client_config(), "group.id": f"{self.exp}-probe", "log_level": 2})
@@ -120,6 +122,12 @@ class RegionsRun:
         self.r_metrics = TopicReader(self.cfg.kafka, self.topics.metrics)
         self.r_weights = TopicReader(self.cfg.kafka, self.topics.weights("policy"))
         self.readers = [self.r_roll, self.r_metrics, self.r_weights]
+        from astraflow.kafka.clients import reader_config
+
+        # what the nodes report with their commits (the placement's speed and refill delay), read as
+        # the curator's placer reads it: a reader named after the nodes' group, which never joins it
+        self.commit_reader = Consumer(reader_config(self.cfg.kafka, f"af.{self.exp}.raas", log_level=2))
+        self._commits_at = 0.0
         self.quota = CpuQuota(self.exp, a.slow_cpus)
         self.control.set("curator", "pause", "off", issued_by="bench-regions")
         print(f"experiment {self.exp}: Kafka {self.kafka.bootstrap}, region B via {self.kafka.wan_bootstrap}", flush=True)
@@ -173,7 +181,7 @@ class RegionsRun:
     # ---- reading back ----------------------------------------------------------------------------
 
     def refresh(self) -> None:
-        for rec, ts in self.r_roll.read(10.0):
+        for rec, ts in self.r_roll.read(10.0):  # rollouts and started stay in step (one entry each per trajectory)
             if isinstance(rec, Trajectory) and rec.status == TrajectoryStatus.ERROR:
                 self.seen.errors[rec.node.node_id] = self.seen.errors.get(rec.node.node_id, 0) + 1
             elif isinstance(rec, Trajectory):
@@ -190,6 +198,14 @@ class RegionsRun:
         for rec, _ in self.r_weights.read(10.0):
             if isinstance(rec, PolicyVersion):
                 self.seen.manifests.setdefault(rec.version, rec)
+        if getattr(self, "commit_reader", None) is not None and time.time() - self._commits_at >= 1.0:
+            self._commits_at = time.time()
+            try:
+                got = self.commit_reader.committed([TopicPartition(self.topics.tasks, p) for p in range(self.a.tasks_partitions)],
+                                                   timeout=5.0)
+            except KafkaException:
+                got = []
+            self.seen.commits.extend((self._commits_at, tp.partition, tp.offset, tp.metadata or "") for tp in got if tp.offset >= 0)
         self.sup.check()
 
     def wait(self, seconds: float) -> None:
@@ -335,6 +351,8 @@ class RegionsRun:
             self.ledger.close()
         if getattr(self, "probe", None) is not None:
             self.probe.close()
+        if getattr(self, "commit_reader", None) is not None:
+            self.commit_reader.close()
         if self.quota is not None:
             self.quota.remove()
         if self.mirror is not None:
@@ -345,28 +363,18 @@ class RegionsRun:
         self.kafka.down(echo=lambda *_: None)
 
 
-def rate_windows(times: list[float], t0: float, t1: float, width: float = 5.0) -> list[tuple[float, float]]:
-    """(window end, rollouts/s) of consecutive windows of `width` s from t0 to t1."""
-    times = sorted(times)
-    out, t = [], t0
-    while t + width <= t1:
-        n = bisect.bisect_left(times, t + width) - bisect.bisect_left(times, t)
-        out.append((t + width, n / width))
-        t += width
-    return out
-
-
 def print_table(r: dict) -> None:
     print(f"\nregions ({r['experiment']}; load average {r['load_avg']}; WAN {r['wan']})")
-    print(f"{'node':10} {'region':6} {'alone r/s':>9} {'rel.speed':>9} {'mixed r/s':>9} {'share':>6} "
-          f"{'expected':>8} {'dev':>6} {'idle':>5}")
+    print(f"{'node':10} {'region':6} {'alone r/s':>9} {'rel.speed':>9} {'mixed r/s':>9} {'reported':>8} {'share':>6} "
+          f"{'expected':>8} {'dev':>6} {'idle':>5} {'on way':>6} {'delay s':>7} {'reserve':>7} {'held':>5}")
     def f(x: float | None, spec: str, width: int) -> str:
         sign, rest = (spec[0], spec[1:]) if spec[0] in "+- " else ("", spec)  # the sign goes before the width
         return f"{'n/a':>{width}}" if x is None else format(x, f"{sign}{width}{rest}")
 
     for n in r["nodes"]:
         print(f"{n['node']:10} {n['region']:6} {f(n['alone_rps'], '.2f', 9)} {f(n['rel_speed'], '.2f', 9)} "
-              f"{n['mixed_rps']:9.2f} {n['share']:6.2f} {f(n['expected_share'], '.2f', 8)} {f(n['share_dev'], '+.0%', 6)} "
-              f"{n['idle_while_waiting']:5.0%}")
+              f"{n['mixed_rps']:9.2f} {f(n['reported_speed_rps'], '.2f', 8)} {n['share']:6.2f} {f(n['expected_share'], '.2f', 8)} "
+              f"{f(n['share_dev'], '+.0%', 6)} {n['idle_while_waiting']:5.0%} {n['idle_while_on_the_way']:6.0%} "
+              f"{f(n['refill_delay_s'], '.2f', 7)} {f(n['reserve_tasks'], '.1f', 7)} {n['tasks_held_mean']:5.1f}")
     for k, v in r["figures"].items():
         print(f"  {k}: {v}")

@@ -79,7 +79,7 @@ class TaskPlacer:
                 self._ignored.add(report.problem)
                 log.warning("commit metadata %r of %s[%d] (partly) ignored: %s (logged once)", tp.metadata[:MAX_METADATA],
                             self.topic, tp.partition, report.problem)
-            delays[self._index[tp.partition]] = 2 * report.rtt_s + lag
+            delays[self._index[tp.partition]] = refill_delay_s(report, lag)
             speeds[self._index[tp.partition]] = report.speed
         self.policy.observe(now, {}, committed, delays, speeds)
 
@@ -114,6 +114,12 @@ class CommitReport:
     rtt_s: float = 0.0  # its commit round trip (0: none reported)
     speed: float | None = None  # tasks/s while busy, per partition (None: none reported, or ignored)
     problem: str | None = None  # why something in it was ignored
+
+
+def refill_delay_s(report: CommitReport, lag_s: float) -> float:
+    """A partition's refill delay from its node's report and the placer's own lag: the round trip
+    twice, for the task's fetch and the commit's way back (see the module doc)."""
+    return 2 * report.rtt_s + lag_s
 
 
 def read_commit_metadata(metadata: str | None) -> CommitReport:

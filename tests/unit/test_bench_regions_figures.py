@@ -6,7 +6,17 @@ from __future__ import annotations
 import datetime as dt
 
 import pytest
-from _regions_report import idle_while_waiting, owner_at, owners, startup_parts, transit_s
+from _regions_report import (
+    busy_spans,
+    held_mean,
+    idle_while_waiting,
+    owner_at,
+    owners,
+    recovered_after,
+    reported,
+    startup_parts,
+    transit_s,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -20,22 +30,47 @@ def test_a_partition_belongs_to_the_node_that_started_its_last_rollout():
     assert owner_at(by, ("tasks", 7), 1.0) is None
 
 
-def test_idle_counts_only_tasks_in_its_own_arrived_and_not_started():
+def test_idle_is_time_without_a_rollout_while_its_own_arrived_task_waits():
     by = owners([("n1", A, 0.0), ("n2", B, 0.0)])
-    samples = [(10.0, 0.0), (20.0, 0.0), (30.0, 2.0), (40.0, 0.0)]
+    spans = [(0.0, 10.0), (5.0, 12.0), (20.0, 30.0), (29.0, 40.0)]  # n1 busy 0-12 and 20-40
     tasks = [
-        (B, 9.0, 12.0),  # 10 s: waiting, but in n2's partition
-        (A, 19.9, 21.0),  # 20 s: written 0.1 s before, still crossing (transit 0.3 s)
-        (A, 29.0, 31.0),  # 30 s: waiting, but n1 has rollouts in flight
-        (A, 39.0, 41.0),  # 40 s: n1 empty, its own task arrived and not started: idle
+        (B, 12.0, 14.0),  # 12-14: waiting, but in n2's partition
+        (A, 14.0, 16.0),  # 14-16: n1's, but crossing until 14.5 (transit 0.5): idle 1.5 s of 2
+        (A, 25.0, 35.0),  # n1 has rollouts in flight meanwhile
+        (A, 40.0, 44.0),  # after the window
     ]
-    assert idle_while_waiting("n1", samples, tasks, by, transit=0.3) == pytest.approx(1 / 4)
-    # the same tasks with no transit: the one written 0.1 s before counts too
-    assert idle_while_waiting("n1", samples, tasks, by, transit=0.0) == pytest.approx(2 / 4)
-    # a task started elsewhere (in flight elsewhere) before the sample does not count
-    assert idle_while_waiting("n1", [(40.0, 0.0)], [(A, 39.0, 39.5)], by, transit=0.0) == 0.0
-    assert idle_while_waiting("n2", samples, tasks, by, transit=0.3) == pytest.approx(1 / 4)  # at 10 s
-    assert idle_while_waiting("n1", [], tasks, by, transit=0.0) == 0.0
+    assert idle_while_waiting("n1", spans, tasks, by, 0.5, 0.0, 40.0) == pytest.approx(1.5 / 40)
+    assert idle_while_waiting("n1", spans, tasks, by, 0.0, 0.0, 40.0) == pytest.approx(2.0 / 40)  # on the way too
+    # two tasks waiting at once count once; a task started elsewhere first stops counting then
+    both = [(A, 13.0, 18.0), (A, 14.0, 16.0)]
+    assert idle_while_waiting("n1", spans, both, by, 0.0, 0.0, 40.0) == pytest.approx(5.0 / 40)
+    assert idle_while_waiting("n2", [], tasks, by, 0.0, 0.0, 40.0) == pytest.approx(2.0 / 40)  # 12-14
+    assert idle_while_waiting("n1", spans, tasks, by, 0.0, 5.0, 5.0) == 0.0
+    assert busy_spans([(5.0, 6.0), (0.0, 2.0), (1.0, 3.0)]) == [(0.0, 3.0), (5.0, 6.0)]
+
+
+def test_tasks_held_is_the_mean_number_written_and_not_done():
+    assert held_mean([(0.0, 10.0), (5.0, 15.0), (-5.0, float("inf"))], 0.0, 10.0) == pytest.approx(2.5)
+    assert held_mean([], 0.0, 10.0) == 0.0
+
+
+def test_what_a_node_reported_counts_only_its_own_partitions_and_ignores_garbage():
+    by = owners([("b1", A, 0.0), ("a1", B, 0.0)])
+    commits = [(1.0, 0, 10, "rtt_ms=300;speed=2.000"), (1.0, 1, 50, "rtt_ms=2;speed=20.000"),
+               (2.0, 0, 14, "rtt_ms=320;speed=3.000"), (2.0, 1, 90, "garbage"), (9.0, 0, 30, "rtt_ms=300;speed=9")]
+    got = reported("b1", commits, "tasks", by, 0.0, 5.0, group=4)
+    assert got["reported_speed_rps"] == pytest.approx(10.0)  # (2 + 3) / 2 tasks/s x 4 samples
+    assert got["commit_rtt_s"] == pytest.approx(0.31)  # the median
+    assert got["refill_delay_s"] == pytest.approx(2 * 0.31 + 0.2, abs=0.021)
+    assert got["reserve_tasks"] == pytest.approx((2 * 0.8 + 3 * 0.84) / 2, abs=0.1)
+    assert reported("zz", commits, "tasks", by, 0.0, 5.0, 4)["reported_speed_rps"] is None
+
+
+def test_throughput_back_after_a_join():
+    times = [i * 0.1 for i in range(100)] + [20 + i * 0.1 for i in range(100)]  # 10/s, a gap 10-20 s, 10/s again
+    back, low = recovered_after(times, 16.0, 30.0, base=10.0)
+    assert back == pytest.approx(8.5) and low == 0.0  # at 24.5 s the last 5 s hold 45 rollouts: 90% of 10/s
+    assert recovered_after(times, 5.0, 9.0, base=10.0) == (0.0, 1.0)  # never below: back at once, nothing lost
 
 
 def test_transit_is_a_fetch_cycle_three_times_the_shortest_write_to_start():
@@ -70,7 +105,8 @@ def test_startup_is_split_at_the_nodes_log_lines():
     assert parts == pytest.approx({"to_imports": 4.0, "to_engine_torch": 2.0, "to_engine_transformers": 1.0,
                                    "to_engine_model": 1.5, "to_backends": 0.5, "to_caught_up": 3.0, "to_joined": 0.5,
                                    "to_assigned": 3.5,
-                                   "to_first_start": 0.5, "to_first_rollout": 0.5, "total": 17.0}, abs=0.01)
+                                   "to_first_start": 0.5, "to_first_rollout": 0.5, "total": 17.0,
+                                   "ready": 12.5}, abs=0.01)
     # a missing line: that part is None and the next includes it
     parts = startup_parts(log.replace("caught up", "behind"), t, t + 16.5, t + 17.0)
     assert parts["to_caught_up"] is None and parts["to_joined"] == pytest.approx(3.5, abs=0.01)
