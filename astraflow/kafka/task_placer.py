@@ -12,7 +12,13 @@ Refill delay of each partition (see the placement's module doc), measured: a Raa
 the duration of its shortest recent commit (one round trip to the group coordinator, without the
 node's own stalls: `rtt_ms=N`) into the metadata of every offset it commits, and the delay is that round trip twice (the task's fetch
 and the commit) plus this placer's own lag: the time between its observations and the
-`committed()` call itself. A commit without that metadata counts only the placer's lag.
+`committed()` call itself. A commit without that metadata counts only the placer's lag. Twice is
+the mean, not the longest: a node's fetch is always in flight, so a task waits for the broker's
+next answer (up to a round trip, half of one on average) and then its way back (half of one), and
+a completion waits for the node's commit in flight, then crosses, alike: up to 1.5 round trips
+each way, one on average; by Little's law the tasks in transit are speed x the mean. A reserve
+for the longest (3 round trips) starves the other nodes whenever tasks are short
+(tests/unit/test_task_placement.py).
 
 Speed of each partition (the placement's reserve is max(speed, rate) x delay): the node also
 writes its speed, tasks per second while it had rollouts in flight (`SpeedMeter`), divided by the
@@ -118,7 +124,7 @@ class CommitReport:
 
 def refill_delay_s(report: CommitReport, lag_s: float) -> float:
     """A partition's refill delay from its node's report and the placer's own lag: the round trip
-    twice, for the task's fetch and the commit's way back (see the module doc)."""
+    twice, the mean of the task's fetch and the commit's way back (see the module doc)."""
     return 2 * report.rtt_s + lag_s
 
 

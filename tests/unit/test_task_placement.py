@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from astraflow.dataflow.placement import Placement, SpeedMeter
@@ -18,9 +20,16 @@ class Sim:
 
     def __init__(self, owners: dict[int, int], speeds: dict[int, float], outstanding: int = 24,
                  delays: dict[int, float] | None = None, report_delays: bool = True,
-                 reported_delay: float = 1.0, report_speeds: bool = False, **kw) -> None:
+                 reported_delay: float = 1.0, report_speeds: bool = False, cycles: dict[int, float] | None = None,
+                 delay_of=None, **kw) -> None:
         self.owners, self.speeds = owners, speeds  # partition -> node, node -> tasks/s
         self.delays = delays or {}
+        # A node with a fetch cycle c (its round trip, as a Kafka fetch always in flight over a WAN)
+        # gets a task at the first broker answer after its write (every c) plus c/2, and its
+        # completion is seen at its next commit (every c) plus c/2: 1.5 c at most, c on average,
+        # each way. `delay_of(rtt, dt)`: the refill delay the placement is given for such a node.
+        self.cycles = cycles or {}
+        self.delay_of = delay_of
         self.pl = Placement(len(owners), **kw)
         self.written = dict.fromkeys(owners, 0)
         self.done = dict.fromkeys(owners, 0)  # completions the placement can see (committed)
@@ -55,7 +64,7 @@ class Sim:
                 # first come, first served (as a node's fetched tasks are)
                 p = min((q for q in mine if ready(q)), key=lambda q: self.arrive[q][self.started[q]])
                 self.started[p] += 1
-                self.seen_at.append((self.t + half, p))
+                self.seen_at.append((self._after(node, self.t) if node in self.cycles else self.t + half, p))
                 self.by_node[node] += 1
                 self.credit[node] -= 1
             if not any(ready(p) for p in mine):
@@ -66,6 +75,8 @@ class Sim:
         # refill delay: the round trip, plus this loop's own measuring pace
         measured = ({p: self.delays.get(n, 0.0) * self.reported_delay + dt for p, n in self.owners.items()}
                     if self.report_delays else None)
+        if measured is not None and self.delay_of is not None:
+            measured.update({p: self.delay_of(self.cycles[n], dt) for p, n in self.owners.items() if n in self.cycles})
         reported = None
         if self.meters is not None:
             node_speed = {n: m.speed(self.t, self.by_node[n]) for n, m in self.meters.items()}
@@ -75,8 +86,14 @@ class Sim:
         while sum(self.written.values()) - sum(self.done.values()) < self.outstanding:
             p = self.pl.choose()
             self.written[p] += 1
-            self.arrive[p].append(self.t + self.delays.get(self.owners[p], 0.0) / 2)
+            node = self.owners[p]
+            self.arrive[p].append(self._after(node, self.t) if node in self.cycles else self.t + self.delays.get(node, 0.0) / 2)
             self.pl.sent(p)
+
+    def _after(self, node: int, t: float) -> float:
+        """When something at `t` crosses a fetch-cycle node's link: its next cycle, plus half of one."""
+        c = self.cycles[node]
+        return (math.floor(t / c + 1e-9) + 1) * c + c / 2
 
     def run(self, seconds: float) -> None:
         for _ in range(int(seconds / 0.2)):
@@ -312,6 +329,36 @@ def test_reported_speeds_keep_a_node_behind_a_slow_link_busier():
         sim.run(120)
         idle[report] = (sim.idle[2] - before[2]) / (120 / 0.2)
     assert idle[True] < 0.75 * idle[False], idle
+
+
+def test_a_node_fetching_in_cycles_needs_its_reserve_at_the_mean_cycle_not_the_longest():
+    """Node 2 fetches and commits in cycles of its 1 s round trip (a task waits up to a cycle for
+    the next answer, then half of one on the way; its commit likewise): 2 round trips on average,
+    3 at most. Its refill delay at the mean (`refill_delay_s`: 2 x rtt) keeps it busy and every
+    node at its share once the tasks outstanding cover the reserves; counting the longest cycle
+    (3 x rtt) instead takes every task from the others when tasks are short (side by side)."""
+    from astraflow.kafka.task_placer import CommitReport, refill_delay_s
+
+    owners = {p: p % 3 for p in range(12)}
+
+    def run(outstanding: int, delay_of) -> tuple[dict[int, float], float]:
+        sim = Sim(owners, {0: 3.0, 1: 1.0, 2: 3.0}, outstanding=outstanding, delays={0: 0.1, 1: 0.1},
+                  cycles={2: 1.0}, delay_of=delay_of, report_speeds=True)
+        sim.run(60)
+        before, idle = dict(sim.by_node), sim.idle[2]
+        sim.run(120)
+        return shares({n: sim.by_node[n] - before[n] for n in sim.by_node}), (sim.idle[2] - idle) / (120 / 0.2)
+
+    def mean(rtt: float, dt: float) -> float:
+        return refill_delay_s(CommitReport(rtt_s=rtt), dt)
+
+    got, idle = run(14, mean)
+    for node, expected in {0: 3 / 7, 1: 1 / 7, 2: 3 / 7}.items():
+        assert abs(got[node] - expected) / expected < 0.15, got
+    assert idle <= 0.05, idle
+    got, _ = run(10, lambda rtt, dt: 3 * rtt + dt)
+    assert got[0] + got[1] < 0.1, got  # the WAN node's larger reserve takes what the others needed
+    assert refill_delay_s(CommitReport(rtt_s=0.3), 0.2) == pytest.approx(0.8)
 
 
 def test_speed_is_tasks_per_second_while_busy_not_throughput():
