@@ -297,8 +297,18 @@ def build(run: RegionsRun) -> dict[str, Any]:
     live_s = [seen.live_b[p.version] - p.created_at / 1000 for p in manifests
               if p.version in seen.live_b and p.kind == WeightKind.SNAPSHOT and p.version > 0]
 
+    # The nodes' capacity (their reported speeds together) against what the pipeline took: well
+    # below it, the run is bound by the trainer (the curator issues at its pace, max-ahead counts
+    # what waits downstream), some node must idle, and shares follow the placement, not speed.
+    reported_total = sum(n["reported_speed_rps"] or 0.0 for n in nodes)
+    for n in nodes:
+        n["reported_share"] = _r((n["reported_speed_rps"] or 0.0) / reported_total) if reported_total else None
+        n["share_dev_reported"] = (_r((n["share"] - n["reported_share"]) / n["reported_share"])
+                                   if n["reported_share"] else None)
     figs: dict[str, Any] = {
         "mixed_rollouts_per_s": _r(mixed_total / (t1 - t0)),
+        "nodes_reported_speed_rollouts_per_s": _r(reported_total) if reported_total else None,
+        "mixed_over_reported_speed": _r(mixed_total / (t1 - t0) / reported_total) if reported_total else None,
         "sum_alone_rollouts_per_s": _r(sum(alone.values())) if alone else None,  # None: --no-calibrate
         "weights_delta_bytes_mean": int(statistics.mean(deltas)) if deltas else None,
         "weights_snapshot_bytes_mean": int(statistics.mean(snaps)) if snaps else None,
