@@ -10,15 +10,18 @@ task. A failed measurement keeps the last one (the placement goes on from what i
 
 Refill delay of each partition (see the placement's module doc), measured: a RaaS node writes
 the duration of its shortest recent commit (one round trip to the group coordinator, without the
-node's own stalls: `rtt_ms=N`) into the metadata of every offset it commits, and the delay is that round trip twice (the task's fetch
-and the commit) plus this placer's own lag: the time between its observations and the
-`committed()` call itself. A commit without that metadata counts only the placer's lag. Twice is
-the mean, not the longest: a node's fetch is always in flight, so a task waits for the broker's
-next answer (up to a round trip, half of one on average) and then its way back (half of one), and
-a completion waits for the node's commit in flight, then crosses, alike: up to 1.5 round trips
-each way, one on average; by Little's law the tasks in transit are speed x the mean. A reserve
-for the longest (3 round trips) starves the other nodes whenever tasks are short
-(tests/unit/test_task_placement.py).
+node's own stalls: `rtt_ms=N`) into the metadata of every offset it commits, and the delay is
+three times that round trip plus this placer's own lag (the time between its observations and
+the `committed()` call itself): the mean time a task's partition holds it for the link. A node's
+fetch is always in flight, so a written task waits for the broker's next answer (half a round
+trip on average) and then crosses (half of one); once done, its trajectories must be
+acknowledged before its offset may be committed (a produce round trip); then the commit waits
+for the node's commit in flight (half a round trip on average) and crosses (half of one). By
+Little's law the tasks in transit are speed x that mean. (Twice the round trip, before, left out
+the acknowledgement: a node behind a 300 ms link then held what the placement thought its
+reserve and still sat idle a third of the time with its next tasks on the way; the simulation in
+tests/unit/test_task_placement.py, with those legs, gives the same.) A commit without that
+metadata counts only the placer's lag.
 
 Speed of each partition (the placement's reserve is max(speed, rate) x delay): the node also
 writes its speed, tasks per second while it had rollouts in flight (`SpeedMeter`), divided by the
@@ -123,9 +126,10 @@ class CommitReport:
 
 
 def refill_delay_s(report: CommitReport, lag_s: float) -> float:
-    """A partition's refill delay from its node's report and the placer's own lag: the round trip
-    twice, the mean of the task's fetch and the commit's way back (see the module doc)."""
-    return 2 * report.rtt_s + lag_s
+    """A partition's refill delay from its node's report and the placer's own lag: three round
+    trips, the mean of a task's fetch, its trajectories' acknowledgement and its commit's way back
+    (see the module doc)."""
+    return 3 * report.rtt_s + lag_s
 
 
 def read_commit_metadata(metadata: str | None) -> CommitReport:

@@ -61,8 +61,8 @@ def test_what_a_node_reported_counts_only_its_own_partitions_and_ignores_garbage
     got = reported("b1", commits, "tasks", by, 0.0, 5.0, group=4)
     assert got["reported_speed_rps"] == pytest.approx(10.0)  # (2 + 3) / 2 tasks/s x 4 samples
     assert got["commit_rtt_s"] == pytest.approx(0.31)  # the median
-    assert got["refill_delay_s"] == pytest.approx(2 * 0.31 + 0.2, abs=0.021)
-    assert got["reserve_tasks"] == pytest.approx((2 * 0.8 + 3 * 0.84) / 2, abs=0.1)
+    assert got["refill_delay_s"] == pytest.approx(3 * 0.31 + 0.2, abs=0.031)
+    assert got["reserve_tasks"] == pytest.approx((2 * 1.1 + 3 * 1.16) / 2, abs=0.1)
     assert reported("zz", commits, "tasks", by, 0.0, 5.0, 4)["reported_speed_rps"] is None
 
 
