@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -111,6 +112,7 @@ class TrainStream(IterableDataset):
         dlq: DeadLetterWriter | None = None,
         should_stop: Callable[[], bool] | None = None,
         window: SampleWindow | None = None,
+        report_s: float = 0.02,
     ) -> None:
         super().__init__()
         self.should_stop = should_stop  # polled while waiting for samples (e.g. "SIGTERM received")
@@ -137,6 +139,17 @@ class TrainStream(IterableDataset):
         self.max_buffered = max(1000, 4 * limits.batch_size)  # decoded records held ahead of training
         self._stop = False
         self.min_samples = 1  # samples a batch needs (the number of ranks: each trains its share)
+        # The backlog report (see `commit`): a background reader keeps the group commit's metadata
+        # current while the trainer trains, every `report_s` (0: only when the trainer reads).
+        self.report_s = report_s
+        self._lock = threading.RLock()  # the consumer, the buffers and the commits: one thread at a time
+        self._raw: list[Message] = []  # polled by the background reader, decoded by the next `_fill`
+        self._uncommitted: dict[int, collections.deque[int]] = collections.defaultdict(collections.deque)  # taken offsets past the committed ones
+        self._committed: dict[int, int] = {}  # the trained offsets last committed
+        self._reported: list[tuple[int, int, str | None]] | None = None  # the last group commit sent
+        self._reader: threading.Thread | None = None
+        self._closing = threading.Event()
+        self._reader_error: BaseException | None = None
 
     # -- consumer ----------------------------------------------------------------------------------
 
@@ -177,11 +190,17 @@ class TrainStream(IterableDataset):
         return c
 
     def close(self) -> None:
-        if self._consumer is not None:
-            self._consumer.close()
-            self._consumer = None
-        self._buffers.clear()
-        self._buffered = 0
+        self._closing.set()
+        if self._reader is not None:
+            self._reader.join()
+            self._reader = None
+        with self._lock:
+            if self._consumer is not None:
+                self._consumer.close()
+                self._consumer = None
+            self._buffers.clear()
+            self._buffered = 0
+            self._raw.clear()
 
     @property
     def stopping(self) -> bool:
@@ -196,43 +215,101 @@ class TrainStream(IterableDataset):
         """Group commit of trained offsets: the lag display and the curator's count of samples not
         trained yet read it (the checkpoint is the truth of what was trained).
 
-        A partition read up to `offsets` (nothing taken past them) is committed past the offsets
-        that hold no sample (the transaction markers curate's exactly-once commits leave, aborted
-        records): up to the next record the stream holds, or to the consumer's position when it
-        holds none; and with the metadata of `astraflow.kafka.backlog` (samples held past the
-        offset, read up to where), so that markers further on are not counted as samples either.
-        Counted as samples, they would make the curator, which keeps at most max-ahead tasks
-        between itself and the trainer, issue fewer tasks than there is room for."""
-        if self._consumer is None or not offsets:
+        Each partition is committed past the offsets that hold no sample (the transaction markers
+        curate's exactly-once commits leave, aborted records): up to the next record the stream
+        holds, or to the consumer's position when it holds none; and with the metadata of
+        `astraflow.kafka.backlog` (records held past the offset, taken or not, read up to where),
+        so that markers further on are not counted as samples either. Counted as samples, they
+        would make the curator, which keeps at most max-ahead tasks between itself and the
+        trainer, issue fewer tasks than there is room for.
+
+        The samples of the next batch mostly arrive while the trainer trains this one, each
+        transaction of them with its marker, which only a reader passes. So the metadata is kept
+        current: the stream commits the same offsets again with new metadata whenever it reads
+        more, and while the trainer trains (nothing reads then) a background reader polls every
+        `report_s` and does so (it only fetches; records are decoded when the trainer next reads)."""
+        if not offsets:
             return
-        try:
-            if self._buffered < self.max_buffered:
-                self._fill(0)  # the client passes the markers it fetched (and moves its position) while polled
-            read = {tp.partition: tp.offset for tp in self._consumer.position(
-                [TopicPartition(self.topic, p) for p, o in offsets.items() if o == self.positions.get(p)])}
-            marks = []
+        with self._lock:
             for p, o in offsets.items():
+                taken = self._uncommitted.get(p)
+                while taken and taken[0] < o:
+                    taken.popleft()
+            self._committed = dict(offsets)
+            if self._consumer is None:
+                return
+            if self._buffered + len(self._raw) < self.max_buffered:
+                self._fill(0)  # the client passes the markers it fetched (and moves its position) while polled; reports
+            else:
+                self._report()
+            if self._reader is None and self.report_s > 0:
+                self._closing.clear()
+                self._reader = threading.Thread(target=self._read_in_background, name="train-backlog-report", daemon=True)
+                self._reader.start()
+
+    def _report(self) -> None:
+        """Commits the trained offsets with the metadata of what is read now (see `commit`); the
+        caller holds the lock. Nothing is sent when it would repeat the last commit."""
+        if self._consumer is None or not self._committed:
+            return
+        raw: dict[int, list[int]] = collections.defaultdict(list)
+        for msg in self._raw:
+            if msg.error() is None and msg.topic() == self.topic:
+                raw[msg.partition()].append(msg.offset())
+        try:
+            read = {tp.partition: tp.offset for tp in self._consumer.position(
+                [TopicPartition(self.topic, p) for p in self._committed])}
+            marks = []
+            for p, o in self._committed.items():
+                # records read past the trained offset, in offset order: taken into a batch not
+                # trained yet, decoded and waiting, fetched by the background reader
+                taken, held, fetched = self._uncommitted.get(p) or (), self._buffers.get(p) or (), raw.get(p, [])
+                first = taken[0] if taken else held[0].offset if held else fetched[0] if fetched else read.get(p, -1)
+                o = max(o, first)
                 meta: dict[str, str] = {}
-                if p in read:  # nothing taken beyond the trained records: every record read since is held
-                    held = self._buffers.get(p) or ()
-                    o = max(o, held[0].offset if held else read[p])
-                    if read[p] >= o:
-                        meta["metadata"] = commit_metadata(len(held), read[p])
+                if read.get(p, -1) >= o:
+                    meta["metadata"] = commit_metadata(len(taken) + len(held) + len(fetched), read[p])
                 marks.append(TopicPartition(self.topic, p, o, **meta))
-            self._consumer.commit(offsets=marks, asynchronous=True)
+            sent = [(tp.partition, tp.offset, tp.metadata) for tp in marks]
+            if sent != self._reported:
+                self._consumer.commit(offsets=marks, asynchronous=True)
+                self._reported = sent
         except KafkaException as exc:  # never stop training for it (the curator measures again)
             log.debug("group commit failed: %s", exc)
 
+    def _read_in_background(self) -> None:
+        """While the trainer trains: fetch what arrived and report it (see `commit`). Skips a turn
+        while the trainer itself reads (it reports then)."""
+        while not self._closing.wait(self.report_s):
+            if not self._lock.acquire(blocking=False):
+                continue
+            try:
+                if self._consumer is not None and self._buffered + len(self._raw) < self.max_buffered:
+                    msgs = self._consumer.consume(500, 0)
+                    self._raw.extend(msgs)
+                    self._report()
+            except BaseException as exc:  # raised in the trainer's thread at its next read
+                self._reader_error = exc
+                return
+            finally:
+                self._lock.release()
+
     def _fill(self, timeout_s: float) -> int:
-        """Poll once (returning as soon as a record is there); decode into the buffer; returns how many records arrived."""
-        msgs = consume_ready(self._open(), 500, timeout_s)
-        n = 0
-        for msg in data_messages(msgs, self.topic):
-            n += 1
-            item = self._decode(msg)
-            self._buffers[item.partition].append(item)
-            self._buffered += 1
-        return n
+        """Poll once (returning as soon as a record is there); decode into the buffer, with what the
+        background reader fetched; report the backlog; returns how many records arrived."""
+        with self._lock:
+            if self._reader_error is not None:
+                raise KafkaLayerError(f"reading {self.topic} in the background failed: {self._reader_error!r}") from self._reader_error
+            msgs, self._raw = self._raw, []
+            msgs += consume_ready(self._open(), 500, 0 if msgs else timeout_s)
+            n = 0
+            for msg in data_messages(msgs, self.topic):
+                n += 1
+                item = self._decode(msg)
+                self._buffers[item.partition].append(item)
+                self._buffered += 1
+            self._report()
+            return n
 
     def _decode(self, msg: Message) -> _Item:
         p, o = msg.partition(), msg.offset()
@@ -283,6 +360,7 @@ class TrainStream(IterableDataset):
         self._buffers[item.partition].popleft()
         self._buffered -= 1
         self._taken[item.partition] += 1
+        self._uncommitted[item.partition].append(item.offset)  # held until its offsets are committed
         expected = self.positions.get(item.partition, item.offset)
         if item.offset > expected and self._lost_to_retention(item.partition, expected):
             self.skipped[item.partition] += item.offset - expected
@@ -303,6 +381,10 @@ class TrainStream(IterableDataset):
 
     def next_batch(self) -> list[_Item] | None:
         """The next batch's items (dead-lettered ones included), or None when the stream ends."""
+        with self._lock:
+            return self._next_batch()
+
+    def _next_batch(self) -> list[_Item] | None:
         items: list[_Item] = []
         batch_ids: set[str] = set()
         n = longest = 0
@@ -335,6 +417,10 @@ class TrainStream(IterableDataset):
 
     def _fetch_planned(self, plan: list[tuple[int, int, bool]]) -> list[_Item]:
         """Non-zero ranks: read exactly the records rank 0 planned, with its verdicts."""
+        with self._lock:
+            return self._fetch_planned_locked(plan)
+
+    def _fetch_planned_locked(self, plan: list[tuple[int, int, bool]]) -> list[_Item]:
         want = collections.defaultdict(set)
         keep = {(p, o): ok for p, o, ok in plan}
         for p, o, _ in plan:

@@ -373,3 +373,69 @@ def test_the_group_commit_counts_samples_not_transaction_markers(kafka: KafkaSet
     finally:
         stream.close()
         reader.close()
+
+
+def test_samples_that_arrive_while_the_trainer_trains_are_reported_without_their_markers(
+    kafka: KafkaSettings, experiment: str
+) -> None:
+    """The next batch's samples mostly arrive while the trainer trains, after its commit, each
+    transaction with its marker: the stream's background reader re-commits the same offsets with
+    fresh metadata, so the curator counts those samples and not their markers (before, it counted
+    one per marker until the trainer's next batch, and issued that many tasks too few). A batch
+    handed to the trainer but not trained yet still counts as waiting."""
+    import numpy as np
+    from confluent_kafka import Producer
+
+    from astraflow.kafka.backlog import pending_samples
+    from astraflow.records import TrainSample
+    from trainers.batching import BatchLimits
+    from trainers.data import TrainStream
+
+    topic, serde = Topics(experiment).train("policy"), AvroSerde()
+
+    def sample(i: int) -> bytes:
+        n = 6
+        return serde.dumps(TrainSample(f"s{i}", f"t{i}", f"g{i // 4}", "p", "policy", np.arange(3, 3 + n, dtype=np.int32),
+                                       np.array([0, 0, 1, 1, 1, 1], np.uint8), np.full(n, -1.0, np.float32),
+                                       np.array([-1, -1, 0, 0, 0, 0], np.int32), 1.0, 1.0, 0))
+
+    producer = Producer({**kafka.client_config(), "transactional.id": f"{experiment}-curate"})
+    producer.init_transactions(30)
+
+    def transaction(first: int) -> None:  # 4 samples on partition 0, then the marker
+        producer.begin_transaction()
+        for i in range(first, first + 4):
+            producer.produce(topic, sample(i), partition=0)
+        producer.commit_transaction(30)
+
+    group = f"{experiment}.trainer-report"
+    stream = TrainStream(kafka, topic, "policy", limits=BatchLimits(4), max_wait_s=30, group_id=group, report_s=0.02)
+    reader = Consumer({**kafka.client_config(), "group.id": group, "enable.auto.commit": False})
+
+    def waiting_until(want: int, end: int) -> int:  # what the curator would count, once it is `want` (or after 30 s)
+        deadline = time.monotonic() + 30
+        while True:
+            [tp] = reader.committed([TopicPartition(topic, 0)], timeout=10)
+            got = pending_samples(end, tp.offset, tp.metadata) if tp.offset >= 0 else end
+            if got == want or time.monotonic() > deadline:
+                return got
+            time.sleep(0.05)
+
+    try:
+        transaction(0)  # records 0-3, marker 4
+        batches = iter(stream)
+        first = next(batches)
+        stream.commit(first["meta"]["offsets"])  # the trainer takes batch 1 and trains it...
+        assert waiting_until(0, 5) == 0
+        transaction(4)  # ...while curate writes records 5-8 (marker 9) and 10-13 (marker 14)
+        transaction(8)
+        assert waiting_until(8, 15) == 8  # 8 samples, not 10 offsets: nobody but the background reader read them
+        second = next(batches)  # handed to the trainer, not trained yet: still waiting
+        assert [s for _, _, s in second["meta"]["samples"]] == ["s4", "s5", "s6", "s7"]
+        time.sleep(0.2)  # the background reader runs meanwhile
+        assert waiting_until(8, 15) == 8
+        stream.commit(second["meta"]["offsets"])
+        assert waiting_until(4, 15) == 4
+    finally:
+        stream.close()
+        reader.close()
