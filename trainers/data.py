@@ -145,6 +145,7 @@ class TrainStream(IterableDataset):
         self._lock = threading.RLock()  # the consumer, the buffers and the commits: one thread at a time
         self._raw: list[Message] = []  # polled by the background reader, decoded by the next `_fill`
         self._uncommitted: dict[int, collections.deque[int]] = collections.defaultdict(collections.deque)  # taken offsets past the committed ones
+        self._untracked: set[int] = set()  # partitions with more taken past the commit than `_uncommitted` keeps
         self._committed: dict[int, int] = {}  # the trained offsets last committed
         self._reported: list[tuple[int, int, str | None]] | None = None  # the last group commit sent
         self._reader: threading.Thread | None = None
@@ -235,6 +236,8 @@ class TrainStream(IterableDataset):
                 taken = self._uncommitted.get(p)
                 while taken and taken[0] < o:
                     taken.popleft()
+                if p in self._untracked and o >= self.positions.get(p, o):  # nothing taken past it: known again
+                    self._untracked.discard(p)
             self._committed = dict(offsets)
             if self._consumer is None:
                 return
@@ -265,10 +268,11 @@ class TrainStream(IterableDataset):
                 # trained yet, decoded and waiting, fetched by the background reader
                 taken, held, fetched = self._uncommitted.get(p) or (), self._buffers.get(p) or (), raw.get(p, [])
                 first = taken[0] if taken else held[0].offset if held else fetched[0] if fetched else read.get(p, -1)
-                o = max(o, first)
                 meta: dict[str, str] = {}
-                if read.get(p, -1) >= o:
-                    meta["metadata"] = commit_metadata(len(taken) + len(held) + len(fetched), read[p])
+                if p not in self._untracked:  # untracked: the trained offset alone, counted by offsets (never too few)
+                    o = max(o, first)
+                    if read.get(p, -1) >= o:
+                        meta["metadata"] = commit_metadata(len(taken) + len(held) + len(fetched), read[p])
                 marks.append(TopicPartition(self.topic, p, o, **meta))
             sent = [(tp.partition, tp.offset, tp.metadata) for tp in marks]
             if sent != self._reported:
@@ -360,7 +364,11 @@ class TrainStream(IterableDataset):
         self._buffers[item.partition].popleft()
         self._buffered -= 1
         self._taken[item.partition] += 1
-        self._uncommitted[item.partition].append(item.offset)  # held until its offsets are committed
+        taken = self._uncommitted[item.partition]
+        taken.append(item.offset)  # held until its offsets are committed
+        if len(taken) > 8 * self.max_buffered:  # a reader that never commits stays bounded
+            taken.clear()
+            self._untracked.add(item.partition)
         expected = self.positions.get(item.partition, item.offset)
         if item.offset > expected and self._lost_to_retention(item.partition, expected):
             self.skipped[item.partition] += item.offset - expected
