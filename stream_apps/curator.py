@@ -39,7 +39,7 @@ than max-ahead; the others never wait for it anywhere else):
   last stable offset (the end of what read_committed readers see: records of a transaction
   curate has not committed yet are not there, and their groups are not in `curated(P)` either)
   minus the committed offset of the trainer's consumer group (`af.<experiment>.<P>.trainer`,
-  what `astraflow train` commits when it takes a batch); a partition without a commit counts
+  what `astraflow train` commits when it takes a batch, and again as it reads more); a partition without a commit counts
   from its start. Curate's transactions leave markers between the samples, which offsets would
   count as samples: the trainer's commit metadata says how many samples it already holds past
   its offset and up to where it has read (`astraflow.kafka.backlog`), so only offsets past that

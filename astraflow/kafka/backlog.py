@@ -15,6 +15,13 @@ excluded; past it, only offsets are known:
     pending = held + max(0, end - read_to)        (metadata present and well formed)
     pending = max(0, end - committed)             (otherwise: markers count, too many)
 
+The next batch's samples mostly arrive while the trainer trains, after its commit, each curate
+transaction of them followed by a marker; counted by offsets, each marker made the curator
+issue one task too few until the trainer's next commit (in `bench/vs_trl.py`, batch k+2's last
+task went out at the take of batch k+1 instead of k, and every other step waited for it). So the
+trainer commits the same offsets again with fresh metadata whenever it reads more, and a
+background reader of its stream polls while it trains (`TrainStream.report_s`, 20 ms).
+
 Both never count fewer samples than there are, so the curator never issues more than max-ahead.
 The metadata is untrusted like any record: anything that does not parse, or that claims more
 than the offsets allow, falls back to the offsets.
