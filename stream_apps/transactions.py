@@ -65,6 +65,7 @@ from faust.types import TP
 from mode.utils.queues import FlowControlEvent
 
 from astraflow.errors import KafkaLayerError
+from stream_apps.handover import drain_messages
 
 if TYPE_CHECKING:
     from stream_apps.engine import StreamEngine
@@ -251,7 +252,10 @@ class ExactConsumerThread(AIOKafkaConsumerThread):
 
 
 class ExactConsumer(AIOKafkaConsumer):
-    """Faust's aiokafka consumer running `ExactConsumerThread`."""
+    """Faust's aiokafka consumer running `ExactConsumerThread`, whose fetch loop hands records
+    over without four tasks each (`stream_apps.handover`)."""
+
+    _drain_messages = drain_messages
 
     def _new_consumer_thread(self) -> ExactConsumerThread:
         return ExactConsumerThread(self, loop=self.loop, beacon=self.beacon)

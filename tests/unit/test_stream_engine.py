@@ -198,6 +198,21 @@ def test_faust_overrides_replace_the_engine_settings() -> None:
     assert app.conf.stream_buffer_maxsize == 64
 
 
+def test_the_app_hands_over_faust_events_with_its_kept_event_class_and_lean_fetch_loop() -> None:
+    from faust.transport.consumer import Consumer as FaustConsumer
+
+    from stream_apps.handover import drain_messages
+
+    app = StreamEngine(RewardApp(), EngineSettings("unit", KafkaSettings(), guarantee="at_least_once",
+                                                   source_partitions=1)).build()
+    message = SimpleNamespace(topic="t", partition=0, offset=5)
+    event = app.create_event(b"k", b"v", [("h", b"1")], message)
+    assert type(event) is app.conf.Event  # the class Faust would look up itself
+    assert (event.app, event.key, event.value, event.headers, event.message) == (app, b"k", b"v", {"h": b"1"}, message)
+    assert app.transport.Consumer._drain_messages is drain_messages
+    assert FaustConsumer._drain_messages is not drain_messages  # Faust's own class is left as it is
+
+
 def test_the_worker_writes_snappy_batches_that_read_back() -> None:
     from aiokafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
 
