@@ -164,7 +164,8 @@ def test_trainer_loss_fields_reach_both_sides(tmp_path) -> None:
     from astraflow.config import load_config
     from trainers.config import TrainRunConfig
 
-    assert mp.parse_loss(mp.TRAINER_LOSS) == {} == mp.parse_loss("none")
+    assert mp.parse_loss(mp.TRAINER_LOSS) == {"solver": {"max_staleness": 2}}  # the default (module doc)
+    assert mp.parse_loss("none") == {} == mp.parse_loss("")
     loss = mp.parse_loss("solver.max_staleness=2, solver.staleness_weight=inverse")
     assert loss == {"solver": {"max_staleness": 2, "staleness_weight": "inverse"}}
     assert mp.parse_loss("verifier.tis_cap=none,verifier.eps_high=0.3") == {"verifier": {"tis_cap": None, "eps_high": 0.3}}
