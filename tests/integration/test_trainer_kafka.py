@@ -33,6 +33,18 @@ from trainers.synthetic import make_samples
 torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # settles TORCHINDUCTOR_CACHE_DIR before the leak guard
 
 
+
+def _sample_bytes(serde: AvroSerde, i: int) -> bytes:
+    """Train sample `s{i}` (group `g{i // 4}`, 4 trained tokens of 6) as curate writes it."""
+    import numpy as np
+
+    from astraflow.records import TrainSample
+
+    n = 6
+    return serde.dumps(TrainSample(f"s{i}", f"t{i}", f"g{i // 4}", "p", "policy", np.arange(3, 3 + n, dtype=np.int32),
+                                   np.array([0, 0, 1, 1, 1, 1], np.uint8), np.full(n, -1.0, np.float32),
+                                   np.array([-1, -1, 0, 0, 0, 0], np.int32), 1.0, 1.0, 0))
+
 def _watermarks(kafka: KafkaSettings, topic: str, partitions: int) -> dict[int, int]:
     c = Consumer({**kafka.client_config(), "group.id": "wm"})
     try:
@@ -323,28 +335,20 @@ def test_the_group_commit_counts_samples_not_transaction_markers(kafka: KafkaSet
     curator counts the samples waiting for the trainer from its group commit: the trainer commits
     past the markers that follow what it trained, and says in the commit's metadata how many
     samples it holds past it, so neither a marker before nor one after them counts as a sample."""
-    import numpy as np
     from confluent_kafka import Producer
 
     from astraflow.kafka.backlog import pending_samples
-    from astraflow.records import TrainSample
     from trainers.batching import BatchLimits
     from trainers.data import TrainStream
 
     topic, serde = Topics(experiment).train("policy"), AvroSerde()
-
-    def sample(i: int) -> bytes:
-        n = 6
-        return serde.dumps(TrainSample(f"s{i}", f"t{i}", f"g{i // 4}", "p", "policy", np.arange(3, 3 + n, dtype=np.int32),
-                                       np.array([0, 0, 1, 1, 1, 1], np.uint8), np.full(n, -1.0, np.float32),
-                                       np.array([-1, -1, 0, 0, 0, 0], np.int32), 1.0, 1.0, 0))
 
     producer = Producer({**kafka.client_config(), "transactional.id": f"{experiment}-curate"})
     producer.init_transactions(30)
     for txn in range(2):  # two transactions of 4 samples on partition 0: records 0-3, marker 4, records 5-8, marker 9
         producer.begin_transaction()
         for i in range(4):
-            producer.produce(topic, sample(4 * txn + i), partition=0)
+            producer.produce(topic, _sample_bytes(serde, 4 * txn + i), partition=0)
         producer.commit_transaction(30)
     group = f"{experiment}.trainer-test"
     stream = TrainStream(kafka, topic, "policy", limits=BatchLimits(4), max_wait_s=30, group_id=group)
@@ -383,21 +387,13 @@ def test_samples_that_arrive_while_the_trainer_trains_are_reported_without_their
     fresh metadata, so the curator counts those samples and not their markers (before, it counted
     one per marker until the trainer's next batch, and issued that many tasks too few). A batch
     handed to the trainer but not trained yet still counts as waiting."""
-    import numpy as np
     from confluent_kafka import Producer
 
     from astraflow.kafka.backlog import pending_samples
-    from astraflow.records import TrainSample
     from trainers.batching import BatchLimits
     from trainers.data import TrainStream
 
     topic, serde = Topics(experiment).train("policy"), AvroSerde()
-
-    def sample(i: int) -> bytes:
-        n = 6
-        return serde.dumps(TrainSample(f"s{i}", f"t{i}", f"g{i // 4}", "p", "policy", np.arange(3, 3 + n, dtype=np.int32),
-                                       np.array([0, 0, 1, 1, 1, 1], np.uint8), np.full(n, -1.0, np.float32),
-                                       np.array([-1, -1, 0, 0, 0, 0], np.int32), 1.0, 1.0, 0))
 
     producer = Producer({**kafka.client_config(), "transactional.id": f"{experiment}-curate"})
     producer.init_transactions(30)
@@ -405,7 +401,7 @@ def test_samples_that_arrive_while_the_trainer_trains_are_reported_without_their
     def transaction(first: int) -> None:  # 4 samples on partition 0, then the marker
         producer.begin_transaction()
         for i in range(first, first + 4):
-            producer.produce(topic, sample(i), partition=0)
+            producer.produce(topic, _sample_bytes(serde, i), partition=0)
         producer.commit_transaction(30)
 
     group = f"{experiment}.trainer-report"
