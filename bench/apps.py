@@ -1,4 +1,5 @@
-"""Stream apps throughput: records/s through reward + curate (Faust apps), against a plain consume-produce loop.
+"""Stream apps throughput: records/s through reward + curate (Faust apps), against hand-written
+confluent-kafka loops doing the same job exactly-once, and against plain copy loops.
 
 Same run, same broker, same records: N trajectories of 4,096 tokens (groups of 8, half the
 answers right so no group is filtered) go through
@@ -8,10 +9,20 @@ answers right so no group is filtered) go through
   TrainSample per trajectory, feedback), each a Faust worker (`StreamEngine`) with Kafka
   transactions, DLQ and metrics;
 * ours, at-least-once: the same apps with `guarantee="at_least_once"` (Faust's own commits);
+* hand-written, exactly-once (`_apps_hand`): the same job by hand on confluent-kafka, one loop
+  per stage calling the code the apps call (the same decode and DLQ rule, exact-match reward
+  with the same scored bytes; curate's group assembly (state in memory: no changelog, so unlike
+  the app it does not survive a crash or a rebalance), prompt statistics, filters, GRPO and
+  TrainSample encode), with a transactional producer committing the consumed offsets
+  (`send_offsets_to_transaction`) on the apps' rule (every commit interval, and once idle for
+  50 ms). `tests/unit/test_bench_apps_hand.py` checks that it gives the apps' records. Ours
+  against it is the engine's cost (Faust, aiokafka in the worker's thread, tables, control,
+  metrics, one producer per source partition); the like-for-like reference of the issue;
 * plain: two confluent-kafka loops that copy the bytes unchanged (consume -> produce, same
   producer settings as ours: idempotent, acks=all, and the apps' codec, `--compression`,
-  snappy by default like `EngineSettings`; flush then commit every second), the floor any
-  Kafka app pays. The first stage of both sides reads `rollouts` as the rollout nodes write it
+  snappy by default like `EngineSettings`; flush then commit every second): no decode, no
+  reward, no groups, no encode, at-least-once; not the same job but the floor any Kafka app
+  pays. The first stage of every side reads `rollouts` as the rollout nodes write it
   (zstd, `astraflow.kafka.clients`); each later stage reads what the stage before it wrote.
   When the apps write another codec than zstd, two more plain stages write zstd, as the
   platform's librdkafka producers do (librdkafka compresses in a thread of its own, at
@@ -42,6 +53,7 @@ Usage: python bench/apps.py [--quick] [--json OUT] [--records N] [--tokens 4096]
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import subprocess
@@ -52,6 +64,7 @@ import uuid
 from typing import Any
 
 import _common
+from _apps_hand import HandCurate, HandReward, hand_loop
 from confluent_kafka import Consumer, Producer
 from dataplane import commit  # the bare loop commits as the data-plane benchmark's does
 
@@ -210,6 +223,35 @@ def plain_stage(kafka: KafkaSettings, src: str, dst: str, n: int, serde: AvroSer
     return end - first
 
 
+def hand_stage(kafka: KafkaSettings, step: Any, src: str, n: int, serde: AvroSerde, codec: str, cpu: StageCpu,
+               refresh: Any = None) -> float:
+    """Runs a hand-written stage (`_apps_hand`) exactly-once until its n inputs are committed; returns
+    seconds from its first record (ended like ours: its committed offsets cover the n inputs)."""
+    group = f"bench-hand-{step.name}-{uuid.uuid4().hex}"
+    done = Finish(kafka, src, group, n)
+    first = hand_loop(kafka, step, src, group, n, codec, serde.max_record_bytes, cpu.begin, refresh=refresh)
+    end = done.wait(120)
+    cpu.end()
+    return end - first
+
+
+def hand_curate(kafka: KafkaSettings, exp: str, src: str, serde: AvroSerde) -> tuple[HandCurate, Any]:
+    """The hand-written curate of policy `policy`, reading the trainer's versions as the app does
+    (the compacted `policies` topic, refreshed before each tick); and that refresh."""
+    from astraflow.control import CompactedReader
+    from astraflow.records import PolicyVersion
+
+    topics = Topics(exp)
+    versions = CompactedReader(kafka, topics.policies, serde=serde, expect=PolicyVersion)
+    versions.catch_up()
+
+    def current(policy: str) -> int | None:
+        pv = versions.latest.get(policy)
+        return None if pv is None else int(pv.version)
+    dlq = AvroSerde(serde.catalog, max_record_bytes=TopicSettings().max_message_bytes)
+    return HandCurate(exp, serde, dlq, ["policy"], current, source=src), versions
+
+
 def our_stage(kafka: KafkaSettings, app: str, experiment: str, src: str, n: int, options: AppOptions | None,
               guarantee: str, codec: str, cpu: StageCpu) -> float:
     """Runs one app worker until it committed all n inputs; returns seconds from its first record."""
@@ -266,7 +308,8 @@ def fill(kafka: KafkaSettings, topic: str, n: int, tokens: int, group_size: int)
 
 
 STAGE_LABELS = {"p1": "plain loop stage 1", "o1": "reward exactly-once", "a1": "reward at-least-once",
-                "p2": "plain loop stage 2", "o2": "curate exactly-once", "a2": "curate at-least-once",
+                "h1": "hand-written reward exactly-once", "p2": "plain loop stage 2", "o2": "curate exactly-once",
+                "h2": "hand-written curate exactly-once", "a2": "curate at-least-once",
                 "z1": "plain loop stage 1 writing zstd", "z2": "plain loop stage 2 writing zstd"}
 
 
@@ -279,7 +322,7 @@ def main() -> None:
     codec = args.compression
     serde = AvroSerde()
     zstd_too = codec != "zstd"  # the plain loops also write zstd, as the platform's librdkafka producers do
-    stages = ("p1", "o1", "a1", "p2", "o2", "a2", *(("z1", "z2") if zstd_too else ()))
+    stages = ("p1", "o1", "a1", "h1", "p2", "o2", "h2", "a2", *(("z1", "z2") if zstd_too else ()))
     times: dict[str, list[float]] = {k: [] for k in (*stages, "r1", "r2")}
     cpu_us: dict[str, list[float]] = {k: [] for k in stages}  # CPU per record
     profiles: dict[str, dict[str, float] | None] = {}
@@ -298,8 +341,9 @@ def main() -> None:
         topics = Topics(exp)
         plain1, plain2 = topics.stream("plain1"), topics.stream("plain2")
         plainz1, plainz2 = topics.stream("plainz1"), topics.stream("plainz2")
+        hand1 = topics.stream("hand1")  # the hand-written reward's output (its curate writes the apps' topics)
         specs = [*topic_specs(exp, ["policy"], TopicSettings(partitions=PARTITIONS)),
-                 *(TopicSpec(t, PARTITIONS) for t in (plain1, plain2, plainz1, plainz2))]
+                 *(TopicSpec(t, PARTITIONS) for t in (plain1, plain2, plainz1, plainz2, hand1))]
         admin = TopicAdmin(kafka)
         admin.create(specs)
         try:
@@ -310,8 +354,16 @@ def main() -> None:
             times["p1"].append(stage("p1", plain_stage, kafka, topics.rollouts, plain1, n, serde, codec))
             times["o1"].append(stage("o1", our_stage, kafka, "reward", exp, topics.rollouts, n, None, "exactly_once", codec))
             times["a1"].append(stage("a1", our_stage, kafka, "reward", exp, topics.rollouts, n, None, "at_least_once", codec))
+            reward = HandReward(exp, serde, AvroSerde(serde.catalog, max_record_bytes=TopicSettings().max_message_bytes), hand1)
+            times["h1"].append(stage("h1", hand_stage, kafka, reward, topics.rollouts, n, serde, codec))
             times["p2"].append(stage("p2", plain_stage, kafka, plain1, plain2, n, serde, codec))
             times["o2"].append(stage("o2", our_stage, kafka, "curate", exp, topics.scored, n, curate, "exactly_once", codec))
+            step, versions = hand_curate(kafka, exp, hand1, serde)
+            try:
+                times["h2"].append(stage("h2", functools.partial(hand_stage, refresh=versions.refresh), kafka, step, hand1,
+                                         n, serde, codec))
+            finally:
+                versions.close()
             if zstd_too:
                 times["z1"].append(stage("z1", plain_stage, kafka, topics.rollouts, plainz1, n, serde, "zstd"))
                 times["z2"].append(stage("z2", plain_stage, kafka, plainz1, plainz2, n, serde, "zstd"))
@@ -320,23 +372,30 @@ def main() -> None:
             times["r2"].append(restart(kafka, "curate", exp, topics.scored, curate, args.tokens, codec))
         finally:
             admin.delete([s.name for s in specs])
-    p1, o1, a1, p2, o2, a2, r1, r2 = (min(times[k]) for k in ("p1", "o1", "a1", "p2", "o2", "a2", "r1", "r2"))
-    plain_rate, ours_rate, alo_rate = n / (p1 + p2), n / (o1 + o2), n / (a1 + a2)
+    p1, o1, a1, h1, p2, o2, h2, a2, r1, r2 = (min(times[k]) for k in ("p1", "o1", "a1", "h1", "p2", "o2", "h2", "a2",
+                                                                       "r1", "r2"))
+    plain_rate, ours_rate, alo_rate, hand_rate = n / (p1 + p2), n / (o1 + o2), n / (a1 + a2), n / (h1 + h2)
     zstd_rate = n / (min(times["z1"]) + min(times["z2"])) if zstd_too else plain_rate
     rows: list[tuple[str, Any]] = [
         ("records", f"{n:,} trajectories, {args.tokens:,} tokens, {size:,} bytes each, {PARTITIONS} partitions, "
                     f"best of {repeats}, apps and plain loops write {codec}"),
         ("plain copy loop, stage 1 /s", f"{n / p1:,.0f}"),
         ("plain copy loop, stage 2 /s", f"{n / p2:,.0f}"),
+        ("hand-written reward, exactly-once /s", f"{n / h1:,.0f}"),
+        ("hand-written curate, exactly-once /s", f"{n / h2:,.0f}"),
         ("reward app, exactly-once /s", f"{n / o1:,.0f}"),
         ("reward app, at-least-once /s", f"{n / a1:,.0f}"),
         ("curate app, exactly-once /s", f"{n / o2:,.0f}"),
         ("curate app, at-least-once /s", f"{n / a2:,.0f}"),
-        ("plain loop, 2 stages /s", f"{plain_rate:,.0f}"),
+        ("plain copy loop, 2 stages /s", f"{plain_rate:,.0f}"),
+        ("hand-written, 2 stages, exactly-once /s", f"{hand_rate:,.0f}"),
         ("reward + curate, exactly-once /s", f"{ours_rate:,.0f}"),
         ("reward + curate, at-least-once /s", f"{alo_rate:,.0f}"),
-        ("exactly-once vs plain loop (1.0 = as fast)", f"{ours_rate / plain_rate:.2f}x"),
-        ("at-least-once vs plain loop", f"{alo_rate / plain_rate:.2f}x"),
+        ("exactly-once vs hand-written exactly-once: reward / curate / both (1.0 = as fast)",
+         f"{h1 / o1:.2f}x / {h2 / o2:.2f}x / {ours_rate / hand_rate:.2f}x"),
+        ("exactly-once vs plain copy loop: reward / curate / both", f"{p1 / o1:.2f}x / {p2 / o2:.2f}x / {ours_rate / plain_rate:.2f}x"),
+        ("hand-written vs plain copy loop: reward / curate / both", f"{p1 / h1:.2f}x / {p2 / h2:.2f}x / {hand_rate / plain_rate:.2f}x"),
+        ("at-least-once vs plain copy loop", f"{alo_rate / plain_rate:.2f}x"),
         *([("plain loop writing zstd, 2 stages /s", f"{zstd_rate:,.0f}"),
            ("exactly-once vs plain loop writing zstd", f"{ours_rate / zstd_rate:.2f}x")] if zstd_too else []),
         *[(f"CPU per record, {label}, us (this process, every thread)", f"{min(cpu_us[k]):,.0f}")
@@ -349,6 +408,10 @@ def main() -> None:
         "records": n, "tokens": args.tokens, "bytes": size, "partitions": PARTITIONS, "repeats": repeats, "compression": codec,
         "stage_seconds": times,
         "plain_stage1_per_s": n / p1, "plain_stage2_per_s": n / p2, "reward_per_s": n / o1, "curate_per_s": n / o2,
+        "hand_reward_per_s": n / h1, "hand_curate_per_s": n / h2, "hand_pipeline_per_s": hand_rate,
+        "ratio_vs_hand": {"reward": h1 / o1, "curate": h2 / o2, "pipeline": ours_rate / hand_rate},
+        "ratio_vs_plain_per_stage": {"reward": p1 / o1, "curate": p2 / o2, "pipeline": ours_rate / plain_rate},
+        "hand_ratio_vs_plain": {"reward": p1 / h1, "curate": p2 / h2, "pipeline": hand_rate / plain_rate},
         "reward_at_least_once_per_s": n / a1, "curate_at_least_once_per_s": n / a2,
         "plain_pipeline_per_s": plain_rate, "ours_pipeline_per_s": ours_rate, "ratio_vs_plain": ours_rate / plain_rate,
         "at_least_once_pipeline_per_s": alo_rate, "at_least_once_ratio_vs_plain": alo_rate / plain_rate,
