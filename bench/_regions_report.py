@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 import statistics
 from typing import Any
 
 from _fault_report import longest_task_wait
+from _ledger import expected_samples
 from _regions_run import EVENTS, RegionsRun
 
 from astraflow.kafka.task_placer import read_commit_metadata, refill_delay_s
@@ -205,6 +207,26 @@ def startup_parts(log_text: str, since: float, first_start: float | None, first_
     return out
 
 
+def open_tasks(ledger: Any) -> int:
+    """Issued tasks with a sample neither trained nor dead-lettered yet."""
+    trained = ledger.trained_counts()
+    return sum(1 for t in ledger.tasks.values()
+               if any(sid not in trained and sid not in ledger.accounted for sid in expected_samples(t.task_id, t.n_samples)))
+
+
+def loss_figures(drain_end: str | None, unaccounted: int, tasks_open: int) -> dict[str, Any]:
+    """The loss count only when the drain ended with nothing moving: every sample accounted for,
+    or stalled (what is left will not come: lost). A drain cut by its deadline, or a run stopped
+    before it ended, leaves samples on their way: the count is unknown, with how many were open."""
+    if drain_end in ("accounted", "stalled"):
+        return {"drain_end": drain_end, "samples_lost": unaccounted}
+    why = "cut by its deadline" if drain_end == "deadline" else "not reached or cut (the run was stopped)"
+    return {"drain_end": drain_end or "stopped", "samples_lost": None,
+            "samples_not_accounted_at_cut": unaccounted, "tasks_not_accounted_at_cut": tasks_open,
+            "samples_lost_unknown": f"drain {why}: {unaccounted} samples of {tasks_open} tasks not yet "
+                                    "trained or dead-lettered (on their way or lost: unknown)"}
+
+
 def build(run: RegionsRun) -> dict[str, Any]:
     seen, m, a = run.seen, run.marks, run.a
     t0, t1 = m["mixed_start"], m["mixed_end"]
@@ -351,8 +373,12 @@ def build(run: RegionsRun) -> dict[str, Any]:
             back, low = recovered_after(all_times, t_join + parts["ready"], end, base)
             figs[f"join_{node}_throughput_back_after_join_s"] = _r(back, 1)
             figs[f"join_{node}_lowest_rate_after_join"] = _r(low)
+    if run.drain_end != "accounted":  # stopped before the end: read what the stopped roles left last
+        with contextlib.suppress(Exception):
+            run.ledger.refresh(timeout_s=10.0)
     tally = run.ledger.tally(list(run.ledger.tasks.values()))
-    figs.update(tasks_issued=tally.tasks_issued, tasks_trained=tally.tasks_trained, samples_lost=tally.lost,
+    figs.update(tasks_issued=tally.tasks_issued, tasks_trained=tally.tasks_trained,
+                **loss_figures(run.drain_end, tally.lost, open_tasks(run.ledger)),
                 samples_dead_lettered=tally.accounted, samples_trained_twice=tally.trained_twice)
     return {"experiment": run.exp, "load_avg": " ".join(f"{x:.1f}" for x in os.getloadavg()),
             "wan": f"{2 * a.latency_ms} ms RTT, {a.rate_kb_s} KB/s per connection",

@@ -81,6 +81,7 @@ class RegionsRun:
         self.wan_bytes: dict[str, dict] = {}
         self.trained_log = self.work / "trained.jsonl"
         self.readers: list[TopicReader] = []
+        self.drain_end: str | None = None  # how the drain ended (`drain`); None: not reached or cut
 
     # ---- setup -----------------------------------------------------------------------------------
 
@@ -298,16 +299,22 @@ class RegionsRun:
         self.marks["elastic_end"] = time.time()
 
     def drain(self, idle_s: float = 60.0, timeout_s: float = 180.0) -> None:
+        """Waits until every issued sample is trained or dead-lettered; `drain_end` says how it
+        ended: "accounted", "stalled" (nothing moved for `idle_s`: what is left is lost) or
+        "deadline" (still moving: the loss count is unknown). Unset: the run was stopped before."""
         self.control.set("curator", "pause", "on", issued_by="bench-regions")
         last, moved, deadline = None, time.time(), time.time() + timeout_s
+        self.drain_end = "deadline"
         while time.time() < deadline:
             self.ledger.refresh()
             left = self.ledger.outstanding()
             if left == 0:
+                self.drain_end = "accounted"
                 break
             if left != last:
                 last, moved = left, time.time()
             elif time.time() - moved > idle_s:
+                self.drain_end = "stalled"
                 break
             self.wait(2.0)
         self.refresh()

@@ -10,6 +10,8 @@ from _regions_report import (
     busy_spans,
     held_mean,
     idle_while_waiting,
+    loss_figures,
+    open_tasks,
     owner_at,
     owners,
     recovered_after,
@@ -167,3 +169,22 @@ def test_a_run_stopped_by_its_deadline_still_writes_its_figures(tmp_path, monkey
     # a run that ends normally: completed
     monkeypatch.setattr(_FakeRun, "elastic", lambda self: None)
     assert regions.main(["--quick", "--no-calibrate", "--json", str(out), "--work-dir", str(tmp_path)])["completed"] is True
+
+
+def test_the_loss_count_is_a_number_only_when_the_drain_ended_with_nothing_moving():
+    from types import SimpleNamespace
+
+    from _ledger import IssuedTask
+
+    ledger = SimpleNamespace(tasks={"t1": IssuedTask("t1", 2, 0, None), "t2": IssuedTask("t2", 2, 0, None),
+                                    "t3": IssuedTask("t3", 1, 0, None)},
+                             accounted={"t2/1#policy": "dlq"},
+                             trained_counts=lambda: {"t1/0#policy": 1, "t1/1#policy": 1, "t3/0#policy": 1})
+    assert open_tasks(ledger) == 1  # t2: one sample dead-lettered, the other neither trained nor dead-lettered
+    assert loss_figures("accounted", 0, 0) == {"drain_end": "accounted", "samples_lost": 0}
+    assert loss_figures("stalled", 3, 2)["samples_lost"] == 3  # nothing moved for a minute: lost
+    cut = loss_figures("deadline", 40, 9)  # still moving when the deadline came: unknown, not 40
+    assert cut["samples_lost"] is None and cut["samples_not_accounted_at_cut"] == 40
+    assert cut["tasks_not_accounted_at_cut"] == 9 and "deadline" in cut["samples_lost_unknown"]
+    stopped = loss_figures(None, 5, 1)  # the run stopped before its drain ended (a SIGTERM)
+    assert stopped["samples_lost"] is None and stopped["drain_end"] == "stopped"
