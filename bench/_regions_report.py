@@ -319,14 +319,29 @@ def build(run: RegionsRun) -> dict[str, Any]:
     live_s = [seen.live_b[p.version] - p.created_at / 1000 for p in manifests
               if p.version in seen.live_b and p.kind == WeightKind.SNAPSHOT and p.version > 0]
 
+    # Calibration or distribution? Each node's rate while it had a rollout running in the mixed
+    # phase (its in-run speed, measured, not derived from its share) against its speed alone: a
+    # node capped by a CPU quota runs at its calibrated speed whatever the load, while uncapped
+    # ones could lose CPU to each other. The share against in-run speeds differs from it only by
+    # the nodes' busy fractions (share = busy x speed / the sum), i.e. where the idle time fell.
+    for n in nodes:
+        busy = 1.0 - (n["idle"] or 0.0)
+        n["busy_speed_rps"] = _r(n["mixed_rps"] / busy) if busy > 0 else None
+        n["busy_speed_over_alone"] = _r(n["busy_speed_rps"] / n["alone_rps"]) if n["busy_speed_rps"] and n["alone_rps"] else None
+    busy_total = sum(n["busy_speed_rps"] or 0.0 for n in nodes)
+    rate_total = sum(n["mixed_rps"] for n in nodes) or 1.0
+    for n in nodes:  # deviations from the unrounded shares
+        bs = (n["busy_speed_rps"] or 0.0) / busy_total if busy_total else 0.0
+        n["busy_speed_share"] = _r(bs) if busy_total else None
+        n["share_dev_busy_speed"] = _r((n["mixed_rps"] / rate_total - bs) / bs) if bs else None
     # The nodes' capacity (their reported speeds together) against what the pipeline took: well
     # below it, the run is bound by the trainer (the curator issues at its pace, max-ahead counts
     # what waits downstream), some node must idle, and shares follow the placement, not speed.
     reported_total = sum(n["reported_speed_rps"] or 0.0 for n in nodes)
     for n in nodes:
-        n["reported_share"] = _r((n["reported_speed_rps"] or 0.0) / reported_total) if reported_total else None
-        n["share_dev_reported"] = (_r((n["share"] - n["reported_share"]) / n["reported_share"])
-                                   if n["reported_share"] else None)
+        rs = (n["reported_speed_rps"] or 0.0) / reported_total if reported_total else 0.0
+        n["reported_share"] = _r(rs) if reported_total else None
+        n["share_dev_reported"] = _r((n["mixed_rps"] / rate_total - rs) / rs) if rs else None
     figs: dict[str, Any] = {
         "mixed_rollouts_per_s": _r(mixed_total / (t1 - t0)),
         "nodes_reported_speed_rollouts_per_s": _r(reported_total) if reported_total else None,
