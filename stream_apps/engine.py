@@ -87,7 +87,7 @@ class EngineSettings:
     guarantee: Guarantee = "exactly_once"  # Kafka transactions from input to outputs
     max_inflight: int = 16  # awaitables (slow rewards, async functions) running at once
     commit_interval_s: float = 1.0  # Faust's broker_commit_interval: how often transactions commit under steady input
-    commit_idle_s: float = 0.05  # ...and sooner once no record arrived or finished for this long (a burst's outputs)
+    commit_idle_s: float = 0.02  # ...and sooner once no record arrived or finished for this long (a burst's outputs)
     control_interval_s: float = 0.1  # control topic poll period
     metrics_interval_s: float = 10.0  # metrics publication period
     restart_delay_s: float = 5.0  # pause before a crashed app is rebuilt (run())
@@ -180,6 +180,7 @@ class StreamEngine(EngineLifecycle):
         self._unsent_bytes: dict[int, int] = {}  # ...and their bytes
         self._lingering: dict[int, asyncio.TimerHandle] = {}  # ...and when they go if nothing sends them sooner
         self._active_at = 0.0  # monotonic time a record last arrived or finished
+        self._idle_due: asyncio.TimerHandle | None = None  # the idle commit, armed by activity (`_note_active`)
         self._crashing: asyncio.Future[Any] | None = None
         self._seen_record = False  # per Faust app built: logged once, so supervisors see it is working
         self._bound = False  # handler.bind succeeded
@@ -264,7 +265,7 @@ class StreamEngine(EngineLifecycle):
     async def _on_event(self, event: Any) -> None:
         msg = event.message
         tp = (msg.topic, msg.partition)
-        self._active_at = time.monotonic()
+        self._note_active()
         if self.exactly_once and self.takeover.skip(msg.topic, msg.partition, msg.offset, self.app.rebalancing_count):
             return  # held back while the tables recover, or read twice (stream_apps.takeover)
         inc: Received[Any] = Received(None, msg.topic, msg.partition, msg.offset, msg.key,
@@ -346,7 +347,7 @@ class StreamEngine(EngineLifecycle):
         await self._produce(outbox, inc.partition)
         self.tracker.finished(inc.tp, inc.offset, inc.epoch)
         self._dirty.add(inc.partition)
-        self._active_at = time.monotonic()
+        self._note_active()
         msg.ack(self.app.consumer)
 
     def _current(self, inc: Received[Any]) -> bool:
@@ -418,9 +419,10 @@ class StreamEngine(EngineLifecycle):
 
         self._lingering.pop(partition, None)
         task = asyncio.ensure_future(send())
-        task.add_done_callback(self._lingered_done)
+        task.add_done_callback(self._background_done)
 
-    def _lingered_done(self, task: asyncio.Future[Any]) -> None:
+    def _background_done(self, task: asyncio.Future[Any]) -> None:
+        """A lingered send or an idle commit ended: a failure crashes the app."""
         if not task.cancelled() and task.exception() is not None:
             self._crash(task.exception())  # type: ignore[arg-type]
 
@@ -503,16 +505,29 @@ class StreamEngine(EngineLifecycle):
             async with self._gate(p):
                 await self.transactions.commit_partition(p)
 
-    async def commit_if_idle(self) -> None:
-        """Commits early once the worker has been idle for `commit_idle_s` (checked that often).
+    def _note_active(self) -> None:
+        """A record arrived or finished: the idle commit is due `commit_idle_s` after the last of these.
 
         Readers downstream are read_committed: a record's outputs are visible only once its
         transaction commits. Under steady input the commit interval batches many records per
         transaction; when input pauses (the end of a burst, e.g. a batch of rollouts) there is
         nothing to batch with, and waiting for the interval would only delay the next stage.
+        One timer per quiet spell, armed here and moved on by later activity when it fires, so
+        the commit comes `commit_idle_s` after the burst (a periodic check came up to twice that).
         """
-        if self._dirty and time.monotonic() - self._active_at >= self.settings.commit_idle_s:
-            await self.commit()
+        self._active_at = time.monotonic()
+        if self._idle_due is None and self.exactly_once:
+            self._idle_due = asyncio.get_running_loop().call_later(self.settings.commit_idle_s, self._idle_deadline)
+
+    def _idle_deadline(self) -> None:
+        left = self._active_at + self.settings.commit_idle_s - time.monotonic()
+        if left > 0:  # active since it was armed: due that much later
+            self._idle_due = asyncio.get_running_loop().call_later(left, self._idle_deadline)
+            return
+        self._idle_due = None
+        if self._dirty:
+            task = asyncio.ensure_future(self.commit())
+            task.add_done_callback(self._background_done)
 
     def refresh_control(self) -> None:
         if self.control is not None and self.control.refresh():

@@ -206,10 +206,6 @@ def build_app(engine: StreamEngine) -> faust.App:
     async def commit() -> None:
         await engine.commit()
 
-    @app.timer(s.commit_idle_s, name=f"{engine.group_id}.commit_idle")
-    async def commit_idle() -> None:
-        await engine.commit_if_idle()
-
     @app.timer(s.metrics_interval_s, name=f"{engine.group_id}.metrics")
     async def metrics() -> None:
         if engine.started.is_set():

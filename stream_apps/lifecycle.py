@@ -58,6 +58,7 @@ class EngineLifecycle:
     _unsent: dict[int, list[Any]]
     _unsent_bytes: dict[int, int]
     _lingering: dict[int, asyncio.TimerHandle]
+    _idle_due: asyncio.TimerHandle | None
     _seen_record: bool
     _bound: bool
     _rereader: Any
@@ -123,7 +124,7 @@ class EngineLifecycle:
         self.tracker = OffsetTracker()
         self.takeover = Takeover(self.tracker, bool(self.handler.tables))
         self._gates, self._tasks, self._dirty, self._unsent, self._unsent_bytes = {}, set(), set(), {}, {}
-        self._lingering = {}
+        self._lingering, self._idle_due = {}, None  # (handles of a previous app's loop never fire)
         self._seen_record = False
         app = self.build()
         own_dir = self.settings.data_dir is None

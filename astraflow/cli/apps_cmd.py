@@ -34,7 +34,7 @@ def _kind(slot: str) -> str | None:
 
 def _settings(ctx: typer.Context, experiment: str, group: str | None, instance_id: str | None,
               max_inflight: int, metrics_interval: float, guarantee: str = "exactly_once",
-              commit_idle: float = 0.05, commit_interval: float = 1.0, compression: str = "snappy") -> object:
+              commit_idle: float = 0.02, commit_interval: float = 1.0, compression: str = "snappy") -> object:
     from astraflow.errors import ConfigError
     from stream_apps.engine import COMPRESSIONS, EngineSettings
 
@@ -87,7 +87,7 @@ def run_app(
     max_inflight: int = typer.Option(16, help="Slow records (async rewards) handled at once per worker."),
     guarantee: str = typer.Option("exactly_once", help="exactly_once (Kafka transactions) | at_least_once."),
     metrics_interval: float = typer.Option(10.0, help="Seconds between metrics records."),
-    commit_idle: float = typer.Option(0.05, help="Exactly-once: commit once no record came or finished for this "
+    commit_idle: float = typer.Option(0.02, help="Exactly-once: commit once no record came or finished for this "
                                       "long, before the 1 s commit interval (a burst's outputs show sooner)."),
     commit_interval: float = typer.Option(1.0, help="Exactly-once: most seconds between commits under steady input; "
                                           "downstream sees outputs when they commit, so this bounds the added latency."),

@@ -10,7 +10,6 @@ slow records running concurrently.
 from __future__ import annotations
 
 import asyncio
-import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -169,8 +168,15 @@ def test_the_faust_native_entry_builds_the_same_engine_from_the_environment() ->
             build_from_env(bad)
 
 
-def test_an_idle_worker_commits_early_a_busy_one_waits_for_the_interval() -> None:
+def test_activity_arms_the_idle_commit_which_waits_until_the_worker_was_quiet_for_commit_idle_s(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No periodic check: a record arriving or finishing arms one timer, which, when it fires,
+    commits if the worker has been quiet for `commit_idle_s` since the last record and otherwise
+    waits out the rest (so the commit comes `commit_idle_s` after a burst, not up to twice that).
+    The engine's clock is a fake one here and the timer is fired by hand."""
     engine = StreamEngine(RewardApp(), EngineSettings(EXP, KafkaSettings(), commit_idle_s=30.0, source_partitions=1))
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr("stream_apps.engine.time", SimpleNamespace(monotonic=lambda: clock.now))
     commits: list[set[int]] = []
 
     async def commit() -> None:
@@ -178,15 +184,30 @@ def test_an_idle_worker_commits_early_a_busy_one_waits_for_the_interval() -> Non
         engine._dirty = set()
 
     engine.commit = commit  # type: ignore[method-assign]
-    engine._dirty = {0}
-    engine._active_at = time.monotonic()  # a record just arrived or finished
-    asyncio.run(engine.commit_if_idle())
-    assert commits == []  # busy: the commit interval batches
-    engine._active_at -= 31.0
-    asyncio.run(engine.commit_if_idle())
-    assert commits == [{0}]  # idle past commit_idle_s: committed now
-    asyncio.run(engine.commit_if_idle())
-    assert commits == [{0}]  # nothing produced since: nothing to commit
+
+    async def scenario() -> None:
+        engine._dirty = {0}
+        engine._note_active()  # t=0: a record finished
+        armed = engine._idle_due
+        assert armed is not None
+        clock.now = 10.0
+        engine._note_active()  # another one: the same timer, moved on when it fires
+        assert engine._idle_due is armed
+        clock.now = 30.0
+        engine._idle_deadline()  # fires at 30: quiet for 20 s only
+        await asyncio.sleep(0)
+        assert commits == [] and engine._idle_due is not None and engine._idle_due is not armed
+        clock.now = 40.0
+        engine._idle_deadline()  # quiet for 30 s: commits
+        await asyncio.sleep(0)
+        assert commits == [{0}] and engine._idle_due is None
+        engine._note_active()  # a record arrives; nothing produced since the commit
+        clock.now = 70.0
+        engine._idle_deadline()
+        await asyncio.sleep(0)
+        assert commits == [{0}] and engine._idle_due is None
+
+    asyncio.run(scenario())
 
 
 def test_faust_overrides_replace_the_engine_settings() -> None:
