@@ -207,8 +207,8 @@ def _timestamps_s(consumer: Consumer, topic: str, partitions: int) -> list[float
 def stage_timeline(consumer: Consumer, topics: Topics, partitions: int, t0: float, steps: int,
                    versions: dict[int, float], trained: dict[int, float]) -> dict[str, list[float | None]]:
     """Where each optimizer step's time went: for step k (1..steps), seconds from the first task
-    until the curator had issued 8k tasks, the node had published 64k rollouts, reward 64k scored
-    trajectories, curate 64k train samples, the trainer ended step k (its metrics' timestamp) and
+    until the curator had issued 8k tasks, the node had published 64k rollouts (and the first of
+    each: task 8k - 7, rollout 64k - 63), reward 64k scored trajectories, curate 64k train samples, the trainer ended step k (its metrics' timestamp) and
     the weights of version k reached this process (`versions`). `run_pipeline` adds the trainer's
     own durations per step (`trainer_step_s`: forward, backward, optimizer; `trainer_checkpoint_s`;
     `trainer_publish_s`: finite check, checkpoint, sample log, weights transaction; and the parts of a
@@ -217,12 +217,16 @@ def stage_timeline(consumer: Consumer, topics: Topics, partitions: int, t0: floa
     last checkpoint write and publication the background thread finished)."""
     per, group = _rl.SLOTS, _rl.PROMPTS_PER_STEP
 
-    def marks(times: list[float], every: int) -> list[float | None]:
-        return [round(times[k * every - 1] - t0, 3) if len(times) >= k * every else None for k in range(1, steps + 1)]
+    def marks(times: list[float], every: int, first: bool = False) -> list[float | None]:
+        at = [(k - 1) * every if first else k * every - 1 for k in range(1, steps + 1)]
+        return [round(times[i] - t0, 3) if len(times) > i else None for i in at]
 
+    tasks, rollouts = _timestamps_s(consumer, topics.tasks, partitions), _timestamps_s(consumer, topics.rollouts, partitions)
     return {
-        "tasks_issued": marks(_timestamps_s(consumer, topics.tasks, partitions), group),
-        "rolled_out": marks(_timestamps_s(consumer, topics.rollouts, partitions), per),
+        "tasks_issued": marks(tasks, group),
+        "rolled_out": marks(rollouts, per),
+        "first_task": marks(tasks, group, first=True),  # the step's first task, and its first rollout (the node's tail)
+        "first_rollout": marks(rollouts, per, first=True),
         "scored": marks(_timestamps_s(consumer, topics.scored, partitions), per),
         "train_samples": marks(_timestamps_s(consumer, topics.train("policy"), partitions), per),
         "trainer_step_end": [round(trained[k] - t0, 3) if k in trained else None for k in range(1, steps + 1)],
