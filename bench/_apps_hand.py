@@ -25,8 +25,8 @@ The loop: one consumer (read_committed, no auto commit), one transactional produ
 platform's producer settings, the apps' codec, the Java partitioner as aiokafka's), every
 output produced into the open transaction; the transaction commits with the consumed offsets
 (`send_offsets_to_transaction`) on the apps' rule: once `commit_interval_s` passed since the
-last commit, and sooner once no record arrived for `commit_idle_s` (the apps' defaults, 1 s and
-50 ms). One producer for both partitions (KIP-447's model: offsets carry the consumer group's
+last commit, and sooner once no record arrived for `commit_idle_s` (the apps' defaults from
+`EngineSettings`: 1 s and 20 ms; 50 ms before fbde99e). One producer for both partitions (KIP-447's model: offsets carry the consumer group's
 metadata), where Faust keeps one per source partition.
 """
 
@@ -51,6 +51,7 @@ from astraflow.records import GroupDropped, PromptStats, StrategyRef, Trajectory
 from astraflow.serde import AvroSerde
 from stream_apps.curate import LateTrajectoryError, UnscoredTrajectoryError
 from stream_apps.curate_samples import IncompleteGroupError
+from stream_apps.engine import EngineSettings
 from stream_apps.groups import Group, GroupStore, policy_reward, train_samples, trained_policies
 from stream_apps.reward_codec import RewardCodec
 
@@ -257,8 +258,8 @@ class _Failed(Exception):
 
 
 def hand_loop(kafka: Any, step: _Step, src: str, group: str, n: int, codec: str, max_record_bytes: int,
-              on_first: Callable[[], None], commit_interval_s: float = 1.0, commit_idle_s: float = 0.05,
-              refresh: Callable[[], Any] | None = None) -> float:
+              on_first: Callable[[], None], commit_interval_s: float = EngineSettings.commit_interval_s,
+              commit_idle_s: float = EngineSettings.commit_idle_s, refresh: Callable[[], Any] | None = None) -> float:
     """Runs `step` over `src` as consumer group `group`, exactly-once, until its n inputs are
     committed; returns the monotonic time of its first record (the commit rule: module doc).
     `refresh` runs before each tick (curate: the trainer's versions)."""
@@ -275,6 +276,7 @@ def hand_loop(kafka: Any, step: _Step, src: str, group: str, n: int, codec: str,
     producer.begin_transaction()
     consumer.subscribe([src])
     first: float | None = None
+    poll_s = min(0.01, commit_idle_s / 2)  # so the idle commit comes within half its delay of being due
     done = in_txn = 0
     committed_at = active_at = ticked_at = time.monotonic()
 
@@ -296,7 +298,7 @@ def hand_loop(kafka: Any, step: _Step, src: str, group: str, n: int, codec: str,
 
     try:
         while done < n or in_txn:
-            msgs = consumer.consume(256, 0.01)
+            msgs = consumer.consume(256, poll_s)
             now = time.monotonic()
             for m in msgs:
                 if m.error() is not None:

@@ -15,7 +15,7 @@ answers right so no group is filtered) go through
   the app it does not survive a crash or a rebalance), prompt statistics, filters, GRPO and
   TrainSample encode), with a transactional producer committing the consumed offsets
   (`send_offsets_to_transaction`) on the apps' rule (every commit interval, and once idle for
-  50 ms). `tests/unit/test_bench_apps_hand.py` checks that it gives the apps' records. Ours
+  `EngineSettings.commit_idle_s`). `tests/unit/test_bench_apps_hand.py` checks that it gives the apps' records. Ours
   against it is the engine's cost (Faust, aiokafka in the worker's thread, tables, control,
   metrics, one producer per source partition); the like-for-like reference of the issue;
 * plain: two confluent-kafka loops that copy the bytes unchanged (consume -> produce, same
