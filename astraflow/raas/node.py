@@ -28,8 +28,7 @@ Guarantees (DESIGN.md, "RaaS node"):
   rollout (`ctx.openai_endpoint()`, `astraflow.raas.agent_api`): one listener on 127.0.0.1;
 - on SIGTERM it stops taking work, drains what is in flight, commits and leaves the group;
 - a broker outage of any length only pauses it: commits go through `commit_offsets` (retried
-  until the coordinator is back) in a worker thread, one at a time, so rollouts in flight and the
-  fetching of tasks go on meanwhile.
+  until the coordinator is back) in a worker thread, so rollouts in flight go on meanwhile.
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ import contextlib
 import logging
 import os
 import socket
-import threading
 import time
 import uuid
 import weakref
@@ -112,7 +110,6 @@ class RaasNode:
         self.tasks_done = 0
         self.tasks_refused = 0  # dead-lettered by admission
         self.rollouts_failed = 0  # ERROR trajectories (workflow raised, timed out or returned garbage)
-        self._commit_lock = threading.Lock()
         self._stop = asyncio.Event()
         self._slot_freed = asyncio.Event()  # a rollout ended: the main loop starts a buffered task at once
         # Samples of started tasks waiting for a rollout slot, in order: a rollout that ends hands its slot on.
@@ -130,8 +127,6 @@ class RaasNode:
     _speed_meter: SpeedMeter | None = None  # tasks/s while rollouts are in flight (reported with commits)
     _owned: frozenset[tuple[str, int]] = frozenset()  # partitions assigned (the speed reported is split over them)
     tasks_done: int = 0  # (set in __init__; a default, like the three above, for nodes that only commit)
-    _committing: asyncio.Future[None] | None = None  # the main loop's commit in flight (`_commit_meanwhile`)
-    _commit_lock = threading.Lock()  # replaced per node in __init__; commits of one node never overlap
 
     def _speed(self) -> SpeedMeter:
         if self._speed_meter is None:
@@ -214,14 +209,12 @@ class RaasNode:
                 self._slot_freed.clear()  # a rollout ending from here on wakes the next wait
                 self._start_ready()
                 self.producer.poll(0)
-                self._commit_meanwhile()
+                await self._commit_in_thread(start_meanwhile=True)
                 if time.monotonic() - last_metrics >= self.s.metrics_interval_s:
                     mark = self._publish_metrics(mark)
                     last_metrics = time.monotonic()
             log.info("stopping: draining %d rollouts", self.inflight)
             self.consumer.pause_all()
-            if self._committing is not None:
-                await self._committing  # the loop's last commit lands before the drain's
             while self._running:
                 await asyncio.to_thread(self.consumer.poll_batch, 1, 0.1)  # keep membership while draining
                 self.producer.poll(0)
@@ -373,32 +366,27 @@ class RaasNode:
         if positions and self._commit_positions(positions):
             self.offsets.mark_committed(positions)
 
-    async def _commit_in_thread(self) -> None:
-        """A commit in a worker thread: an outage blocks only this coroutine, not the rollouts."""
+    async def _commit_in_thread(self, start_meanwhile: bool = False) -> None:
+        """The main loop's commit: an outage blocks only this coroutine, not the rollouts. With
+        `start_meanwhile`, a rollout that ends while the commit waits on the broker has its room
+        refilled from the buffer at once (a group's last sample ends just when its task commits)."""
         positions = self.offsets.to_commit()
-        if positions and await asyncio.to_thread(self._commit_positions, positions):
+        if not positions:
+            return
+        commit = asyncio.ensure_future(asyncio.to_thread(self._commit_positions, positions))
+        while start_meanwhile and not commit.done():
+            freed = asyncio.ensure_future(self._slot_freed.wait())
+            await asyncio.wait([commit, freed], return_when=asyncio.FIRST_COMPLETED)
+            freed.cancel()
+            if self._slot_freed.is_set():
+                self._slot_freed.clear()
+                self._start_ready()
+        if await commit:
             self.offsets.mark_committed(positions)
-
-    def _commit_meanwhile(self) -> None:
-        """The main loop's commit: one at a time, in the background, so the loop polls and starts
-        tasks while it crosses the link (a loop that awaited each commit took in at most `prefetch`
-        tasks per commit round trip: over a 300 ms link, about the speed of one node). A commit
-        that raised raises here, as an awaited one did."""
-        if self._committing is not None:
-            if not self._committing.done():
-                return
-            self._committing.result()
-            self._committing = None
-        if self.offsets.to_commit():
-            self._committing = asyncio.ensure_future(self._commit_in_thread())
 
     def _commit_positions(self, positions: dict[tuple[str, int], int]) -> bool:
         """Dead letters made durable first, then the offsets; waits out an outage. False when the
         commit cannot succeed (partitions revoked: their next owner redoes those tasks)."""
-        with self._commit_lock:  # the loop's commit and a revocation's (poll thread) land in order
-            return self._commit_positions_locked(positions)
-
-    def _commit_positions_locked(self, positions: dict[tuple[str, int], int]) -> bool:
         try:
             if self.dlq.count:  # a dead-lettered task must be durable before its offset is committed
                 self.dlq.producer.flush()

@@ -123,106 +123,36 @@ def test_a_cancelled_waiting_sample_is_skipped_and_its_slot_goes_to_the_next() -
     asyncio.run(scenario())
 
 
-def test_the_node_fetches_and_starts_tasks_while_a_commit_crosses_a_slow_link() -> None:
-    """The main loop (`_run`) with a broker whose first commit takes as long as the test wants: a
-    loop that awaited each commit took in at most `prefetch` tasks per commit round trip (over a
-    300 ms link, about the speed of one node). Commits stay one at a time and end at the last task."""
+def test_a_rollout_ending_during_a_slow_commit_has_its_room_refilled_at_once() -> None:
     import threading
-    import time
 
-    tasks = [_rec(off, 1) for off in range(40)]
-    n = _Node(16, [])
+    n = _Node(16, [_rec(0, 8), _rec(1, 8), _rec(2, 8)])
     node = n.node
-    node.s = NodeSettings("exp", max_inflight=16, prefetch=2, metrics_interval_s=1e9)
     release = threading.Event()
-    lock = threading.Lock()
-    active, peak, committed = [0], [0], []
+    committed: list[list[tuple[str, int, int]]] = []
 
-    def poll_batch(room: int, timeout: float) -> list:
-        batch = [tasks.pop(0) for _ in range(min(room, len(tasks)))]
-        if not batch:
-            time.sleep(timeout)
-        return batch
-
-    def commit(offsets, asynchronous=True) -> None:  # the first commit waits for the test
-        with lock:
-            active[0] += 1
-            peak[0] = max(peak[0], active[0])
+    def commit(offsets, asynchronous=True) -> None:  # a broker that takes its time
         release.wait(10)
-        with lock:
-            active[0] -= 1
-        committed.append({(tp.topic, tp.partition): tp.offset for tp in offsets})
+        committed.append([(tp.topic, tp.partition, tp.offset) for tp in offsets])
 
-    node.consumer = SimpleNamespace(poll_batch=poll_batch, raw=SimpleNamespace(commit=commit), pause_all=lambda: None,
-                                    resume_all=lambda: None, close=lambda: None)
-    node.producer = SimpleNamespace(poll=lambda t: None, flush=lambda: None)
+    node.consumer.raw = SimpleNamespace(commit=commit)
     node.dlq = SimpleNamespace(count=0)
-    node._stop, node._paused, node._full_since, node.tasks_done = asyncio.Event(), False, None, 0
-    node._publish_metrics = lambda mark: mark  # type: ignore[method-assign]
-
-    async def close() -> None:
-        return None
-
-    node.agent_api = SimpleNamespace(close=close)
-
-    async def serve(rec, workflow, epoch, grants) -> None:  # a rollout of 10 ms, its trajectory acknowledged
-        n.started.append(rec.offset)
-        await asyncio.sleep(0.01)
-        node._release()
-        node.offsets.finished((rec.topic, rec.partition), rec.offset, epoch)
-        node.tasks_done += 1
-
-    node._serve = serve  # type: ignore[method-assign]
 
     async def scenario() -> None:
         node._slot_freed = asyncio.Event()
-        loop = asyncio.create_task(node._run())
-        for _ in range(500):
+        await n.start()
+        assert n.started == [0, 1]
+        node.offsets.finished(("other", 0), 5, node.offsets.received(("other", 0), 5))  # something to commit
+        commit_task = asyncio.create_task(node._commit_in_thread(start_meanwhile=True))
+        await asyncio.sleep(0.05)
+        n.finish(0, 8)
+        for _ in range(100):
             await asyncio.sleep(0.01)
-            if len(n.started) == 40:
+            if n.started == [0, 1, 2]:
                 break
-        assert active[0] == 1 and not committed  # the first commit still waits on the broker ...
-        assert len(n.started) == 40  # ... and every task was fetched and started meanwhile
+        assert n.started == [0, 1, 2] and not committed  # started while the commit still waits
         release.set()
-        node.stop()
-        await loop
+        await commit_task
+        assert len(committed) == 1 and ("other", 0, 6) in committed[0]
 
     asyncio.run(scenario())
-    assert peak[0] == 1  # never two commits at once
-    assert committed[-1] == {("tasks", 0): 40} and node.offsets.to_commit() == {}
-
-
-def test_a_revocation_commit_lands_after_the_loop_commit_in_flight() -> None:
-    """The poll thread's commit on revocation waits for the loop's commit in flight, so a lower
-    offset never lands after a higher one (which would hand finished tasks out again)."""
-    import threading
-    import time
-
-    n = _Node(16, [])
-    node = n.node
-    node._commit_lock = threading.Lock()
-    landed: list[int] = []
-    first = threading.Event()
-
-    def commit(offsets, asynchronous=True) -> None:
-        if not landed and not first.is_set():
-            first.set()
-            time.sleep(0.3)  # the loop's commit, slow on the link
-        landed.append(offsets[0].offset)
-
-    node.consumer = SimpleNamespace(raw=SimpleNamespace(commit=commit))
-    node.dlq, node.tasks_done = SimpleNamespace(count=0), 0
-    tp = ("tasks", 0)
-    for off in range(3):
-        node.offsets.finished(tp, off, node.offsets.received(tp, off))
-
-    async def scenario() -> None:
-        loop_commit = asyncio.ensure_future(node._commit_in_thread())  # offset 3
-        await asyncio.to_thread(first.wait, 5)
-        for off in range(3, 6):
-            node.offsets.finished(tp, off, node.offsets.received(tp, off))
-        await asyncio.to_thread(node._commit)  # what `_on_revoke` does in the poll thread: offset 6
-        await loop_commit
-
-    asyncio.run(scenario())
-    assert landed == [3, 6]
