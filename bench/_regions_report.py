@@ -220,7 +220,8 @@ def loss_figures(drain_end: str | None, unaccounted: int, tasks_open: int) -> di
     before it ended, leaves samples on their way: the count is unknown, with how many were open."""
     if drain_end in ("accounted", "stalled"):
         return {"drain_end": drain_end, "samples_lost": unaccounted}
-    why = "cut by its deadline" if drain_end == "deadline" else "not reached or cut (the run was stopped)"
+    why = {"deadline": "cut by its deadline", "late tasks": "ended before tasks read after it"}.get(
+        drain_end or "", "not reached or cut (the run was stopped)")
     return {"drain_end": drain_end or "stopped", "samples_lost": None,
             "samples_not_accounted_at_cut": unaccounted, "tasks_not_accounted_at_cut": tasks_open,
             "samples_lost_unknown": f"drain {why}: {unaccounted} samples of {tasks_open} tasks not yet "

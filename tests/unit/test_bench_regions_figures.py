@@ -188,3 +188,29 @@ def test_the_loss_count_is_a_number_only_when_the_drain_ended_with_nothing_movin
     assert cut["tasks_not_accounted_at_cut"] == 9 and "deadline" in cut["samples_lost_unknown"]
     stopped = loss_figures(None, 5, 1)  # the run stopped before its drain ended (a SIGTERM)
     assert stopped["samples_lost"] is None and stopped["drain_end"] == "stopped"
+
+
+def test_the_drain_counts_as_accounted_only_when_nothing_is_outstanding_twice_and_after_its_last_read():
+    from types import SimpleNamespace
+
+    from _regions_run import RegionsRun
+
+    def drained(outstanding: list[int]) -> str:
+        run = RegionsRun.__new__(RegionsRun)
+        left = list(outstanding)
+        now = [left.pop(0)]
+
+        def refresh() -> None:
+            if left:
+                now[0] = left.pop(0)
+
+        run.control = SimpleNamespace(set=lambda *a, **k: None)
+        run.ledger = SimpleNamespace(refresh=refresh, outstanding=lambda: now[0])
+        run.refresh = run.wait = lambda *a: None
+        run.marks = {}
+        run.drain(idle_s=60.0, timeout_s=30.0)
+        return run.drain_end
+
+    assert drained([8, 4, 0, 0, 0]) == "accounted"
+    assert drained([8, 0, 12, 4, 0, 0, 0]) == "accounted"  # a zero then the curator's last tasks: not yet
+    assert drained([8, 0, 0, 12]) == "late tasks"  # tasks read only by the final read (run 12)
