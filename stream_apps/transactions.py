@@ -65,7 +65,7 @@ from faust.types import TP
 from mode.utils.queues import FlowControlEvent
 
 from astraflow.errors import KafkaLayerError
-from stream_apps.handover import drain_messages
+from stream_apps.handover import buffer_dropped, drain_messages, wait_next_records
 
 if TYPE_CHECKING:
     from stream_apps.engine import StreamEngine
@@ -253,9 +253,14 @@ class ExactConsumerThread(AIOKafkaConsumerThread):
 
 class ExactConsumer(AIOKafkaConsumer):
     """Faust's aiokafka consumer running `ExactConsumerThread`, whose fetch loop hands records
-    over without four tasks each (`stream_apps.handover`)."""
+    over without four tasks each, and fetches again as soon as a full queue drains, not up to a
+    second later (`stream_apps.handover`)."""
 
     _drain_messages = drain_messages
+    _wait_next_records = wait_next_records
+
+    def on_buffer_drop(self, tp: Any) -> None:
+        buffer_dropped(self, tp, AIOKafkaConsumer.on_buffer_drop)
 
     def _new_consumer_thread(self) -> ExactConsumerThread:
         return ExactConsumerThread(self, loop=self.loop, beacon=self.beacon)
