@@ -27,8 +27,9 @@ second instead of fetching (`wait_next_records` here waits for the drop, a secon
 some out, the fetch already waiting in the consumer thread (`getmany(timeout=1.0)`) holds the
 others' fetched records and only wakes for new data from the broker, so a partition that drained
 meanwhile waits until that second is over (`buffer_dropped` here wakes it). Seen in the reward
-stage of `bench/apps.py`: both partitions full at 0.28 s, drained at 0.64 s, the next record at
-1.34 s; the stage took 1.6-2.3 s in one repeat of each run against 0.7-1.1 s in the other.
+stage of `bench/apps.py`, which took about a second more in one of its two repeats in most runs
+(1.87-2.33 s against 0.94-1.16 s); a diagnostic of that stage alone: both partitions full at
+0.28 s, drained at 0.64 s, the next record at 1.34 s.
 """
 
 from __future__ import annotations
