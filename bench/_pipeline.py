@@ -183,11 +183,14 @@ def _end_offsets(consumer: Consumer, topic: str, partitions: int) -> int:
     return sum(watermarks(consumer, topic, p)[1] for p in range(partitions))
 
 
-def _timestamps_s(consumer: Consumer, topic: str, partitions: int) -> list[float]:
+def _timestamps_s(consumer: Consumer, topic: str, partitions: int, offsets: list[int] | None = None) -> list[float]:
     """Kafka timestamps (seconds) of every record of the topic, sorted. All partitions are read at
     once; a partition whose last offsets are transaction markers (never returned) ends the read
-    when nothing more has come for a second."""
+    when nothing more has come for a second. `offsets` gets the offsets the topic holds (records
+    and transaction markers: their difference counts the transactions that wrote to it)."""
     bounds = {p: watermarks(consumer, topic, p) for p in range(partitions)}
+    if offsets is not None:
+        offsets.append(sum(high - low for low, high in bounds.values()))
     todo = {p for p, (low, high) in bounds.items() if high > low}
     consumer.assign([TopicPartition(topic, p, bounds[p][0]) for p in todo])
     out: list[float] = []
@@ -222,13 +225,20 @@ def stage_timeline(consumer: Consumer, topics: Topics, partitions: int, t0: floa
         return [round(times[i] - t0, 3) if len(times) > i else None for i in at]
 
     tasks, rollouts = _timestamps_s(consumer, topics.tasks, partitions), _timestamps_s(consumer, topics.rollouts, partitions)
+    held: list[int] = []
+    scored, train = (_timestamps_s(consumer, topics.scored, partitions, held),
+                     _timestamps_s(consumer, topics.train("policy"), partitions, held))
     return {
         "tasks_issued": marks(tasks, group),
         "rolled_out": marks(rollouts, per),
         "first_task": marks(tasks, group, first=True),  # the step's first task, and its first rollout (the node's tail)
         "first_rollout": marks(rollouts, per, first=True),
-        "scored": marks(_timestamps_s(consumer, topics.scored, partitions), per),
-        "train_samples": marks(_timestamps_s(consumer, topics.train("policy"), partitions), per),
+        "scored": marks(scored, per),
+        "train_samples": marks(train, per),
+        # transaction markers over the run (offsets - records), one per partition a commit wrote to:
+        # how many transactions reward and curate committed (stage_timeline's one-value columns)
+        "scored_markers": [held[0] - len(scored)],
+        "train_markers": [held[1] - len(train)],
         "trainer_step_end": [round(trained[k] - t0, 3) if k in trained else None for k in range(1, steps + 1)],
         "weights_here": [round(versions[k] - t0, 3) if k in versions else None for k in range(1, steps + 1)],
     }
@@ -240,6 +250,8 @@ def print_timeline(timeline: dict[str, list[float | None]]) -> None:
     for k in range(len(timeline[names[0]])):
         print(f"  {k + 1:>4} " + " ".join(f"{'-' if timeline[n][k] is None else f'{timeline[n][k]:.2f}':>16}"
                                            for n in names))
+    if "scored_markers" in timeline:
+        print(f"  transactions (markers) on scored: {timeline['scored_markers'][0]}, on train: {timeline['train_markers'][0]}")
 
 
 def _trainer_metric_records(consumer: Consumer, topic: str) -> Iterator[Metric]:
