@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import _common
 import numpy as np
 
 from astraflow.dataflow.advantages import advantages_for
@@ -282,12 +283,7 @@ def hand_loop(kafka: Any, step: _Step, src: str, group: str, n: int, codec: str,
 
     def produce(outs: list[Out]) -> None:
         for topic, key, value in outs:
-            while True:
-                try:
-                    producer.produce(topic, value, key)
-                    break
-                except BufferError:
-                    producer.poll(0.05)
+            _common.produce_blocking(producer, topic, value, key)
 
     def commit() -> None:
         offsets = [TopicPartition(tp.topic, tp.partition, tp.offset) for tp in consumer.position(consumer.assignment())
