@@ -211,7 +211,8 @@ def stage_timeline(consumer: Consumer, topics: Topics, partitions: int, t0: floa
                    versions: dict[int, float], trained: dict[int, float]) -> dict[str, list[float | None]]:
     """Where each optimizer step's time went: for step k (1..steps), seconds from the first task
     until the curator had issued 8k tasks, the node had published 64k rollouts (and the first of
-    each: task 8k - 7, rollout 64k - 63), reward 64k scored trajectories, curate 64k train samples, the trainer ended step k (its metrics' timestamp) and
+    each: task 8k - 7, rollout 64k - 63), reward 64k scored trajectories, curate 64k train
+    samples, the trainer ended step k (its metrics' timestamp) and
     the weights of version k reached this process (`versions`). `run_pipeline` adds the trainer's
     own durations per step (`trainer_step_s`: forward, backward, optimizer; `trainer_checkpoint_s`;
     `trainer_publish_s`: finite check, checkpoint, sample log, weights transaction; and the parts of a
