@@ -29,12 +29,18 @@ on the control topic: `filter.zero_variance` (groups whose 8 rewards are equal) 
 `filter.length` (rollouts that hit the token limit). So every group is trained, as in the
 in-process modes and in TRL, and a step costs the same 64 rollouts everywhere;
 `product_filters=True` keeps curate's defaults (more rollouts per trained sample).
+
+Ended by Ctrl-C, `timeout` or `kill` (SIGINT or SIGTERM), a run stops its role processes and
+deletes its topics before it exits (`interrupt_on_sigterm`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -292,6 +298,31 @@ def _trainer_metrics(consumer: Consumer, topic: str) -> dict[str, list[float]]:
     return out
 
 
+@contextlib.contextmanager
+def interrupt_on_sigterm() -> Iterator[None]:
+    """Within it (or the function it decorates), SIGTERM raises KeyboardInterrupt in the main
+    thread, so the cleanup that runs on Ctrl-C (stopping the role processes, which run in sessions
+    of their own and outlive the benchmark otherwise, and deleting the run's topics) also runs when
+    `timeout` or `kill` ends the benchmark. Only the first SIGTERM interrupts; later ones are
+    ignored until the block has exited, so they cannot cut the cleanup short. The previous handler
+    is restored at the exit. Outside the main thread (where Python cannot set handlers) nothing
+    changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@interrupt_on_sigterm()
 def run_pipeline(mode: str, workload: str, sigma: float, *, steps: int, eval_every: int,
                  staleness: int, seed: int, median_s: float, model_dir: str, tasks: list[Task],
                  heldout: list[tuple[str, str]], cfg: AstraflowConfig | None = None,

@@ -85,6 +85,7 @@ def _cpu_s(sessions: list[int]) -> float:
     return total
 
 
+@_pipeline.interrupt_on_sigterm()
 def run_pair_pipeline(policies: tuple[str, ...], models: dict[str, str], tasks: list[Task], *, steps: int,
                       eval_every: int, staleness: int, sigma: float, median_s: float, seed: int, bonus: float,
                       max_staleness: dict[str, int] | None = None, trainer_loss: dict[str, dict[str, Any]] | None = None,
