@@ -19,6 +19,11 @@ PYEOF
 )
 VENV=$CACHE/venv-$HASH
 mkdir -p "$CACHE"
+# One creator at a time: two runs that start together on a fresh machine (a demo and a test,
+# or two clones) would otherwise each `rm -rf` the other's half-built venv. The lock is held
+# to the end of this script (fd 9 closes on exit), so the editable install is serialised too.
+exec 9> "$VENV.lock"
+flock 9
 if [ ! -f "$VENV/.complete" ]; then
   echo "[env] creating $VENV (first run downloads torch and friends; a few minutes)" >&2
   rm -rf "$VENV"
