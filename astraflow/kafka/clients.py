@@ -193,9 +193,11 @@ class RecordProducer:
         key: str | bytes | None = None,
         headers: dict[str, str] | None = None,
         on_delivery: Callable[[KafkaError | None, Message], None] | None = None,
+        partition: int | None = None,
     ) -> None:
-        """Encodes and queues one record (raises SerdeError before anything is sent)."""
-        self.send_raw(topic, self.serde.dumps(record), key, headers, on_delivery)
+        """Encodes and queues one record (raises SerdeError before anything is sent); to
+        `partition` when given, else where its key hashes."""
+        self.send_raw(topic, self.serde.dumps(record), key, headers, on_delivery, partition)
 
     def send_raw(
         self,
@@ -204,7 +206,10 @@ class RecordProducer:
         key: str | bytes | None = None,
         headers: dict[str, str] | None = None,
         on_delivery: Callable[[KafkaError | None, Message], None] | None = None,
+        partition: int | None = None,
     ) -> None:
+        where = {} if partition is None else {"partition": partition}
+
         def _cb(err: KafkaError | None, msg: Message) -> None:
             if err is not None:
                 self._failures.append(f"{msg.topic()}: {err.str()}")
@@ -215,7 +220,7 @@ class RecordProducer:
 
         while True:
             try:
-                self._producer.produce(topic, value=value, key=key, headers=headers, on_delivery=_cb)
+                self._producer.produce(topic, value=value, key=key, headers=headers, on_delivery=_cb, **where)
                 break
             except BufferError:  # local queue full: serve delivery reports, then retry
                 self._producer.poll(0.1)

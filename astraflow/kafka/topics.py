@@ -134,11 +134,13 @@ def topic_specs(experiment: str, policies: list[str], settings: TopicSettings) -
     ]
     for policy in policies:
         specs.append(TopicSpec(t.train(policy), p, work))
-        # One partition keeps each manifest and its chunks in order.
+        # Partition 0, the stream every follower reads: every version, in order, each manifest
+        # before its chunks; partition 1: full snapshots, for joining and recovering followers
+        # (astraflow.weights.versions.SNAPSHOT_PARTITION).
         specs.append(
             TopicSpec(
                 t.weights(policy),
-                1,
+                2,
                 {"cleanup.policy": "delete", "retention.bytes": str(settings.weights_retention_bytes), "max.message.bytes": big},
             )
         )

@@ -1,8 +1,12 @@
 """Encoding policy versions (pure): state dicts in, payloads and PolicyVersion manifests out.
 
-`VersionEncoder` turns successive state dicts into payloads in the published dtype: a lossless
-sparse delta against the previous version, or a full snapshot for the first version, every
-`snapshot_every` versions and on request. It refuses weights that are not finite
+`VersionEncoder` turns successive state dicts into payloads in the published dtype: every
+version a lossless sparse delta against the previous one (the first version of an encoder, which
+has no previous one, a full snapshot), and, every `snapshot_every` versions and on request, also
+a full snapshot of the same version, published beside the stream (`Publication.beside`): a
+follower that holds the previous version applies the delta and never reads the snapshot; a
+joining or recovering one loads the snapshot. Both carry the same state checksum: a version
+number names one set of weights, whichever payload brought it. It refuses weights that are not finite
 (`NonFiniteWeightsError`), so such a version is never published. `astraflow.weights.publish`
 sends what it produces.
 """
@@ -11,7 +15,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from astraflow.errors import WeightsError
@@ -84,8 +88,9 @@ class Publication:
     """One encoded version, before it is sent."""
 
     manifest: PolicyVersion  # uri, snapshot offsets and num_chunks are filled in by the publisher
-    payload: bytes  # the delta or snapshot stream
+    payload: bytes  # what the stream carries: the delta (a snapshot for an encoder's first version)
     state: dict[str, Any]  # the published weights of this version (dtype of the settings)
+    beside: tuple[PolicyVersion, bytes] | None = None  # a full snapshot of the same version, for joiners
 
 
 class VersionEncoder:
@@ -123,23 +128,36 @@ class VersionEncoder:
         version = self.next_version
         new = published_state(state, self.settings.dtype)
         check_finite(new)
-        as_snapshot = (
-            snapshot or self._prev is None or self._since_snapshot + 1 >= self.settings.snapshot_every
-        )
-        if as_snapshot:
-            payload = snapshot_bytes(new, version)
-            manifest = StateManifest.of(new)
-            base = None
-        else:
-            assert self._prev is not None and self._prev_manifest is not None
+        due = snapshot or self._prev is None or self._since_snapshot + 1 >= self.settings.snapshot_every
+        record = payload = manifest = None
+        if self._prev is not None:
+            assert self._prev_manifest is not None
             delta = encode(
                 self._prev, new, base_version=version - 1, version=version, base_manifest=self._prev_manifest
             )
-            payload, manifest, base = delta.to_bytes(), delta.manifest or StateManifest.of(new), version - 1
-        record = PolicyVersion(
+            payload, manifest = delta.to_bytes(), delta.manifest or StateManifest.of(new)
+            record = self._record(version, WeightKind.DELTA, version - 1, payload, manifest, trainer_step, trained_samples)
+        beside = None
+        if due:
+            snap, snap_manifest = snapshot_bytes(new, version), StateManifest.of(new)
+            if manifest is not None and snap_manifest.checksum() != manifest.checksum():
+                raise WeightsError(f"version {version}: its delta and its snapshot name different weights")
+            manifest = snap_manifest
+            beside = (self._record(version, WeightKind.SNAPSHOT, None, snap, manifest, trainer_step, trained_samples), snap)
+            if record is None:  # nothing to delta against: the stream carries the snapshot too
+                record, payload = replace(beside[0]), snap
+        assert record is not None and payload is not None and manifest is not None
+        self._prev, self._prev_manifest = new, manifest
+        self._since_snapshot = 0 if due else self._since_snapshot + 1
+        self.next_version = version + 1
+        return Publication(record, payload, new, beside)
+
+    def _record(self, version: int, kind: WeightKind, base: int | None, payload: bytes, manifest: StateManifest,
+                trainer_step: int, trained_samples: int) -> PolicyVersion:
+        return PolicyVersion(
             policy=self.policy,
             version=version,
-            kind=WeightKind.SNAPSHOT if as_snapshot else WeightKind.DELTA,
+            kind=kind,
             base_version=base,
             dtype=self.settings.dtype,
             num_chunks=0,
@@ -149,7 +167,3 @@ class VersionEncoder:
             trainer_step=trainer_step,
             trained_samples=trained_samples,
         )
-        self._prev, self._prev_manifest = new, manifest
-        self._since_snapshot = 0 if as_snapshot else self._since_snapshot + 1
-        self.next_version = version + 1
-        return Publication(record, payload, new)

@@ -5,12 +5,14 @@ of `astraflow.weights.verify` (malformed, too large, a version number reused or 
 payload location outside the allowed prefixes), reassembles chunks within the announced size,
 checks each chunk's crc32, the payload's sha256 and the resulting state checksum, decodes with
 bounded decompression against the served model's layout, and applies versions to a
-`WeightChain`; when it cannot advance by deltas it sets `snapshot_hint` to the newest snapshot
+`WeightChain`: the stream's deltas with `feed`, a snapshot read beside the stream with
+`feed_snapshot`. When it cannot advance by deltas it sets `snapshot_hint` to the newest snapshot
 that helps. Whatever it refuses, it keeps the last good version. `KafkaWeightFollower` reads the
-weights topic with a plain assigned consumer, dead-letters every refused version (with a
-`weights_refused_total` metric), acts on hints (seek back to an in-band snapshot or fetch it
-from the store) and can ask the trainer for a fresh snapshot over the control topic. Details:
-docs/weights.md and docs/training.md.
+stream (partition 0 of the weights topic) with a plain assigned consumer; a snapshot (partition
+1) only when it joins or is stuck: it loads the hinted one, then reads the stream again from that
+snapshot's time. A follower that keeps up never reads a snapshot's bytes. It dead-letters every
+refused version (with a `weights_refused_total` metric) and can ask the trainer for a fresh
+snapshot over the control topic. Details: docs/weights.md and docs/training.md.
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, KafkaException, Message, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from astraflow.config import KafkaSettings
-from astraflow.errors import SerdeError, WeightsError
+from astraflow.errors import KafkaLayerError, SerdeError, WeightsError
 from astraflow.kafka.clients import RecordProducer, consume_ready, data_messages
 from astraflow.kafka.read import assigned_consumer
 from astraflow.kafka.received import DeadLetterWriter, Received
@@ -47,7 +49,9 @@ from astraflow.weights.verify import (
 )
 from astraflow.weights.versions import (
     SNAPSHOT_OFFSET,
+    SNAPSHOT_PARTITION,
     SNAPSHOT_TS,
+    STREAM_PARTITION,
     ask_trainer_for_snapshot,
     latest_policy_version,
 )
@@ -61,13 +65,33 @@ class PayloadError(WeightsError):
 
 @dataclass(frozen=True)
 class SnapshotHint:
-    """The newest snapshot that would let a stuck follower advance."""
+    """The newest snapshot that would let a stuck follower advance, on the snapshot partition."""
 
     version: int  # snapshot version
-    uri: str | None  # where the store holds it, when claim-checked
-    offset: int | None  # offset of its manifest on the weights topic, when known
-    manifest: PolicyVersion | None = None  # its own manifest, when seen (its sha256 verifies a fetch)
+    offset: int | None  # offset of its manifest on the snapshot partition, when known
     ts_ms: int | None = None  # Kafka timestamp of its manifest record (finds it on a mirrored cluster too)
+
+
+class _Assembly:
+    """One payload's chunks being collected, never more bytes than its manifest announced."""
+
+    def __init__(self, m: PolicyVersion, offset: int | None) -> None:
+        self.m, self.offset, self.parts, self.size = m, offset, [], 0
+
+    def add(self, c: WeightChunk) -> str | None:
+        """Take the next chunk; the problem when it is out of order, corrupt or too much."""
+        m = self.m
+        if c.index != len(self.parts) or c.count != m.num_chunks or zlib.crc32(c.data) != c.crc32:
+            return f"chunk {c.index}/{c.count} is out of order or corrupt"
+        if self.size + len(c.data) > m.payload_bytes:
+            return f"its chunks hold more than the {m.payload_bytes:,} bytes its manifest announced"
+        self.parts.append(c.data)
+        self.size += len(c.data)
+        return None
+
+    @property
+    def complete(self) -> bool:
+        return len(self.parts) >= self.m.num_chunks
 
 
 @dataclass(frozen=True)
@@ -78,6 +102,7 @@ class FollowEvent:
     kind: WeightKind  # SNAPSHOT or DELTA
     result: ApplyResult  # APPLIED / STALE / SNAPSHOT_NEEDED / REFUSED, and why
     offset: int | None = None  # weights-topic offset of its manifest, when read from Kafka
+    partition: int = STREAM_PARTITION  # and its partition
 
     @property
     def refused(self) -> bool:
@@ -114,11 +139,8 @@ class WeightFollower:
         self.snapshot_hint: SnapshotHint | None = None  # set while deltas cannot advance the chain
         self.newest: PolicyVersion | None = None  # newest well-formed manifest (its snapshot fields drive hints)
         self.ledger = VersionLedger()  # versions applied: a number never means other weights
-        self._snapshots: collections.OrderedDict[int, PolicyVersion] = collections.OrderedDict()  # recent ones
-        self._pending: PolicyVersion | None = None  # manifest whose chunks are being collected
-        self._pending_offset: int | None = None
-        self._parts: list[bytes] = []
-        self._pending_bytes = 0
+        self._pending: _Assembly | None = None  # the stream's version whose chunks are being collected
+        self._beside: _Assembly | None = None  # the same for a snapshot read beside the stream
 
     @property
     def version(self) -> int | None:
@@ -143,20 +165,48 @@ class WeightFollower:
             return self._chunk(record)
         return []
 
-    def load_hinted(self, hint: SnapshotHint) -> list[FollowEvent]:
-        """Fetch and load a claim-checked snapshot named by a hint (verified by its own manifest)."""
-        if hint.uri is None:
-            raise WeightsError(
-                "this snapshot is in-band: seek the weights topic to the hint's offset instead"
-            )
-        m = hint.manifest
-        if m is None or m.uri != hint.uri or m.version != hint.version:
-            error = WeightRefusedError(
-                f"snapshot {hint.version} at {hint.uri[:200]} has no manifest here to verify it against"
-            )
-            return [FollowEvent(hint.version, WeightKind.SNAPSHOT,
-                                ApplyResult(ApplyStatus.SNAPSHOT_NEEDED, self.chain.version, str(error), error))]
-        return [self._apply(m, hint.offset, lambda: self.fetch(hint.uri or "", m.sha256, m.payload_bytes))]
+    def feed_snapshot(self, record: Any, resume_offset: int | None = None) -> list[FollowEvent]:
+        """Take one record of the snapshot partition (read from a snapshot's manifest on); return
+        the event of the snapshot once loaded, stale or refused. `resume_offset`: where the reader
+        resumes the stream once it is loaded (the stream's versions up to it are then replays)."""
+        if isinstance(record, PolicyVersion):
+            if record.policy != self.policy:
+                return []
+            m, self._beside = record, None
+            try:
+                check_manifest(m, self.limits)
+                if m.kind != WeightKind.SNAPSHOT:
+                    raise WeightRefusedError(f"version {m.version} on the snapshot partition is a {m.kind}")
+                if m.num_chunks == 0 and m.uri is not None:
+                    check_uri(m.uri, self.limits)
+                self.ledger.same_weights(m)
+            except WeightRefusedError as exc:
+                return [self._refuse(m, None, exc)]
+            have = self.chain.version
+            if have is not None and m.version <= have:
+                return [FollowEvent(m.version, m.kind, ApplyResult(ApplyStatus.STALE, have, f"already at {have}"))]
+            if m.num_chunks == 0:
+                uri = m.uri or ""
+                return [self._apply(m, resume_offset, lambda: self.fetch(uri, m.sha256, m.payload_bytes), beside=True)]
+            self._beside = _Assembly(m, resume_offset)
+            return []
+        a = self._beside
+        if not isinstance(record, WeightChunk) or a is None or record.policy != self.policy or record.version != a.m.version:
+            return []
+        problem = a.add(record)
+        if problem is not None:
+            self._beside = None
+            return [self._give_up(a.m, a.offset, problem, PayloadError(problem))]
+        if not a.complete:
+            return []
+        self._beside = None
+        payload = b"".join(a.parts)
+        return [self._apply(a.m, a.offset, lambda: payload, beside=True)]
+
+    @property
+    def loading(self) -> bool:
+        """Whether a snapshot read beside the stream is part-way collected."""
+        return self._beside is not None
 
     def _refuse(self, m: PolicyVersion, offset: int | None, error: WeightsError) -> FollowEvent:
         return FollowEvent(m.version, m.kind, ApplyResult(ApplyStatus.REFUSED, self.chain.version, str(error), error),
@@ -168,9 +218,9 @@ class WeightFollower:
         events = []
         if self._pending is not None:  # the previous version never completed: a gap
             p = self._pending
-            error = PayloadError(f"version {p.version} is truncated: {len(self._parts)} of {p.num_chunks} chunks")
-            events.append(self._give_up(p, self._pending_offset, str(error), error))
-            self._pending, self._parts = None, []
+            error = PayloadError(f"version {p.m.version} is truncated: {len(p.parts)} of {p.m.num_chunks} chunks")
+            events.append(self._give_up(p.m, p.offset, str(error), error))
+            self._pending = None
         try:
             check_manifest(m, self.limits)
             if m.num_chunks == 0 and m.uri is not None:
@@ -180,10 +230,6 @@ class WeightFollower:
             return [*events, self._refuse(m, offset, exc)]
         if self.newest is None or m.version >= self.newest.version:
             self.newest = m
-        if m.kind == WeightKind.SNAPSHOT:
-            self._snapshots[m.version] = m
-            while len(self._snapshots) > 64:
-                self._snapshots.popitem(last=False)
         have = self.chain.version
         if repeated or (have is not None and m.version <= have):
             events.append(
@@ -199,30 +245,25 @@ class WeightFollower:
             uri = m.uri or ""
             events.append(self._apply(m, offset, lambda: self.fetch(uri, m.sha256, m.payload_bytes)))
         else:
-            self._pending, self._pending_offset, self._parts, self._pending_bytes = m, offset, [], 0
+            self._pending = _Assembly(m, offset)
         return events
 
     def _chunk(self, c: WeightChunk) -> list[FollowEvent]:
-        m = self._pending
-        if m is None or c.policy != self.policy or c.version != m.version:
+        a = self._pending
+        if a is None or c.policy != self.policy or c.version != a.m.version:
             return []  # chunks of a version we skip or gave up on
-        problem = None
-        if c.index != len(self._parts) or c.count != m.num_chunks or zlib.crc32(c.data) != c.crc32:
-            problem = f"chunk {c.index}/{c.count} is out of order or corrupt"
-        elif self._pending_bytes + len(c.data) > m.payload_bytes:
-            problem = f"its chunks hold more than the {m.payload_bytes:,} bytes its manifest announced"
+        problem = a.add(c)
         if problem is not None:
-            self._pending, self._parts = None, []
-            return [self._give_up(m, self._pending_offset, problem, PayloadError(problem))]
-        self._parts.append(c.data)
-        self._pending_bytes += len(c.data)
-        if len(self._parts) < m.num_chunks:
+            self._pending = None
+            return [self._give_up(a.m, a.offset, problem, PayloadError(problem))]
+        if not a.complete:
             return []
-        payload = b"".join(self._parts)
-        self._pending, self._parts = None, []
-        return [self._apply(m, self._pending_offset, lambda: payload)]
+        self._pending = None
+        payload = b"".join(a.parts)
+        return [self._apply(a.m, a.offset, lambda: payload)]
 
-    def _apply(self, m: PolicyVersion, offset: int | None, payload_of: Callable[[], bytes]) -> FollowEvent:
+    def _apply(self, m: PolicyVersion, offset: int | None, payload_of: Callable[[], bytes],
+               beside: bool = False) -> FollowEvent:
         try:
             payload = payload_of()
             if len(payload) != m.payload_bytes:
@@ -246,7 +287,7 @@ class WeightFollower:
             result = self.chain.apply_delta(m.version, stream)
         if result.status == ApplyStatus.APPLIED:
             self.snapshot_hint = None
-            self.ledger.record(m, offset)
+            self.ledger.record(m, offset, beside)
             return FollowEvent(m.version, m.kind, result, offset)
         return self._give_up(m, offset, result.reason, result.error)
 
@@ -257,13 +298,7 @@ class WeightFollower:
         have = -1 if self.chain.version is None else self.chain.version
         n = self.newest
         if n is not None and n.latest_snapshot is not None and n.latest_snapshot > have:
-            self.snapshot_hint = SnapshotHint(
-                n.latest_snapshot,
-                n.latest_snapshot_uri,
-                _number(n.metadata.get(SNAPSHOT_OFFSET)),
-                self._snapshots.get(n.latest_snapshot),
-                _number(n.metadata.get(SNAPSHOT_TS)),
-            )
+            self.snapshot_hint = _hint(n)
         result = ApplyResult(ApplyStatus.SNAPSHOT_NEEDED, self.chain.version, reason, error)
         return FollowEvent(m.version, m.kind, result, offset)
 
@@ -272,12 +307,21 @@ def _number(raw: str | None) -> int | None:
     return int(raw) if raw and raw.isdigit() else None
 
 
+def _hint(m: PolicyVersion) -> SnapshotHint | None:
+    """Where the snapshot a manifest names as the latest is, on the snapshot partition."""
+    if m.latest_snapshot is None:
+        return None
+    return SnapshotHint(m.latest_snapshot, _number(m.metadata.get(SNAPSHOT_OFFSET)), _number(m.metadata.get(SNAPSHOT_TS)))
+
+
 class KafkaWeightFollower:
-    """Follows ``<policy>.weights`` with an assigned consumer (no group) and a `WeightFollower`.
+    """Follows ``<policy>.weights`` with assigned consumers (no group) and a `WeightFollower`.
 
     `start()` positions the reader at the newest snapshot named on the ``policies`` topic (or
-    the beginning); `poll()` feeds what arrives, seeks back to or fetches the hinted snapshot,
-    and, when stuck with no snapshot to fall back to, asks the trainer for one (once per version).
+    the stream's beginning); `poll()` loads a snapshot being loaded, then feeds what the stream
+    has; on a hint it loads that snapshot (from the store when claim-checked) and reads the
+    stream again from its time; when stuck with no snapshot to fall back to, it asks the trainer
+    for one (once per version).
     Every refused version (and every record that does not decode) is dead-lettered with its
     reason, and counted in `refused` and the `weights_refused_total` metric (component
     `requester`), unless `report_refusals` is off.
@@ -306,37 +350,106 @@ class KafkaWeightFollower:
         producer = RecordProducer(kafka) if request_snapshots or report_refusals else None
         self._requests = producer if request_snapshots else None
         self._dlq = DeadLetterWriter(producer, self.topics.dlq, requester) if report_refusals and producer else None
-        self._manifests: collections.OrderedDict[int, Message] = collections.OrderedDict()  # recent, for the DLQ
+        # recent manifests by (partition, offset), for the DLQ
+        self._manifests: collections.OrderedDict[tuple[int, int], Message] = collections.OrderedDict()
+        self._loader: Consumer | None = None  # reads the snapshot partition while a snapshot loads
+        self._loading: SnapshotHint | None = None
+        self._resume: int | None = None  # where the stream resumes after that snapshot
         self._requested_for = -1  # newest manifest version we already asked a snapshot for
         self.requester = requester
         self.refused = 0  # versions and records refused so far
 
     def start(self, offset: int | None = None, timeout_s: float = 10.0) -> None:
-        """Start reading at `offset`, else at the latest snapshot's manifest, else the beginning."""
+        """Read the stream from `offset`; else load the latest snapshot named on ``policies`` from
+        the snapshot partition and read the stream from its time; else from the beginning. Both
+        partitions are assigned here, so the client fetches them while the caller does other work;
+        `poll` loads the snapshot first."""
         if offset is None:
             latest = latest_policy_version(self.kafka, self.topics, self.policy, timeout_s, self.serde)
-            meta = latest.metadata if latest is not None else {}
-            found = self._locate(_number(meta.get(SNAPSHOT_OFFSET)), _number(meta.get(SNAPSHOT_TS)), timeout_s)
-            offset = OFFSET_BEGINNING if found is None else found
-        self._consumer.assign([TopicPartition(self.topic, 0, offset)])
+            hint = _hint(latest) if latest is not None else None
+            resume = self._begin_load(hint, timeout_s) if hint is not None else None
+            offset = OFFSET_BEGINNING if resume is None else resume
+        self._consumer.assign([TopicPartition(self.topic, STREAM_PARTITION, offset)])
 
-    def _locate(self, offset: int | None, ts_ms: int | None, timeout_s: float = 10.0) -> int | None:
-        """Offset of a snapshot's manifest on the cluster read: the first record at or after its
-        Kafka timestamp when the manifest names one (right on a cluster fed by MirrorMaker 2, whose
-        offsets differ from the publisher's), else the publisher's offset."""
+    def _locate(self, partition: int, offset: int | None, ts_ms: int | None, timeout_s: float = 10.0) -> int | None:
+        """The first offset of `partition` at or after `ts_ms` when given (right on a cluster fed by
+        MirrorMaker 2 too, whose offsets differ from the publisher's), else `offset`."""
         if ts_ms is not None:
             try:
-                got = self._consumer.offsets_for_times([TopicPartition(self.topic, 0, ts_ms)], timeout=timeout_s)
+                got = self._consumer.offsets_for_times([TopicPartition(self.topic, partition, ts_ms)], timeout=timeout_s)
             except KafkaException as exc:
-                log.warning("cannot look up the snapshot at %d ms on %s (%s); using its offset", ts_ms, self.topic, exc)
+                log.warning("cannot look up %d ms on %s [%d] (%s)", ts_ms, self.topic, partition, exc)
             else:
                 if got and got[0].offset >= 0:
                     return got[0].offset
         return offset
 
+    def _begin_load(self, hint: SnapshotHint, timeout_s: float = 10.0) -> int | None:
+        """Start reading the hinted snapshot from the snapshot partition; returns where the stream
+        should resume (its first record at or after the snapshot's time), or None if unknown."""
+        at = self._locate(SNAPSHOT_PARTITION, hint.offset, hint.ts_ms, timeout_s)
+        if at is None:
+            log.warning("snapshot %d of %s: no location on %s [%d]", hint.version, self.policy, self.topic,
+                        SNAPSHOT_PARTITION)
+            return None
+        if self._loader is None:
+            self._loader = assigned_consumer(self.kafka, self.serde)
+        self._loader.assign([TopicPartition(self.topic, SNAPSHOT_PARTITION, at)])
+        self._loading = hint
+        self._resume = self._locate(STREAM_PARTITION, None, hint.ts_ms, timeout_s)
+        return self._resume
+
+    def _load(self, events: list[FollowEvent], timeout_s: float, max_records: int) -> None:
+        """Feed what the snapshot partition has; ends the load once the snapshot is resolved (or
+        the partition ends without one)."""
+        assert self._loader is not None and self._loading is not None
+        ended = False
+        for msg in consume_ready(self._loader, max_records, timeout_s):
+            err = msg.error()
+            if err is not None:
+                ended = ended or err.code() == KafkaError._PARTITION_EOF
+                if err.fatal():
+                    raise KafkaLayerError(f"fatal Kafka error on {self.topic} [{SNAPSHOT_PARTITION}]: {err.str()}")
+                continue
+            try:
+                record = self.serde.loads(msg.value())
+            except SerdeError as exc:
+                self._report(msg, None, exc)
+                continue
+            if isinstance(record, PolicyVersion):
+                self._manifests[(SNAPSHOT_PARTITION, msg.offset())] = msg
+            got = self.follower.feed_snapshot(record, self._resume)
+            for e in got:
+                events.append(FollowEvent(e.version, e.kind, e.result, msg.offset(), SNAPSHOT_PARTITION)
+                              if e.refused else e)
+            if got:
+                ended = True
+                break
+        if ended and not self.follower.loading:
+            if not any(e.kind == WeightKind.SNAPSHOT for e in events):
+                log.warning("no snapshot of %s found on %s [%d] at the hinted place", self.policy, self.topic,
+                            SNAPSHOT_PARTITION)
+            self._loader.unassign()
+            self._loading = None
+
     def poll(self, timeout_s: float = 1.0, max_records: int = 64) -> list[FollowEvent]:
-        """Read what is available (waiting up to `timeout_s`) and return the version events."""
+        """Read what is available (waiting up to `timeout_s`) and return the version events: a
+        snapshot being loaded first, then the stream."""
         events: list[FollowEvent] = []
+        if self._loading is not None:
+            self._load(events, timeout_s, max_records)
+            timeout_s = 0.0
+        if self._loading is None:
+            self._poll_stream(events, timeout_s, max_records)
+        for e in events:
+            if e.refused:
+                log.error("version %d of %s refused: %s", e.version, self.policy, e.result.reason)
+                msg = self._manifests.get((e.partition, e.offset)) if e.offset is not None else None
+                self._report(msg, e.version, e.result.error or e.result.reason)
+        self._maybe_request(events)
+        return events
+
+    def _poll_stream(self, events: list[FollowEvent], timeout_s: float, max_records: int) -> None:
         for msg in data_messages(consume_ready(self._consumer, max_records, timeout_s), self.topic):
             try:
                 record = self.serde.loads(msg.value())
@@ -344,19 +457,12 @@ class KafkaWeightFollower:
                 self._report(msg, None, exc)
                 continue
             if isinstance(record, PolicyVersion):
-                self._manifests[msg.offset()] = msg
+                self._manifests[(STREAM_PARTITION, msg.offset())] = msg
                 while len(self._manifests) > 256:
                     self._manifests.popitem(last=False)
             events += self.follower.feed(record, msg.offset())
-            if self._on_hint(events, msg.offset()):
-                break  # we seeked: the rest of this batch is stale
-        for e in events:
-            if e.refused:
-                log.error("version %d of %s refused: %s", e.version, self.policy, e.result.reason)
-                self._report(self._manifests.get(e.offset) if e.offset is not None else None, e.version,
-                             e.result.error or e.result.reason)
-        self._maybe_request(events)
-        return events
+            if self._on_hint(msg.offset()):
+                break  # the rest of the stream waits for the snapshot
 
     def _report(self, msg: Message | None, version: int | None, error: BaseException | str) -> None:
         """Dead-letter a refused record (when its message is at hand) and publish the count."""
@@ -371,18 +477,18 @@ class KafkaWeightFollower:
         self._dlq.producer.send(self.topics.metrics, metric, key=self.requester)
         self._dlq.producer.poll(0)
 
-    def _on_hint(self, events: list[FollowEvent], at: int) -> bool:
+    def _on_hint(self, at: int) -> bool:
+        """Load a newly hinted snapshot from the snapshot partition, and read the stream again
+        from its time (or from after `at`): True if the stream was moved."""
         hint = self.follower.snapshot_hint
         if hint is None or hint == self._acted:
             return False
         self._acted = hint
-        target = self._locate(hint.offset, hint.ts_ms)
-        if target is not None and target < at:  # replays the snapshot and every delta after it
-            self._consumer.seek(TopicPartition(self.topic, 0, target))
-            return True
-        if hint.uri is not None:
-            events += self.follower.load_hinted(hint)
-        return False
+        resume = self._begin_load(hint)
+        if self._loading is None:
+            return False
+        self._consumer.seek(TopicPartition(self.topic, STREAM_PARTITION, at + 1 if resume is None else resume))
+        return True
 
     def _maybe_request(self, events: list[FollowEvent]) -> None:
         stuck = [e for e in events if e.result.status == ApplyStatus.SNAPSHOT_NEEDED]
@@ -396,6 +502,8 @@ class KafkaWeightFollower:
 
     def close(self) -> None:
         self._consumer.close()
+        if self._loader is not None:
+            self._loader.close()
         for producer in {id(p): p for p in (self._requests, self._dlq and self._dlq.producer) if p}.values():
             producer.flush()
 

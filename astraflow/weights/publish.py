@@ -2,9 +2,12 @@
 
 Trainer side: `VersionEncoder` (pure, `astraflow.weights.encoder`, re-exported here) turns
 successive state dicts into payloads in the published dtype, deltas or snapshots, and refuses
-weights that are not finite (`NonFiniteWeightsError`). `WeightPublisher` sends each version to ``<policy>.weights`` (one partition, key = policy): the PolicyVersion
+weights that are not finite (`NonFiniteWeightsError`). `WeightPublisher` sends each version to ``<policy>.weights`` (key = policy): the PolicyVersion
 manifest, then its WeightChunks (in-band), or only the manifest with the URI and sha256 of a
-blob that it wrote to the `WeightStore` first (claim-check). Once those are acknowledged, the
+blob that it wrote to the `WeightStore` first (claim-check). Partition 0 is the stream, every
+version in order; a snapshot (every `snapshot_every` versions, on request, and a publisher's
+first version) goes to partition 1 first, beside its version's delta in the stream, so that
+followers that are current never fetch it (`astraflow.weights.versions.SNAPSHOT_PARTITION`). Once those are acknowledged, the
 manifest goes to the compacted ``policies`` topic, which therefore always names the latest
 version. With a `transactional_id` (what the trainer uses) all of this is one Kafka
 transaction: readers (read_committed) see a version whole or not at all, a publisher killed
@@ -30,7 +33,7 @@ from astraflow.config import KafkaSettings
 from astraflow.errors import KafkaLayerError, ProduceError, WeightsError
 from astraflow.kafka.clients import RecordProducer
 from astraflow.kafka.topics import Topics
-from astraflow.records import PolicyVersion, WeightChunk, WeightKind
+from astraflow.records import PolicyVersion, WeightKind
 from astraflow.weights.encoder import (
     NonFiniteWeightsError,
     Publication,
@@ -44,7 +47,9 @@ from astraflow.weights.store import WeightStore
 from astraflow.weights.versions import (
     OFFSET,
     SNAPSHOT_OFFSET,
+    SNAPSHOT_PARTITION,
     SNAPSHOT_TS,
+    STREAM_PARTITION,
     last_published_version,
     latest_policy_version,
 )
@@ -145,8 +150,19 @@ class WeightPublisher:
                     raise PublisherFencedError(f"cannot start publishing {self.policy}: {exc}") from exc
                 waited += timeout_s
                 log.warning("waiting for Kafka to read the versions of %s (%.0f s): %s", self.policy, waited, exc)
+        self._check_partitions(timeout_s)
         self.encoder.next_version = 0 if last is None else last + 1
         return last
+
+    def _check_partitions(self, timeout_s: float) -> None:
+        """The weights topic needs its snapshot partition (topics made before it had one)."""
+        topic = self.topics.weights(self.policy)
+        found = self.producer.raw.list_topics(topic, timeout_s).topics.get(topic)
+        if found is not None and found.error is None and len(found.partitions) <= SNAPSHOT_PARTITION:
+            raise WeightsError(
+                f"{topic} has {len(found.partitions)} partition(s); snapshots go to partition {SNAPSHOT_PARTITION}: "
+                f"add it with kafka-topics.sh --alter --topic {topic} --partitions {SNAPSHOT_PARTITION + 1}"
+            )
 
     def request_snapshot(self) -> None:
         """Make the next publication a full snapshot."""
@@ -236,25 +252,19 @@ class WeightPublisher:
                 raise exc.__cause__ from None
             raise ProduceError(f"the producer failed while flushing ({exc}); the transaction is aborted") from exc
 
-    def _send(self, pub: Publication) -> PolicyVersion:
-        m = pub.manifest
-        is_snap = m.kind == WeightKind.SNAPSHOT
-        chunks: list[WeightChunk] = []
-        if self.store is not None and len(pub.payload) > self.settings.inband_max_bytes:
-            kind = "snapshot" if is_snap else "delta"
-            m.uri = self.store.put(
-                f"{self.policy}/v{m.version:010d}.{kind}", pub.payload
-            )  # blob before record
-        else:
-            chunks = split_chunks(self.policy, m.version, pub.payload, self.settings.chunk_bytes)
+    def _records(self, m: PolicyVersion, payload: bytes, partition: int,
+                 uri: str | None = None) -> tuple[list[int], list[int]]:
+        """Queue `m` and its payload (chunks, or a blob in the store) on `partition` of the weights
+        topic and wait for them; returns the manifest's (offset, timestamp ms), as lists filled on
+        delivery. `uri`: the payload is in the store already."""
+        if uri is None and self.store is not None and len(payload) > self.settings.inband_max_bytes:
+            kind = "snapshot" if m.kind == WeightKind.SNAPSHOT else "delta"
+            uri = self.store.put(f"{self.policy}/v{m.version:010d}.{kind}", payload)  # blob before record
+        m.uri = uri
+        chunks = [] if uri is not None else split_chunks(self.policy, m.version, payload, self.settings.chunk_bytes)
         m.num_chunks = len(chunks)
-        if self._snapshot is not None and not is_snap:
-            m.latest_snapshot, m.latest_snapshot_uri = self._snapshot[0], self._snapshot[1]
-            m.metadata = {**m.metadata, SNAPSHOT_OFFSET: str(self._snapshot[2]), SNAPSHOT_TS: str(self._snapshot[3])}
-        elif is_snap:
-            m.latest_snapshot, m.latest_snapshot_uri = m.version, m.uri
         offsets: list[int] = []
-        stamps: list[int] = []  # the manifest record's Kafka timestamp (ms)
+        stamps: list[int] = []
         topic = self.topics.weights(self.policy)
 
         def delivered(err: Any, msg: Any) -> None:
@@ -262,17 +272,31 @@ class WeightPublisher:
                 offsets.append(msg.offset())
                 stamps.append(msg.timestamp()[1])
 
-        self.producer.send(topic, m, key=self.policy, on_delivery=delivered)
+        self.producer.send(topic, m, key=self.policy, on_delivery=delivered, partition=partition)
         for chunk in chunks:
-            self.producer.send(topic, chunk, key=self.policy)
+            self.producer.send(topic, chunk, key=self.policy, partition=partition)
         self._flush()
+        if not offsets:
+            raise KafkaLayerError(f"no delivery report for version {m.version} on {topic} [{partition}]")
+        return offsets, stamps
+
+    def _send(self, pub: Publication) -> PolicyVersion:
+        """The snapshot beside the stream first (when there is one), so that a follower that loads
+        it finds every later stream record at or after its timestamp; then the stream's record
+        naming the latest snapshot, its lineage, and the manifest on `policies`."""
+        m = pub.manifest
+        if pub.beside is not None:
+            snap, payload = pub.beside
+            snap.latest_snapshot = snap.version
+            offsets, stamps = self._records(snap, payload, SNAPSHOT_PARTITION)
+            self._snapshot = (snap.version, snap.uri, offsets[0], stamps[0])
+        reuse = self._snapshot[1] if m.kind == WeightKind.SNAPSHOT and self._snapshot and self._snapshot[0] == m.version else None
+        if self._snapshot is not None:
+            m.latest_snapshot, m.latest_snapshot_uri = self._snapshot[0], self._snapshot[1]
+            m.metadata = {**m.metadata, SNAPSHOT_OFFSET: str(self._snapshot[2]), SNAPSHOT_TS: str(self._snapshot[3])}
+        offsets, _ = self._records(m, pub.payload, STREAM_PARTITION, reuse)
         if self.on_progress is not None:
             self.on_progress("chunks_sent")
-        if not offsets:
-            raise KafkaLayerError(f"no delivery report for version {m.version} on {topic}")
-        if is_snap:
-            self._snapshot = (m.version, m.uri, offsets[0], stamps[0])
-            m.metadata = {**m.metadata, SNAPSHOT_OFFSET: str(offsets[0]), SNAPSHOT_TS: str(stamps[0])}
         latest = replace(m, metadata={**m.metadata, OFFSET: str(offsets[0])})
         for record in self._lineage:  # before the manifest: a version is announced with its lineage
             self.producer.send(self.topics.lineage, record, key=self.policy)

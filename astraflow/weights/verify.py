@@ -128,33 +128,43 @@ class VersionLedger:
     keep: int = 4096  # versions remembered (the oldest are forgotten first)
     applied: collections.OrderedDict[int, str] = field(default_factory=collections.OrderedDict)
     newest: tuple[int, int | None] | None = None  # (version, offset) of the newest applied manifest
+    # A snapshot loaded from beside the stream: the stream is read again from about its time, so
+    # versions below it may still come by once; they are replays, not a number going back.
+    floor: int | None = None
+
+    def same_weights(self, m: PolicyVersion) -> bool:
+        """True if `m` is a version applied already (with the same weights); raises
+        `WeightRefusedError` if it names other weights under an applied number."""
+        known = self.applied.get(m.version)
+        if known is not None and known != m.state_checksum:
+            raise WeightRefusedError(
+                f"version {m.version} was applied with state checksum {known[:12]}..., this manifest "
+                f"names {m.state_checksum[:12]}...: a version number must always mean the same weights"
+            )
+        return known is not None
 
     def check(self, m: PolicyVersion, offset: int | None) -> bool:
         """True if `m` repeats an applied version (same weights: stale); raises `WeightRefusedError`
         if it reuses a version number for other weights or comes after a newer one; else False."""
-        known = self.applied.get(m.version)
-        if known is not None:
-            if known != m.state_checksum:
-                raise WeightRefusedError(
-                    f"version {m.version} was applied with state checksum {known[:12]}..., this manifest "
-                    f"names {m.state_checksum[:12]}...: a version number must always mean the same weights"
-                )
+        if self.same_weights(m):
             return True
         if self.newest is not None and m.version <= self.newest[0]:
             replay = offset is not None and self.newest[1] is not None and offset <= self.newest[1]
-            if replay:  # read again after a seek back: it was skipped or superseded then, and is now
-                return True
+            if replay or (self.floor is not None and m.version < self.floor):
+                return True  # read again after a seek back: it was skipped or superseded then, and is now
             raise WeightRefusedError(
                 f"version {m.version} comes after version {self.newest[0]} in the log: version numbers only grow"
             )
         return False
 
-    def record(self, m: PolicyVersion, offset: int | None) -> None:
+    def record(self, m: PolicyVersion, offset: int | None, beside: bool = False) -> None:
+        """`beside`: a snapshot read beside the stream (`offset` is then where the stream resumes)."""
         self.applied[m.version] = m.state_checksum
         while len(self.applied) > self.keep:
             self.applied.popitem(last=False)
         if self.newest is None or m.version > self.newest[0]:
             self.newest = (m.version, offset)
+            self.floor = m.version if beside else None
 
 
 __all__ = [

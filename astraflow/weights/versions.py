@@ -17,10 +17,16 @@ from astraflow.kafka.topics import Topics
 from astraflow.records import Control, PolicyVersion, WeightChunk
 from astraflow.serde import AvroSerde
 
-SNAPSHOT_OFFSET = "latest_snapshot_offset"  # metadata: weights-topic offset of the latest snapshot's manifest
+# The weights topic has two partitions: the stream every follower reads (every version, a delta but
+# for a publisher's first version) and, beside it, the full snapshots only joining or recovering
+# followers read (a snapshot version is a delta in the stream and a snapshot here, same weights).
+STREAM_PARTITION, SNAPSHOT_PARTITION = 0, 1
+SNAPSHOT_OFFSET = "latest_snapshot_offset"  # metadata: offset of the latest snapshot's manifest (snapshot partition)
 # metadata: Kafka timestamp (ms) of the latest snapshot's manifest record. MirrorMaker 2 keeps record
 # timestamps but not offsets (transaction markers are not copied), so a follower on a mirrored cluster
-# finds the snapshot by this time (`offsets_for_times`), where the offset would land past it.
+# finds the snapshot by this time (`offsets_for_times`), where the offset would land past it. The
+# publisher writes a snapshot before its version's stream records, so a follower that loaded it
+# resumes the stream at the first record at or after this time.
 SNAPSHOT_TS = "latest_snapshot_ts_ms"
 OFFSET = "offset"  # metadata (policies topic only): weights-topic offset of this version's manifest
 CONTROL_APP = "trainer"  # Control records asking a trainer for a snapshot: app, slot "<policy>.snapshot"

@@ -1,6 +1,8 @@
 """Weight publication and following against a real Kafka broker: a corrupted chunk and a version
 that never arrives lead to snapshot fallbacks (and a snapshot request on the control topic),
-never to wrong weights; a late joiner starts from the latest snapshot; claim-checked payloads via
+never to wrong weights; a follower that keeps up never reads a snapshot, which goes beside the
+stream (a delta and a snapshot of one version give the same bits); a late joiner starts from the
+latest snapshot; claim-checked payloads via
 the store; a second publisher of the policy fences the first.
 """
 
@@ -35,13 +37,13 @@ class _Sabotage(RecordProducer):
         super().__init__(kafka)
         self.corrupt, self.divert, self.decoy = corrupt, divert, decoy
 
-    def send(self, topic, record, key=None, headers=None, on_delivery=None) -> None:
+    def send(self, topic, record, key=None, headers=None, on_delivery=None, partition=None) -> None:
         version = getattr(record, "version", None)
         if topic.endswith(".weights") and version == self.divert:
-            topic = self.decoy
+            topic, partition = self.decoy, None
         if isinstance(record, WeightChunk) and version == self.corrupt and record.index == 0:
             record = WeightChunk(record.policy, version, 0, record.count, b"\xff" + record.data[1:], record.crc32)
-        super().send(topic, record, key, headers, on_delivery)
+        super().send(topic, record, key, headers, on_delivery, partition)
 
 
 class _Model(torch.nn.Module):
@@ -54,7 +56,8 @@ class _Model(torch.nn.Module):
         return (self.mid(self.emb(x)) @ self.emb.weight.T).logsumexp(-1).mean()
 
 
-def _publish_versions(publisher: WeightPublisher, n: int) -> list:
+def _publish_versions(publisher: WeightPublisher, n: int, between=None) -> list:
+    """Publishes n versions of a model in training; `between(version)` runs after each."""
     torch.manual_seed(0)
     model = _Model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -62,6 +65,8 @@ def _publish_versions(publisher: WeightPublisher, n: int) -> list:
     for step in range(n):
         m = publisher.publish(model.state_dict(), trainer_step=step)
         out.append((m, {k: v.clone() for k, v in publisher.encoder.state.items()}))
+        if between is not None:
+            between(m.version)
         loss = model(torch.randint(0, 128, (8,)))
         opt.zero_grad()
         loss.backward()
@@ -79,48 +84,87 @@ def test_follower_falls_back_to_snapshots_and_never_holds_wrong_weights(
     sabotage = _Sabotage(kafka, corrupt=2, divert=5, decoy=topic_factory("decoy"))
     publisher = WeightPublisher(kafka, experiment, "policy", PublishSettings(snapshot_every=4, chunk_bytes=4096), producer=sabotage)
     assert publisher.start() is None
-    published = _publish_versions(publisher, 10)
+    events: list = []
+    asked = False
+
+    def stuck_at_7(version: int) -> None:  # before snapshot 8 exists: the follower must ask for one
+        nonlocal asked
+        if version != 7:
+            return
+        deadline = time.monotonic() + 20
+        while not any(e.version == 7 for e in events) and time.monotonic() < deadline:
+            events.extend(early.poll(0.5))
+        while not asked and time.monotonic() < deadline:
+            asked = requests.pending()  # the stuck follower asked the trainer for a snapshot
+
+    published = _publish_versions(publisher, 10, stuck_at_7)
+    requests.close()
+    assert asked
+    # the stream: a snapshot only for the first version; snapshots 4 and 8 went beside it
     kinds = "".join("S" if m.kind == WeightKind.SNAPSHOT else "D" for m, _ in published)
-    assert kinds == "SDDDSDDDSD"
+    assert kinds == "SDDDDDDDDD" and [m.latest_snapshot for m, _ in published] == [0, 0, 0, 0, 4, 4, 4, 4, 8, 8]
     checksum = {m.version: m.state_checksum for m, _ in published}
 
-    events = follow_until(early, 9)
-    status = {e.version: e.result.status for e in events}
+    events += follow_until(early, 9)
+    status = {e.version: e.result.status for e in events if e.result.status != ApplyStatus.STALE}
+    applied = [(e.version, e.kind) for e in events if e.result.status == ApplyStatus.APPLIED]
     assert status[2] == status[3] == ApplyStatus.SNAPSHOT_NEEDED  # corrupted chunk, then no base
-    assert status[4] == ApplyStatus.APPLIED  # the next snapshot
+    assert (4, WeightKind.SNAPSHOT) in applied  # the next snapshot, loaded from beside the stream
     assert 5 not in status and status[6] == status[7] == ApplyStatus.SNAPSHOT_NEEDED  # v5 never arrived
-    assert status[8] == status[9] == ApplyStatus.APPLIED
+    assert (8, WeightKind.SNAPSHOT) in applied and (9, WeightKind.DELTA) in applied
     for e in events:
         if e.result.status == ApplyStatus.APPLIED:
             assert e.result.version == e.version
+        assert not e.refused or e.version == 2  # the corrupted one; read again after a snapshot: replays
     assert early.follower.chain.checksum.hex() == checksum[9]
     assert bits_equal(dict(early.follower.state), published[9][1])
     early.close()
-    deadline = time.monotonic() + 10
-    asked = False
-    while not asked and time.monotonic() < deadline:
-        asked = requests.pending()  # the stuck follower asked the trainer for a snapshot
-    requests.close()
-    assert asked
 
     late = KafkaWeightFollower(kafka, experiment, "policy", request_snapshots=False)
     late.start()  # at the latest snapshot (v8) named on the policies topic
     events = follow_until(late, 9)
     late.close()
-    assert [(e.version, e.kind) for e in events] == [(8, WeightKind.SNAPSHOT), (9, WeightKind.DELTA)]
+    applied = [(e.version, e.kind) for e in events if e.result.status == ApplyStatus.APPLIED]
+    assert applied == [(8, WeightKind.SNAPSHOT), (9, WeightKind.DELTA)]
     assert bits_equal(dict(late.follower.state), published[9][1])
 
-    # A follower still at v1 that resumes at v9's manifest: seeks back to the v8 snapshot.
+    # A follower still at v1 that resumes at v9's manifest: loads the v8 snapshot from beside the
+    # stream, reads the stream again from its time (v8's delta: stale) and applies v9.
     behind = WeightFollower("policy", chain=WeightChain.from_state(published[1][1], 1))
     seeker = KafkaWeightFollower(kafka, experiment, "policy", follower=behind, request_snapshots=False)
     seeker.start(offset=int(published[9][0].metadata["offset"]))
     events = follow_until(seeker, 9)
     seeker.close()
-    assert [e.result.status for e in events] == [ApplyStatus.SNAPSHOT_NEEDED, ApplyStatus.APPLIED, ApplyStatus.APPLIED]
+    assert [(e.version, e.result.status) for e in events] == [
+        (9, ApplyStatus.SNAPSHOT_NEEDED), (8, ApplyStatus.APPLIED), (8, ApplyStatus.STALE), (9, ApplyStatus.APPLIED)]
     assert bits_equal(dict(behind.state), published[9][1])
 
     again = WeightPublisher(kafka, experiment, "policy")
     assert again.start() == 9 and again.encoder.next_version == 10  # numbering continues after a restart
+
+
+def test_a_follower_that_keeps_up_never_reads_a_snapshot(kafka: KafkaSettings, experiment: str) -> None:
+    """Every version reaches the stream as a delta (the first as a snapshot: nothing to delta
+    against), so a follower there never opens the snapshot partition; a joiner loads the
+    snapshot beside the stream and both end with the same bits."""
+    f = KafkaWeightFollower(kafka, experiment, "policy", request_snapshots=False)
+    f.start()  # nothing published yet
+    publisher = WeightPublisher(kafka, experiment, "policy", PublishSettings(snapshot_every=3, chunk_bytes=4096))
+    assert publisher.start() is None
+    published = _publish_versions(publisher, 8)  # snapshots 0, 3 and 6 beside the stream
+    events = follow_until(f, 7)
+    f.close()
+    assert [(e.version, e.kind, e.result.status) for e in events] == [
+        (0, WeightKind.SNAPSHOT, ApplyStatus.APPLIED), *[(v, WeightKind.DELTA, ApplyStatus.APPLIED) for v in range(1, 8)]]
+    assert f._loader is None  # never read a byte of the snapshot partition
+    joiner = KafkaWeightFollower(kafka, experiment, "policy", request_snapshots=False)
+    joiner.start()
+    events = follow_until(joiner, 7)
+    joiner.close()
+    assert [(e.version, e.kind) for e in events if e.result.status == ApplyStatus.APPLIED] == [
+        (6, WeightKind.SNAPSHOT), (7, WeightKind.DELTA)]
+    assert bits_equal(dict(joiner.follower.state), dict(f.follower.state))
+    assert bits_equal(dict(f.follower.state), published[7][1])
 
 
 def test_claim_checked_versions_through_the_store(kafka: KafkaSettings, experiment: str, tmp_path: Path) -> None:
@@ -158,26 +202,26 @@ def test_a_second_publisher_of_the_policy_fences_the_first(kafka: KafkaSettings,
     assert latest is not None and latest.version == 1
 
 
-def _copy_like_mirrormaker(kafka: KafkaSettings, src: str, dst: str) -> list[bytes]:
-    """Copies the committed records of `src` to (empty) `dst` with their keys and timestamps, as
-    MirrorMaker 2 does: transaction markers are not copied, so offsets differ. Returns the values
-    copied (the i-th is at offset i in `dst`)."""
+def _copy_like_mirrormaker(kafka: KafkaSettings, src: str, dst: str, partition: int = 0) -> list[bytes]:
+    """Copies the committed records of `partition` of `src` to that of (empty) `dst` with their
+    keys and timestamps, as MirrorMaker 2 does: transaction markers are not copied, so offsets
+    differ. Returns the values copied (the i-th is at offset i in `dst`)."""
     from confluent_kafka import Consumer, Producer, TopicPartition
 
     from astraflow.kafka.clients import reader_config, watermarks
 
     consumer = Consumer(reader_config(kafka, f"copy-{dst}"))
     producer = Producer(kafka.client_config())
-    _, high = watermarks(consumer, src, 0)
-    consumer.assign([TopicPartition(src, 0, 0)])
+    _, high = watermarks(consumer, src, partition)
+    consumer.assign([TopicPartition(src, partition, 0)])
     values: list[bytes] = []
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         msg = consumer.poll(0.5)
         if msg is not None and msg.error() is None:
-            producer.produce(dst, msg.value(), msg.key(), partition=0, timestamp=msg.timestamp()[1])
+            producer.produce(dst, msg.value(), msg.key(), partition=partition, timestamp=msg.timestamp()[1])
             values.append(msg.value())
-        position = consumer.position([TopicPartition(src, 0)])[0].offset
+        position = consumer.position([TopicPartition(src, partition)])[0].offset
         if position >= high:
             break
     producer.flush(10)
@@ -195,14 +239,15 @@ def test_a_follower_on_a_mirrored_cluster_finds_the_snapshot_by_its_time(
     publisher = WeightPublisher(kafka, a, "policy", PublishSettings(snapshot_every=4, chunk_bytes=4096),
                                 transactional_id=Topics(a).publisher_id("policy"))  # as the trainer: a marker per version
     assert publisher.start() is None
-    published = _publish_versions(publisher, 7)  # snapshots 0 and 4; deltas 5, 6 name snapshot 4
+    published = _publish_versions(publisher, 7)  # snapshots 0 and 4 beside; deltas 4, 5, 6 name snapshot 4
     publisher.close()
     ta, tb = Topics(a), Topics(b)
     from astraflow.records import PolicyVersion
     from astraflow.serde import AvroSerde
     from astraflow.weights.versions import SNAPSHOT_OFFSET
 
-    copied = [AvroSerde().loads(v) for v in _copy_like_mirrormaker(kafka, ta.weights("policy"), tb.weights("policy"))]
+    assert _copy_like_mirrormaker(kafka, ta.weights("policy"), tb.weights("policy"))
+    copied = [AvroSerde().loads(v) for v in _copy_like_mirrormaker(kafka, ta.weights("policy"), tb.weights("policy"), 1)]
     assert _copy_like_mirrormaker(kafka, ta.policies, tb.policies)
     latest = latest_policy_version(kafka, tb, "policy")
     assert latest is not None and latest.version == 6 and latest.latest_snapshot == 4
@@ -215,6 +260,7 @@ def test_a_follower_on_a_mirrored_cluster_finds_the_snapshot_by_its_time(
         events = follow_until(f, 6, timeout_s=30)
         assert f.follower.version == 6, [(e.version, e.result.status) for e in events]
         assert events[0].version == 4 and events[0].result.status == ApplyStatus.APPLIED  # the snapshot, found by time
+        assert events[0].kind == WeightKind.SNAPSHOT and not [e for e in events if e.refused]
         assert bits_equal(dict(f.follower.state), published[6][1])
     finally:
         f.close()

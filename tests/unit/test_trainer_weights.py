@@ -45,23 +45,30 @@ class _Tied(torch.nn.Module):
         return self.head(torch.tanh(self.mid(self.emb(x))))
 
 
-def _versions(n: int, settings: PublishSettings, seed: int = 0) -> Iterator[tuple[list, dict]]:
-    """(records as the publisher sends them, published state) for n versions of Adam training."""
+def _versions(n: int, settings: PublishSettings, seed: int = 0,
+              beside: dict[int, list] | None = None) -> Iterator[tuple[list, dict]]:
+    """(stream records as the publisher sends them, published state) for n versions of Adam
+    training; `beside` collects, by version, the records of the snapshots written beside the
+    stream (the weights topic's snapshot partition), with their offsets there."""
     torch.manual_seed(seed)
     model = _Tied()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     enc = VersionEncoder("p", settings)
-    snap_offset, offset = None, 0
+    snap, offset, snap_offset = None, 0, 0
     for _ in range(n):
         pub = enc.encode(model.state_dict(), trainer_step=enc.next_version)
         m = pub.manifest
+        if pub.beside is not None:
+            sm, payload = pub.beside
+            chunks = split_chunks("p", sm.version, payload, settings.chunk_bytes)
+            sm.num_chunks, sm.latest_snapshot = len(chunks), sm.version
+            if beside is not None:
+                beside[sm.version] = [(snap_offset, sm)] + [(snap_offset + 1 + i, c) for i, c in enumerate(chunks)]
+            snap, snap_offset = (sm.version, snap_offset), snap_offset + 1 + len(chunks)
         chunks = split_chunks("p", m.version, pub.payload, settings.chunk_bytes)
         m.num_chunks = len(chunks)
-        if m.kind == WeightKind.SNAPSHOT:
-            m.latest_snapshot, snap_offset = m.version, offset
-        elif snap_offset is not None:
-            m.latest_snapshot = enc.next_version - 1 - (enc._since_snapshot)
-            m.metadata = {SNAPSHOT_OFFSET: str(snap_offset)}
+        if snap is not None:
+            m.latest_snapshot, m.metadata = snap[0], {SNAPSHOT_OFFSET: str(snap[1])}
         records = [(offset, m)] + [(offset + 1 + i, c) for i, c in enumerate(chunks)]
         offset += 1 + len(chunks)
         yield records, pub.state
@@ -98,46 +105,119 @@ def test_chain_of_20_deltas_reproduces_published_weights_bit_for_bit() -> None:
     assert kinds[0] == WeightKind.SNAPSHOT and kinds[1:] == [WeightKind.DELTA] * 20
 
 
-def test_snapshot_every_n_versions() -> None:
-    kinds = [r[0][1].kind for r, _ in _versions(7, PublishSettings(snapshot_every=3, chunk_bytes=4096))]
-    assert [k == WeightKind.SNAPSHOT for k in kinds] == [True, False, False, True, False, False, True]
+def test_every_version_is_a_delta_in_the_stream_with_a_snapshot_beside_every_n() -> None:
+    beside: dict[int, list] = {}
+    kinds = [r[0][1].kind for r, _ in _versions(7, PublishSettings(snapshot_every=3, chunk_bytes=4096), beside=beside)]
+    # only the first version (nothing to delta against) is a snapshot in the stream
+    assert kinds == [WeightKind.SNAPSHOT] + [WeightKind.DELTA] * 6
+    assert sorted(beside) == [0, 3, 6] and all(b[0][1].kind == WeightKind.SNAPSHOT for b in beside.values())
 
 
-def test_corrupted_chunk_falls_back_to_next_snapshot_never_wrong_weights() -> None:
-    settings = PublishSettings(snapshot_every=4, chunk_bytes=1024)
+def test_a_versions_delta_and_its_snapshot_give_the_same_weights() -> None:
+    """A version number means one set of weights: a follower that applies version 3's delta and
+    one that loads version 3's snapshot hold the same bits, and both manifests say so."""
+    beside: dict[int, list] = {}
+    vs = list(_versions(5, PublishSettings(snapshot_every=3, chunk_bytes=1024), beside=beside))
+    by_delta = WeightFollower("p")
+    for records, _ in vs[:4]:
+        _feed(by_delta, records)
+    by_snapshot = WeightFollower("p")
+    events = [e for _, r in beside[3] for e in by_snapshot.feed_snapshot(r, vs[3][0][0][0])]
+    assert [e.result.status for e in events] == [ApplyStatus.APPLIED]
+    assert by_delta.version == by_snapshot.version == 3
+    assert vs[3][0][0][1].kind == WeightKind.DELTA and beside[3][0][1].kind == WeightKind.SNAPSHOT
+    assert vs[3][0][0][1].state_checksum == beside[3][0][1].state_checksum
+    assert _bits_equal(dict(by_delta.state), dict(by_snapshot.state)) and _bits_equal(dict(by_delta.state), vs[3][1])
+    # read on from the snapshot's place in the stream: its own delta is stale, the next applies
+    after = [e.result.status for records, _ in vs[3:] for e in _feed(by_snapshot, records)]
+    assert after == [ApplyStatus.STALE, ApplyStatus.APPLIED] and _bits_equal(dict(by_snapshot.state), vs[4][1])
+
+
+def test_a_snapshot_under_an_applied_number_with_other_weights_is_refused() -> None:
+    beside: dict[int, list] = {}
+    vs = list(_versions(4, PublishSettings(snapshot_every=3, chunk_bytes=4096), beside=beside))
+    other: dict[int, list] = {}
+    list(_versions(4, PublishSettings(snapshot_every=3, chunk_bytes=4096), seed=1, beside=other))
     f = WeightFollower("p")
-    published = {}
+    for records, _ in vs:
+        _feed(f, records)
+    events = [e for _, r in other[3] for e in f.feed_snapshot(r)]
+    assert [e.result.status for e in events] == [ApplyStatus.REFUSED] and "same weights" in events[0].result.reason
+    assert f.version == 3 and _bits_equal(dict(f.state), vs[3][1])
+
+
+def test_a_follower_that_keeps_up_never_needs_a_snapshot() -> None:
+    beside: dict[int, list] = {}
+    f = WeightFollower("p")
+    for records, state in _versions(12, PublishSettings(snapshot_every=4, chunk_bytes=2048), beside=beside):
+        assert [e.result.status for e in _feed(f, records)] == [ApplyStatus.APPLIED]
+        assert _bits_equal(dict(f.state), state) and f.snapshot_hint is None
+    assert sorted(beside) == [0, 4, 8]
+
+
+def _recover(f: WeightFollower, beside: dict[int, list], stream: list[tuple[list, dict]]) -> list:
+    """What a Kafka follower does on a hint: load that snapshot from beside the stream, then read
+    the stream again from the snapshot's version on."""
+    hint = f.snapshot_hint
+    assert hint is not None and hint.offset == beside[hint.version][0][0]
+    resume = stream[hint.version][0][0][0]
+    events = [e for _, r in beside[hint.version] for e in f.feed_snapshot(r, resume)]
+    for records, _ in stream[hint.version:]:
+        events += _feed(f, records)
+    return events
+
+
+def test_corrupted_chunk_falls_back_to_the_next_snapshot_never_wrong_weights() -> None:
+    settings = PublishSettings(snapshot_every=4, chunk_bytes=1024)
+    beside: dict[int, list] = {}
+    stream = list(_versions(9, settings, beside=beside))
+    f = WeightFollower("p")
     statuses = []
-    for records, state in _versions(9, settings):
+    for records, _ in stream:
         m = records[0][1]
-        published[m.version] = state
         if m.version == 2:  # flip a byte of the second chunk, keep its recorded crc32
             off, c = records[2]
-            records[2] = (off, WeightChunk(c.policy, c.version, c.index, c.count, bytes([c.data[0] ^ 1]) + c.data[1:], c.crc32))
+            records = [*records[:2], (off, WeightChunk(c.policy, c.version, c.index, c.count, bytes([c.data[0] ^ 1]) + c.data[1:], c.crc32)), *records[3:]]
         statuses += [(e.version, e.result.status) for e in _feed(f, records)]
         if f.version is not None:  # whatever it holds is exactly a published version
-            assert _bits_equal(dict(f.state), published[f.version])
+            assert _bits_equal(dict(f.state), stream[f.version][1])
+        if f.snapshot_hint is not None:
+            break
     assert (2, ApplyStatus.SNAPSHOT_NEEDED) in statuses and (3, ApplyStatus.SNAPSHOT_NEEDED) in statuses
-    assert (4, ApplyStatus.APPLIED) in statuses  # the next snapshot
-    assert f.version == 8 and f.snapshot_hint is None
+    assert f.snapshot_hint is not None and f.snapshot_hint.version == 4 and f.version == 1
+    events = _recover(f, beside, stream)
+    assert (4, ApplyStatus.APPLIED) in [(e.version, e.result.status) for e in events]  # the snapshot beside
+    assert f.version == 8 and f.snapshot_hint is None and _bits_equal(dict(f.state), stream[8][1])
 
 
 def test_missing_version_points_at_a_newer_snapshot() -> None:
     settings = PublishSettings(snapshot_every=3, chunk_bytes=4096)
-    all_versions = list(_versions(8, settings))
+    beside: dict[int, list] = {}
+    stream = list(_versions(8, settings, beside=beside))
     f = WeightFollower("p")
-    _feed(f, all_versions[0][0])
+    _feed(f, stream[0][0])
     assert f.version == 0
     # v1..v4 never reach this follower (it was away); v5 is a delta from v4.
-    events = _feed(f, all_versions[5][0])
+    events = _feed(f, stream[5][0])
     assert events[0].result.status == ApplyStatus.SNAPSHOT_NEEDED and f.version == 0
-    hint = f.snapshot_hint
-    assert hint is not None and hint.version == 3
-    assert hint.offset == all_versions[3][0][0][0]  # offset of v3's manifest: seek there and replay
-    for records, _ in all_versions[3:]:
-        _feed(f, records)
+    assert f.snapshot_hint is not None and f.snapshot_hint.version == 3
+    events = _recover(f, beside, stream)
     assert f.version == 7 and f.snapshot_hint is None
-    assert _bits_equal(dict(f.state), all_versions[7][1])
+    assert not [e for e in events if e.refused]  # v3 (and v5 again) read after the snapshot: replays
+    assert _bits_equal(dict(f.state), stream[7][1])
+
+
+def test_stream_records_before_a_snapshot_loaded_beside_are_replays() -> None:
+    """Found by time, the stream may resume a little before the snapshot's version: the versions
+    below it are stale, not refused as numbers going back; after it, order is strict again."""
+    beside: dict[int, list] = {}
+    stream = list(_versions(6, PublishSettings(snapshot_every=3, chunk_bytes=4096), beside=beside))
+    f = WeightFollower("p")
+    assert [e.result.status for _, r in beside[3] for e in f.feed_snapshot(r, stream[2][0][0][0])] == [ApplyStatus.APPLIED]
+    statuses = [e.result.status for records, _ in stream[2:] for e in _feed(f, records)]
+    assert statuses == [ApplyStatus.STALE, ApplyStatus.STALE, ApplyStatus.APPLIED, ApplyStatus.APPLIED]
+    assert [e.result.status for e in _feed(f, stream[4][0][:1])] == [ApplyStatus.STALE]  # an applied number
+    assert _feed(f, [(stream[5][0][-1][0] + 1, stream[1][0][0][1])])[0].refused  # older, after newer ones
 
 
 def test_incomplete_version_and_bad_sha_are_refused() -> None:
