@@ -280,10 +280,11 @@ def build(run: RegionsRun) -> dict[str, Any]:
                       "write_to_start_s_median": _r(quantile(to_start, 0.5)), "write_to_start_s_p90": _r(quantile(to_start, 0.9)),
                       "transit_s": _r(transit), "error_trajectories": seen.errors.get(name, 0)})
 
-    # Weights: payload per version by kind; the WAN's bytes over the mixed phase per version.
+    # Weights: the stream's payload per version (every version a delta, but a publisher's first),
+    # the snapshots written beside it (only joiners read them); the WAN's bytes per version.
     manifests = sorted(seen.manifests.values(), key=lambda p: p.version)
     deltas = [p.payload_bytes for p in manifests if p.kind == WeightKind.DELTA]
-    snaps = [p.payload_bytes for p in manifests if p.kind == WeightKind.SNAPSHOT]
+    snaps = [p.payload_bytes for p in seen.snapshots.values()]
     # The link's counters over the whole run (Toxiproxy counts a connection when it closes):
     # region B is the node raas-b1 and this benchmark's WAN follower, both pulling every version.
     end = run.wan_bytes.get("end", {})
@@ -317,8 +318,9 @@ def build(run: RegionsRun) -> dict[str, Any]:
     live = [seen.live_b[p.version] - p.created_at / 1000 for p in manifests if p.version in seen.live_b and p.version > 0]
     live_d = [seen.live_b[p.version] - p.created_at / 1000 for p in manifests
               if p.version in seen.live_b and p.kind == WeightKind.DELTA]
+    # versions that have a snapshot (beside the stream: live in B by their delta all the same)
     live_s = [seen.live_b[p.version] - p.created_at / 1000 for p in manifests
-              if p.version in seen.live_b and p.kind == WeightKind.SNAPSHOT and p.version > 0]
+              if p.version in seen.live_b and p.version in seen.snapshots and p.version > 0]
 
     # Calibration or distribution? Each node's rate while it had a rollout running in the mixed
     # phase (its in-run speed, measured, not derived from its share) against its speed alone: a
@@ -356,6 +358,7 @@ def build(run: RegionsRun) -> dict[str, Any]:
         "wan_bytes_from_b_total": up,
         "wan_bytes_to_b_per_version": int(down / n_versions),
         "weights_bytes_per_version": int(sum(p.payload_bytes for p in manifests) / max(1, len(manifests))),
+        "snapshot_bytes_per_version_beside": int(sum(snaps) / max(1, len(manifests))),
         "weights_bytes_per_version_if_all_snapshots": int(statistics.mean(snaps)) if snaps else None,
         "region_b_version_lag_mean": _r(statistics.mean(lags)) if lags else None,
         "region_b_version_lag_max": max(lags) if lags else None,

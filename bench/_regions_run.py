@@ -23,6 +23,7 @@ from astraflow.kafka.local import LocalKafka
 from astraflow.kafka.topics import Topics
 from astraflow.kafka.wan import Link, Wan
 from astraflow.records import Metric, PolicyVersion, Trajectory, TrajectoryStatus
+from astraflow.weights.versions import SNAPSHOT_PARTITION
 
 FILTERS_OFF = ("filter.zero_variance", "filter.length", "filter.staleness")
 NODES = (("raas-a1", "a", False), ("raas-a2", "a", True), ("raas-b1", "b", False))  # name, region, slowed
@@ -40,7 +41,8 @@ class Seen:
     started: list[tuple[str, str, float, float]] = field(default_factory=list)  # node, task id, queued s, started s (its clock)
     inflight: list[tuple[str, float, float]] = field(default_factory=list)  # node, ts s, rollouts in flight
     node_version: list[tuple[str, float, int]] = field(default_factory=list)  # node, ts s, applied version
-    manifests: dict[int, PolicyVersion] = field(default_factory=dict)
+    manifests: dict[int, PolicyVersion] = field(default_factory=dict)  # the stream's (what every follower pulls)
+    snapshots: dict[int, PolicyVersion] = field(default_factory=dict)  # written beside it (joiners pull them)
     live_b: dict[int, float] = field(default_factory=dict)  # version -> applied by the WAN follower (epoch s)
     errors: dict[str, int] = field(default_factory=dict)  # node -> ERROR trajectories (not counted as rollouts)
     # the nodes' group's committed offsets of tasks, read about every second: (time s, partition,
@@ -196,9 +198,10 @@ class RegionsRun:
                     self.seen.inflight.append((rec.instance, rec.ts / 1000, rec.value))
                 elif rec.name == "policy_version":
                     self.seen.node_version.append((rec.instance, rec.ts / 1000, int(rec.value)))
-        for rec, _ in self.r_weights.read(10.0):
+        for rec, _, partition, _ in self.r_weights.read_located(10.0):
             if isinstance(rec, PolicyVersion):
-                self.seen.manifests.setdefault(rec.version, rec)
+                beside = partition == SNAPSHOT_PARTITION
+                (self.seen.snapshots if beside else self.seen.manifests).setdefault(rec.version, rec)
         if getattr(self, "commit_reader", None) is not None and time.time() - self._commits_at >= 1.0:
             self._commits_at = time.time()
             try:

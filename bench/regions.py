@@ -4,7 +4,8 @@ a simulated WAN, and a node slowed by a CPU quota; nodes leaving and joining.
 Setup (all real, on this machine): our own one-node Kafka (`--port`, default 27092) with a second
 listener advertised through Toxiproxy (`astraflow.kafka.wan`: `--latency-ms` each way,
 `--rate-kb-s` per connection and direction), the demo's roles (curator, reward, curate, trainer
-publishing bf16 weights, a snapshot every `--snapshot-every` versions, deltas in between) and
+publishing bf16 weights: every version a delta in the stream, a snapshot every `--snapshot-every`
+versions beside it, which only joining nodes read) and
 three RaaS nodes with the same settings and no per-node share: `raas-a1` (region A),
 `raas-a2` (region A, in a cgroup with `--slow-cpus` of one core) and `raas-b1` (region B: it
 bootstraps at the proxy, so tasks, weights and rollouts all cross the WAN).
@@ -24,8 +25,8 @@ Phases:
    measure), and the rollouts the node had in flight at its last metric before.
 4. **drain**: the curator paused until every issued task is trained or dead-lettered; tasks lost.
 
-Weights: per version, the payload bytes from its manifest (what every follower pulls, over the
-WAN in region B), deltas against snapshots; the WAN link's byte counters over the mixed phase
+Weights: per version, the payload bytes from its stream manifest (what every follower pulls,
+over the WAN in region B), against the snapshots written beside the stream; the WAN link's byte counters over the mixed phase
 divided by the versions published meanwhile; a `KafkaWeightFollower` in this process, through the
 WAN, gives the time from a version's manifest to its being applied in region B; each node's
 own `policy_version` metric (every 5 s) against the newest version published by then gives its

@@ -87,7 +87,7 @@ def test_mirror_carries_region_b_tasks_and_weights_out_and_rollouts_back(kafka: 
         for commit, values in ((True, [b"w1", b"w2", b"w3"]), (False, [b"aborted1", b"aborted2"])):
             tx.begin_transaction()
             for v in values:
-                tx.produce(t.weights("policy"), v)
+                tx.produce(t.weights("policy"), v, partition=0)  # the stream: one order
             tx.flush()
             (tx.commit_transaction if commit else tx.abort_transaction)(30)
         plain = Producer({"bootstrap.servers": kafka.bootstrap_servers})

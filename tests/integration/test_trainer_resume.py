@@ -36,7 +36,7 @@ from astraflow.kafka.topics import Topics
 from astraflow.models.tiny import init_tiny
 from astraflow.records import DeadLetter, PolicyVersion, TrainedSamples, TrainSample
 from astraflow.serde import AvroSerde
-from astraflow.weights.versions import latest_policy_version
+from astraflow.weights.versions import STREAM_PARTITION, latest_policy_version
 from trainers.callbacks import newest_checkpoint
 
 N_SAMPLES = 96  # 24 steps of 4
@@ -78,11 +78,12 @@ def _train(kafka: KafkaSettings, experiment: str, model: Path, run_dir: Path, cr
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _read(kafka: KafkaSettings, topic: str, isolation: str) -> list:
+def _read(kafka: KafkaSettings, topic: str, isolation: str, partitions: list[int] | None = None) -> list:
+    """The records of `topic` (of `partitions` only, when given)."""
     serde = AvroSerde()
     c = Consumer({**kafka.client_config(), "group.id": "audit", "isolation.level": isolation,
                   "enable.partition.eof": True, "auto.offset.reset": "earliest"})
-    parts = c.list_topics(topic, timeout=10).topics[topic].partitions
+    parts = partitions if partitions is not None else list(c.list_topics(topic, timeout=10).topics[topic].partitions)
     c.assign([TopicPartition(topic, p, 0) for p in parts])
     out, eof, deadline = [], set(), time.monotonic() + 30
     while len(eof) < len(parts) and time.monotonic() < deadline:
@@ -135,7 +136,10 @@ def test_kill_9_at_every_point_of_the_publish_cycle(kafka: KafkaSettings, experi
     for m in committed:
         checksums[m.version].add(m.state_checksum)
     assert all(len(c) == 1 for c in checksums.values()), "a version number carries two different weights"
-    numbers = [m.version for m in committed]
+    # the stream (snapshots beside it carry the same numbers and checksums, checked above)
+    stream = [r for r in _read(kafka, topics.weights("policy"), "read_committed", [STREAM_PARTITION])
+              if isinstance(r, PolicyVersion)]
+    numbers = [m.version for m in stream]
     assert numbers == sorted(set(numbers)), f"versions committed twice or out of order: {numbers}"
     assert len(uncommitted) > len(committed), "the mid-publication kill left no aborted version behind"
 
@@ -146,7 +150,7 @@ def test_kill_9_at_every_point_of_the_publish_cycle(kafka: KafkaSettings, experi
     twice = {k: v for k, v in per_sample.items() if len(v) > 1}
     assert not twice, f"trained twice in the followed lineage: {twice}"
     assert set(per_sample) == {s.sample_id for s in samples}, "samples lost"
-    step_of = {m.version: m.trainer_step for m in committed}
+    step_of = {m.version: m.trainer_step for m in stream}
     versions = sorted(step_of)
     for line in lines:
         v = line["version"]
