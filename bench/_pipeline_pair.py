@@ -31,6 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import _mp_timeline
 import _pipeline
 import _rl
 import torch
@@ -109,6 +110,7 @@ def run_pair_pipeline(policies: tuple[str, ...], models: dict[str, str], tasks: 
     probe = Consumer({**cfg.kafka.client_config(), "group.id": f"{exp}-probe", "enable.auto.commit": False})
     snapshots: dict[str, list[tuple[int, float, dict[str, torch.Tensor]]]] = {p: [] for p in policies}
     try:
+        started_at = time.time()
         for role in _roles(exp, policies, models, _pipeline.write_dataset(tasks, run_dir / "train.jsonl"), run_dir,
                            staleness=staleness, sigma=sigma, median_s=median_s, seed=seed, bonus=bonus,
                            env=role_env(cfg.kafka.bootstrap_servers), trainer_loss=trainer_loss):
@@ -117,12 +119,14 @@ def run_pair_pipeline(policies: tuple[str, ...], models: dict[str, str], tasks: 
         for p in policies:  # every group has a member and each trainer has published its version 0
             _pipeline.wait_ready(admin, [f"af.{exp}.raas", f"af.{exp}.reward", f"af.{exp}.curate"], probe,
                                  topics.weights(p), sup, _pipeline.READY_TIMEOUT_S)
+        ready_at = time.time()
         for f in followers.values():
             f.start()
         pids = [r.proc.pid for r in sup.roles if r.proc is not None]
         names = {r.proc.pid: r.name for r in sup.roles if r.proc is not None}
         by_role0 = {names[pid]: _cpu_s([pid]) for pid in pids}
         cpu0, load0 = _cpu_s(pids), os.getloadavg()[0]
+        resumed_at = time.time()
         control.set("curator", "pause", "off", issued_by="bench")
         marks = {p: eval_every for p in policies}
         deadline = time.monotonic() + timeout_s
@@ -153,15 +157,26 @@ def run_pair_pipeline(policies: tuple[str, ...], models: dict[str, str], tasks: 
                   "snapshots": {p: [(v, t - t0, st) for v, t, st in s] for p, s in snapshots.items()}}
         stamps = {t: _stamps(probe, t, cfg.topics.partitions)
                   for t in (topics.tasks, topics.rollouts, topics.scored, *(topics.train(p) for p in policies))}
+        trajectories = _records(probe, topics.rollouts, cfg.topics.partitions)
         result["groups"] = group_diagnostics(
-            _records(probe, topics.rollouts, cfg.topics.partitions),
+            trajectories,
             {p: _records(probe, topics.train(p), cfg.topics.partitions) for p in policies},
             {p: _trained_log(run_dir / p) for p in policies}, steps, t0, _rl.TOOL_TIMEOUT_S)
+        by_step = {p: _step_metrics(probe, topics.metrics, p) for p in policies}
         result["first_version"] = {
             p: _first_version_hops(run_dir / p, stamps[topics.tasks], stamps[topics.rollouts], stamps[topics.scored],
-                                   stamps[topics.train(p)], _first_step_metric(probe, topics.metrics, p),
+                                   stamps[topics.train(p)], _first_step_metric(by_step[p]),
                                    next((t for v, t, _ in snapshots[p] if v >= 1), None), t0)
             for p in policies}
+        spans, per_rollout = _mp_timeline.rollout_times(trajectories, t0)
+        result["timeline"] = {
+            "before_t0": {"roles_started": round(started_at - t0, 3), "roles_ready": round(ready_at - t0, 3),
+                          "curator_resumed": round(resumed_at - t0, 3)},
+            "node": {"occupancy": _mp_timeline.node_occupancy(spans, wall, _rl.SLOTS), "per_rollout": per_rollout},
+            "steps": {p: _mp_timeline.pipeline_steps(result["groups"][p]["groups"],
+                                                     _mp_timeline.steps_from_metrics(by_step[p], t0),
+                                                     [(v, t) for v, t, _ in result["snapshots"][p]])
+                      for p in policies}}
     finally:
         sup.stop_all()
         for f in followers.values():
@@ -305,9 +320,9 @@ def group_diagnostics(trajectories: list[Any], samples: dict[str, list[Any]], tr
     return out
 
 
-def _first_step_metric(consumer: Consumer, topic: str, policy: str) -> tuple[float, float, float] | None:
-    """The trainer's first step from the metrics topic: (time it logged it, `step_s`, `publish_s`).
-    It logs after publishing; `publish_s` is the checkpoint and the publication of that version."""
+def _step_metrics(consumer: Consumer, topic: str, policy: str) -> dict[int, dict[str, float]]:
+    """The policy's trainer steps from the metrics topic: step -> `ts` (when it logged the step, in
+    s; it logs after publishing) and its per-step metrics by name (`step_s`, `publish_s`, ...)."""
     from astraflow.kafka.clients import watermarks
     from astraflow.records import Metric
     from astraflow.serde import AvroSerde
@@ -323,6 +338,12 @@ def _first_step_metric(consumer: Consumer, topic: str, policy: str) -> tuple[flo
                 got[rec.name.removeprefix("trainer.")] = rec.value
             if msg.offset() >= high - 1:
                 break
+    return by_step
+
+
+def _first_step_metric(by_step: dict[int, dict[str, float]]) -> tuple[float, float, float] | None:
+    """The trainer's first step (`_step_metrics`): (time it logged it, `step_s`, `publish_s`).
+    It logs after publishing; `publish_s` is the checkpoint and the publication of that version."""
     first = by_step.get(min(by_step)) if by_step else None
     if first is None or "step_s" not in first:
         return None

@@ -80,6 +80,13 @@ scored trajectory and train sample of the groups its first step trained, the ste
 end and the version checkpointed and published (trainer's metrics: `step_s`, `publish_s`), and
 the version at the benchmark's follower (`first_version` in the JSON).
 
+**Timeline** (`timeline` in the JSON; the first 5 steps printed; `bench/_mp_timeline.py`): per
+policy and step, when its batch was complete, its step began and ended, and its snapshot; for the
+pipeline also its start-up before t0 and the node's rollouts in flight. Both clocks include the
+same work: every model loaded, no forward or backward pass run, no warm-up, the first task handed
+to the rollout engines at t0 (the loop: its first rollout request, after its engines and learners
+are built; the pipeline: the first task's Kafka timestamp, after every role is ready).
+
 Usage: python bench/multi_policy.py [--quick] [--sigmas 0.5,1.5] [--steps N] [--staleness K] [--seeds 0,1]
        [--modes trainer-centred,dataflow,pipeline] [--json OUT]
 
@@ -112,6 +119,7 @@ import _common
 import _rl
 import torch
 from _mp_figures import POLICIES, first_at_or_above, over_seeds, ratios, smoothed, targets_of
+from _mp_timeline import in_process_row, print_timeline
 
 from astraflow.dataflow.judge_rewards import SolverVerifier
 from astraflow.raas.backends.torch_backend import TorchBackend
@@ -152,6 +160,7 @@ class Run:
     load: tuple[float, float] = (0.0, 0.0)  # 1-min load average at the schedule's start and end
     trajectories: int = 0
     policies: dict[str, PolicyRun] = field(default_factory=lambda: {p: PolicyRun() for p in POLICIES})
+    timeline: dict[str, Any] = field(default_factory=lambda: {"steps": {p: [] for p in POLICIES}})  # `_mp_timeline`
 
     def summary(self, targets: dict[str, float | None], old_targets: dict[str, float], window: int,
                 heldout: int) -> dict[str, Any]:
@@ -160,7 +169,8 @@ class Run:
         out: dict[str, Any] = {"mode": self.mode, "sigma": self.sigma, "wall_s": round(self.wall_s, 1),
                                "trajectories": self.trajectories, "cpu_s": round(self.cpu_s, 1),
                                "cores_used": round(self.cpu_s / self.wall_s, 2) if self.wall_s else 0.0,
-                               "load_average": list(self.load), "cpu_s_by_role": self.cpu_s_by_role}
+                               "load_average": list(self.load), "cpu_s_by_role": self.cpu_s_by_role,
+                               "timeline": self.timeline}
         for p, r in self.policies.items():
             smooth = smoothed(r.score, window)
             hit = first_at_or_above(smooth, targets[p])
@@ -230,6 +240,7 @@ class Job:
         weights = learner.weights()
         self.backends[policy].update_weights(weights, learner.version)
         r.train_s += time.monotonic() - ts
+        run.timeline["steps"][policy].append(in_process_row(learner.version, ts - t0, time.monotonic() - t0))
         if learner.version == 1:  # its batch was there at `ts` (in-process: no hop between rollouts and learner)
             r.first_version = {"step_began": round(ts - t0, 3), "step_ended": round(time.monotonic() - t0, 3)}
         r.trained += sum(len(g) for g in groups)
@@ -342,6 +353,7 @@ def pipeline_run(sigma: float, args: argparse.Namespace, models: dict[str, str])
         run.policies[p].stale_dropped = out["stale_dropped"][p]
         run.policies[p].first_version = out["first_version"][p]
         run.policies[p].groups = out["groups"][p]
+    run.timeline = out["timeline"]
     score(run, scorers, heldout)
     return run
 
@@ -488,6 +500,7 @@ def main() -> None:
                     if x.first_version:
                         print(f"    {p} first version: " + ", ".join(f"{k} {v:.2f}s" for k, v in x.first_version.items()),
                               flush=True)
+                print_timeline(mode, r.timeline)
             base = runs["trainer-centred"]
             targets = {p: targets_of(list(runs.values()), p, args.target_frac, args.smooth) for p in POLICIES}
             old = {p: base.policies[p].score[0][2] + args.target_gain for p in POLICIES}
