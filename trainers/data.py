@@ -4,6 +4,10 @@
 assigned consumer (no group rebalances) and yields padded batches (`trainers.batching`), one per
 optimizer step, closed when `batch_size` samples or the `token_budget` are reached, or
 `max_wait_s` after the batch's first sample: the trainer never waits for a full batch.
+While its first batch is still filling, the stream hands the samples it has to `on_partial`
+once (`astraflow train`: the module's `warm_up`, a forward and backward pass whose gradients
+are dropped), so the process's one-time costs are paid while the rest of the batch arrives, not
+in the first optimizer step.
 
 Exactly-once training: each batch carries the next offset of every partition after its
 samples (``batch["meta"]["offsets"]``). The LightningModule hands them to
@@ -143,6 +147,10 @@ class TrainStream(IterableDataset):
         # current while the trainer trains, every `report_s` (0: only when the trainer reads).
         self.report_s = report_s
         self._lock = threading.RLock()  # the consumer, the buffers and the commits: one thread at a time
+        # Called once with the first incomplete batch, collated, before the stream waits for the rest
+        # (the module's warm-up; see the module docstring); None: nothing is done while waiting.
+        self.on_partial: Callable[[dict[str, Any]], None] | None = None
+        self._partial_done = False
         self._raw: list[Message] = []  # polled by the background reader, decoded by the next `_fill`
         self._uncommitted: dict[int, collections.deque[int]] = collections.defaultdict(collections.deque)  # taken offsets past the committed ones
         self._untracked: set[int] = set()  # partitions with more taken past the commit than `_uncommitted` keeps
@@ -419,6 +427,10 @@ class TrainStream(IterableDataset):
                 return items if n >= self.min_samples else None
             if self.stop_when_idle_s is not None and not n and now - idle_since >= self.stop_when_idle_s:
                 return None
+            if n and self.on_partial is not None and not self._partial_done:
+                self._partial_done = True  # once per stream: the one-time costs are paid once
+                self.on_partial(dict(collate([i.sample for i in items if i.sample is not None], self.pad_id)))
+                continue  # samples may have arrived meanwhile
             wait = self.max_wait_s - (now - first_at) if first_at else 0.5
             if self._fill(max(0.05, min(wait, 0.5))):
                 idle_since = time.monotonic()

@@ -48,6 +48,8 @@ class KafkaTrainData(L.LightningDataModule):
             self.stream = TrainStream(**self.stream_kwargs, resume_offsets=resume, dlq=dlq, window=self.window,
                                       should_stop=lambda: bool(getattr(self.trainer, "received_sigterm", False)))
             self.stream.newest_version = self.newest_version
+            # The module warms up on the first batch's samples while the rest arrive (trainers.data).
+            self.stream.on_partial = getattr(getattr(self.trainer, "lightning_module", None), "warm_up", None)
         # batch_size=None: the stream yields whole batches; one process reads Kafka (no workers).
         return DataLoader(self.stream, batch_size=None, num_workers=0)
 

@@ -126,10 +126,28 @@ class PolicyTrainer(L.LightningModule):
         self.last_staleness: dict[str, int] = {}
         self._last_step_at: float | None = None
         self._times: collections.Counter[str] = collections.Counter()  # seconds per part of this step (metrics)
+        self.warm_up_s: float | None = None  # the warm-up's duration, reported with the next step (`warm_up`)
 
     def on_fit_start(self) -> None:
         for ref in self._ref:
             ref.to(self.device)
+
+    def warm_up(self, batch: dict[str, Any]) -> None:
+        """One forward and backward pass on `batch` whose gradients are dropped: weights, optimizer,
+        versions and counters stay as they are. The stream calls it once with the first batch's
+        samples while the rest are still arriving (`trainers.data`), so the process's one-time
+        costs (first kernels and allocations, autograd's set-up) are paid during that wait instead
+        of in the first optimizer step. Skipped in a distributed run, whose backward would wait
+        for the other ranks."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return
+        t = time.perf_counter()
+        batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        loss, _ = self.compute_loss(batch)
+        loss.backward()
+        for p in self.model.parameters():
+            p.grad = None
+        self.warm_up_s = time.perf_counter() - t
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
@@ -290,6 +308,8 @@ class PolicyTrainer(L.LightningModule):
         metrics["policy_version"] = float(self.policy_version)
         metrics["loss_control_version"] = float(self.loss_control_version)
         metrics.update(self._times)  # commit_s, forward_s (loss included), backward_s, optimizer_s
+        if self.warm_up_s is not None:  # done while this batch was filling
+            metrics["warm_up_s"], self.warm_up_s = self.warm_up_s, None
         if meta is not None:  # the stream's share: waiting for and decoding records, collating them
             metrics.update(fetch_s=float(meta.get("fetch_s", 0.0)), collate_s=float(meta.get("collate_s", 0.0)))
         metrics["step_s"] = time.perf_counter() - now  # forward, backward and optimizer steps of this batch
