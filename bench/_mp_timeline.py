@@ -36,6 +36,8 @@ def steps_from_metrics(by_step: dict[int, dict[str, float]], t0: float) -> dict[
             continue
         publish = m.get("publish_s", 0.0)
         out[k] = {"began": round(m["ts"] - publish - m["step_s"] - t0, 3), "ended": round(m["ts"] - publish - t0, 3)}
+        if "warm_up_s" in m:  # the trainer's warm-up while this batch filled (`PolicyTrainer.warm_up`)
+            out[k]["warm_up_s"] = round(m["warm_up_s"], 3)
     return out
 
 
@@ -55,7 +57,8 @@ def pipeline_steps(groups: list[dict[str, Any]], trainer: dict[int, dict[str, fl
     at = dict(snapshots)
     steps = sorted(set(ready) | set(trainer) | {v for v in at if v > 0})
     return [{"step": k, "batch_ready": ready.get(k), "began": trainer.get(k, {}).get("began"),
-             "ended": trainer.get(k, {}).get("ended"), "snapshot": round(at[k], 3) if k in at else None} for k in steps]
+             "ended": trainer.get(k, {}).get("ended"), "snapshot": round(at[k], 3) if k in at else None,
+             **({"warm_up_s": trainer[k]["warm_up_s"]} if "warm_up_s" in trainer.get(k, {}) else {})} for k in steps]
 
 
 def node_occupancy(spans: list[tuple[float, float]], wall_s: float, max_inflight: int) -> dict[str, Any]:
@@ -93,7 +96,9 @@ def print_timeline(mode: str, timeline: dict[str, Any], steps: int = 5) -> None:
     for p, rows in timeline.get("steps", {}).items():
         cells = [f"{r['step']}: {f(r['batch_ready'])}/{f(r['began'])}/{f(r['ended'])}/{f(r['snapshot'])}"
                  for r in rows[:steps]]
-        print(f"    {mode} {p} steps (batch ready/began/ended/snapshot, s): " + "  ".join(cells), flush=True)
+        warm = [r["warm_up_s"] for r in rows if "warm_up_s" in r]
+        print(f"    {mode} {p} steps (batch ready/began/ended/snapshot, s): " + "  ".join(cells)
+              + (f"; warm-up before step 1: {warm[0]:.2f} s" if warm else ""), flush=True)
     if before := timeline.get("before_t0"):
         print("    before t0: " + ", ".join(f"{k} {v:.2f}s" for k, v in before.items()), flush=True)
     if node := timeline.get("node"):

@@ -11,8 +11,9 @@ pytestmark = pytest.mark.unit
 
 
 def test_trainer_steps_are_taken_back_by_their_publication_and_step() -> None:
-    steps = tl.steps_from_metrics({1: {"ts": 105.0, "step_s": 0.5, "publish_s": 0.25}, 2: {"ts": 109.0}}, 100.0)
-    assert steps == {1: {"began": 4.25, "ended": 4.75}}  # step 2 has no step_s: left out
+    steps = tl.steps_from_metrics({1: {"ts": 105.0, "step_s": 0.5, "publish_s": 0.25, "warm_up_s": 0.4},
+                                   2: {"ts": 109.0}}, 100.0)
+    assert steps == {1: {"began": 4.25, "ended": 4.75, "warm_up_s": 0.4}}  # step 2 has no step_s: left out
 
 
 def test_a_pipeline_step_is_ready_when_the_last_trajectory_of_its_groups_ended() -> None:
