@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import tempfile
 import threading
@@ -170,6 +171,79 @@ def wait_ready(admin: AdminClient, groups: list[str], probe: Consumer, weights: 
         if time.monotonic() > deadline:
             raise TimeoutError(f"roles not ready after {timeout_s:.0f}s: waiting for {missing}; see the role logs")
         time.sleep(0.5)
+
+
+def session_cpu_s(sessions: list[int]) -> float:
+    """User + system CPU seconds so far of every live process in these sessions (each role is a
+    session of its own, so its children, like the node's engine process, count too)."""
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) in sessions:
+                total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def session_threads(session: int) -> int:
+    """Threads of every live process in the session (torch's intra-op pool, Kafka clients' threads...)."""
+    n = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == session:
+                n += int(fields[17])
+        except (OSError, IndexError, ValueError):
+            pass
+    return n
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has spent busy since boot (all cores; /proc/stat, not idle or iowait)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuAccount:
+    """CPU seconds per role (its whole session), of this process and of the machine, between
+    `start` and `stop`: where the cores went during a run."""
+
+    def __init__(self, sup: Supervisor) -> None:
+        self.sessions = {r.name: r.proc.pid for r in sup.roles if r.proc is not None}
+        self.before = self._now()
+        self.after: dict[str, float] = {}
+        self.threads: dict[str, int] = {}
+
+    def _now(self) -> dict[str, float]:
+        own = os.times()
+        return {**{name: session_cpu_s([pid]) for name, pid in self.sessions.items()},
+                "bench": own.user + own.system, "machine": machine_busy_s(), "wall": time.monotonic()}
+
+    def stop(self) -> None:
+        self.after = self._now()
+        self.threads = {name: session_threads(pid) for name, pid in self.sessions.items()}
+
+    def notes(self) -> dict[str, float]:
+        """`cpu_s.<role>`, `cpu_s.bench`, `cpu_s.machine`, `cpu_s.other` (the machine less the
+        roles and this process: the broker, anything else running), `cores_busy` and
+        `threads.<role>` (at the end)."""
+        d = {k: round(self.after[k] - self.before[k], 2) for k in self.before}
+        wall = d.pop("wall")
+        out = {f"cpu_s.{k}": v for k, v in d.items()}
+        out["cpu_s.other"] = round(d["machine"] - sum(v for k, v in d.items() if k != "machine"), 2)
+        out["cores_busy"] = round(d["machine"] / wall, 2) if wall > 0 else 0.0
+        return {**out, **{f"threads.{k}": float(v) for k, v in self.threads.items()}}
+
+
+def print_cpu(notes: dict[str, float]) -> None:
+    cpu = {k.removeprefix("cpu_s."): v for k, v in notes.items() if k.startswith("cpu_s.")}
+    threads = {k.removeprefix("threads."): int(v) for k, v in notes.items() if k.startswith("threads.")}
+    if cpu:
+        print(f"  CPU s over the run ({notes.get('cores_busy', 0):.2f} cores busy): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items()))
+        print("  threads per role at the end: " + ", ".join(f"{k} {v}" for k, v in threads.items()))
 
 
 def _first_timestamp_s(consumer: Consumer, topic: str, partitions: int) -> float | None:
@@ -356,6 +430,7 @@ def run_pipeline(mode: str, workload: str, sigma: float, *, steps: int, eval_eve
                     sup, READY_TIMEOUT_S)
         follower.start()
         run.snapshots.append((0, 0.0, {k: v.detach().clone() for k, v in base.state_dict().items()}))
+        cpu = CpuAccount(sup)
         control.set("curator", "pause", "off", issued_by="bench")
         arrivals: list[tuple[int, float, dict[str, torch.Tensor]]] = []
         seen: dict[int, float] = {}  # version -> when it arrived here
@@ -370,6 +445,7 @@ def run_pipeline(mode: str, workload: str, sigma: float, *, steps: int, eval_eve
                 arrivals.append((version, time.time(), state))
                 next_mark = (version // eval_every + 1) * eval_every
             if version >= steps:
+                cpu.stop()
                 rolled_out = _end_offsets(probe, topics.rollouts, cfg.topics.partitions)  # first: the pipeline goes on
                 break
             sup.check()
@@ -394,6 +470,8 @@ def run_pipeline(mode: str, workload: str, sigma: float, *, steps: int, eval_eve
                      "backward_s", "optimizer_s", "send_s"):  # the trainer's own durations per step
             run.stages[f"trainer_{name}"] = [round(v, 3) for v in metrics.get(name, [])[:steps]]
         print_timeline(run.stages)
+        run.notes.update(cpu.notes())
+        print_cpu(run.notes)
     finally:
         sup.stop_all()
         follower.close()
