@@ -175,29 +175,22 @@ def wait_ready(admin: AdminClient, groups: list[str], probe: Consumer, weights: 
 
 def session_cpu_s(sessions: list[int]) -> float:
     """User + system CPU seconds so far of every live process in these sessions (each role is a
-    session of its own, so its children, like the node's engine process, count too)."""
-    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) in sessions:
-                total += (int(fields[11]) + int(fields[12])) / tick
-        except (OSError, IndexError, ValueError):
-            pass
-    return total
+    session of its own, so its children started in the same session count too)."""
+    return sum(cpu for _, _, session, cpu, _ in _processes().values() if session in sessions)
 
 
-def session_threads(session: int) -> int:
-    """Threads of every live process in the session (torch's intra-op pool, Kafka clients' threads...)."""
-    n = 0
+def _processes() -> dict[int, tuple[str, int, int, float, int]]:
+    """Every live process: pid -> (command name, parent pid, session, user + system CPU s, threads)."""
+    out, tick = {}, os.sysconf("SC_CLK_TCK")
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) == session:
-                n += int(fields[17])
+            text = stat.read_text()
+            name, rest = text.split(" (", 1)[1].rsplit(")", 1)
+            f = rest.split()
+            out[int(stat.parent.name)] = (name, int(f[1]), int(f[3]), (int(f[11]) + int(f[12])) / tick, int(f[17]))
         except (OSError, IndexError, ValueError):
             pass
-    return n
+    return out
 
 
 def machine_busy_s() -> float:
@@ -207,33 +200,52 @@ def machine_busy_s() -> float:
 
 
 class CpuAccount:
-    """CPU seconds per role (its whole session), of this process and of the machine, between
-    `start` and `stop`: where the cores went during a run."""
+    """Where the cores went between creation and `stop`: CPU seconds of each role (every process
+    descended from it: the node's engine runs in a session of its own), of this process, of the
+    other processes by command name (the broker is `java`) and of the machine. A process that
+    ended in between is not counted (none of the pipeline's does)."""
 
     def __init__(self, sup: Supervisor) -> None:
-        self.sessions = {r.name: r.proc.pid for r in sup.roles if r.proc is not None}
-        self.before = self._now()
-        self.after: dict[str, float] = {}
+        self.roles = {r.proc.pid: r.name for r in sup.roles if r.proc is not None}
+        self.start = _processes()
+        self.t0, self.busy0 = time.monotonic(), machine_busy_s()
+        self.cpu: dict[str, float] = {}
         self.threads: dict[str, int] = {}
+        self.wall = self.machine = 0.0
 
-    def _now(self) -> dict[str, float]:
-        own = os.times()
-        return {**{name: session_cpu_s([pid]) for name, pid in self.sessions.items()},
-                "bench": own.user + own.system, "machine": machine_busy_s(), "wall": time.monotonic()}
+    def _owner(self, procs: dict[int, tuple[str, int, int, float, int]], pid: int) -> str:
+        """The role whose process tree holds `pid`, else this process ('bench'), else its command name."""
+        at = pid
+        for _ in range(64):
+            if at in self.roles:
+                return self.roles[at]
+            if at == os.getpid():
+                return "bench"
+            if at not in procs or procs[at][1] <= 1:
+                break
+            at = procs[at][1]
+        return f"other:{procs[pid][0]}"
 
     def stop(self) -> None:
-        self.after = self._now()
-        self.threads = {name: session_threads(pid) for name, pid in self.sessions.items()}
+        procs = _processes()
+        self.wall, self.machine = time.monotonic() - self.t0, machine_busy_s() - self.busy0
+        self.cpu = {name: 0.0 for name in self.roles.values()}
+        for pid, (_, _, _, cpu, n) in procs.items():
+            owner = self._owner(procs, pid)
+            self.cpu[owner] = self.cpu.get(owner, 0.0) + cpu - (self.start[pid][3] if pid in self.start else 0.0)
+            if owner in self.roles.values():
+                self.threads[owner] = self.threads.get(owner, 0) + n
 
     def notes(self) -> dict[str, float]:
-        """`cpu_s.<role>`, `cpu_s.bench`, `cpu_s.machine`, `cpu_s.other` (the machine less the
-        roles and this process: the broker, anything else running), `cores_busy` and
-        `threads.<role>` (at the end)."""
-        d = {k: round(self.after[k] - self.before[k], 2) for k in self.before}
-        wall = d.pop("wall")
-        out = {f"cpu_s.{k}": v for k, v in d.items()}
-        out["cpu_s.other"] = round(d["machine"] - sum(v for k, v in d.items() if k != "machine"), 2)
-        out["cores_busy"] = round(d["machine"] / wall, 2) if wall > 0 else 0.0
+        """`cpu_s.<role>`, `cpu_s.bench`, `cpu_s.other:<command>` (the three largest, the rest
+        summed as `cpu_s.other`), `cpu_s.machine` (/proc/stat's busy time, the kernel's included),
+        `cores_busy` (machine / wall) and `threads.<role>` (at the end)."""
+        others = sorted(((k, v) for k, v in self.cpu.items() if k.startswith("other:")), key=lambda kv: -kv[1])
+        out = {f"cpu_s.{k}": round(v, 2) for k, v in self.cpu.items() if not k.startswith("other:")}
+        out.update({f"cpu_s.{k}": round(v, 2) for k, v in others[:3]})
+        out["cpu_s.other"] = round(sum(v for _, v in others[3:]), 2)
+        out["cpu_s.machine"] = round(self.machine, 2)
+        out["cores_busy"] = round(self.machine / self.wall, 2) if self.wall > 0 else 0.0
         return {**out, **{f"threads.{k}": float(v) for k, v in self.threads.items()}}
 
 

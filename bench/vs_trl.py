@@ -199,7 +199,13 @@ def trl_run(workload: str, sigma: float, *, steps: int, eval_every: int, seed: i
                               train_dataset=data, processing_class=tokenizer, callbacks=[Clock()],
                               rollout_func=rollout)
         trainer.remove_callback(PrinterCallback)  # its end-of-training metrics dump; we print our own
+        import _pipeline
+
+        own0, busy0 = os.times(), _pipeline.machine_busy_s()
         trainer.train()
+        own1 = os.times()
+        run.notes["cpu_s.trl"] = round(own1.user + own1.system - own0.user - own0.system, 2)  # this process
+        run.notes["cpu_s.machine"] = round(_pipeline.machine_busy_s() - busy0, 2)
     run.trained = steps * _rl.SLOTS
     run.trajectories = run.trained
     if rollout is not None:
@@ -281,6 +287,8 @@ def main() -> None:
             else:
                 ap.error(f"unknown side {side!r}: choose from trl, astraflow, pipeline")
             runs[side] = r
+            if side == "trl":
+                print(f"  CPU s: TRL's process {r.notes['cpu_s.trl']:.1f}, machine {r.notes['cpu_s.machine']:.1f}")
             print(f"  {r.wall_s:.1f}s, {r.trained / r.wall_s:.1f} samples/s, success "
                   + " ".join(f"{s:.3f}@{t:.0f}s" for _, t, s in r.success), flush=True)
         target = runs["trl"].success[0][2] + args.target_gain
