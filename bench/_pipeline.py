@@ -180,21 +180,16 @@ def session_cpu_s(sessions: list[int]) -> float:
     return sum(p[3] for p in _processes().values() if p[2] in sessions)
 
 
-def _processes(syscalls: bool = False) -> dict[int, tuple[str, int, int, float, int, int]]:
-    """Every live process: pid -> (command name, parent pid, session, user + system CPU s, threads,
-    read + write system calls so far: with `syscalls`, else 0)."""
+def _processes() -> dict[int, tuple[str, int, int, float, int]]:
+    """Every live process: pid -> (command name, parent pid, session, user + system CPU s, threads)."""
     out, tick = {}, os.sysconf("SC_CLK_TCK")
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             text = stat.read_text()
             name, rest = text.split(" (", 1)[1].rsplit(")", 1)
             f = rest.split()
-            calls = 0
-            if syscalls:
-                io = dict(line.split(": ") for line in (stat.parent / "io").read_text().splitlines())
-                calls = int(io["syscr"]) + int(io["syscw"])
-            out[int(stat.parent.name)] = (name, int(f[1]), int(f[3]), (int(f[11]) + int(f[12])) / tick, int(f[17]), calls)
-        except (OSError, IndexError, ValueError, KeyError):
+            out[int(stat.parent.name)] = (name, int(f[1]), int(f[3]), (int(f[11]) + int(f[12])) / tick, int(f[17]))
+        except (OSError, IndexError, ValueError):
             pass
     return out
 
@@ -208,20 +203,18 @@ def machine_busy_s() -> float:
 class CpuAccount:
     """Where the cores went between creation and `stop`: CPU seconds of each role's process and
     of its descendants (`<role>+`: the node's engine process, in a session of its own), of this
-    process, of the other processes by command name (the broker is `java`) and of the machine;
-    read + write system calls of each role (sockets, files and pipes: how chatty it is). A process
-    that ended in between is not counted (none of the pipeline's does)."""
+    process, of the other processes by command name (the broker is `java`) and of the machine. A
+    process that ended in between is not counted (none of the pipeline's does)."""
 
     def __init__(self, sup: Supervisor) -> None:
         self.roles = {r.proc.pid: r.name for r in sup.roles if r.proc is not None}
-        self.start = _processes(syscalls=True)
+        self.start = _processes()
         self.t0, self.busy0 = time.monotonic(), machine_busy_s()
         self.cpu: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
         self.threads: dict[str, int] = {}
         self.wall = self.machine = 0.0
 
-    def _owner(self, procs: dict[int, tuple[str, int, int, float, int, int]], pid: int) -> str:
+    def _owner(self, procs: dict[int, tuple[str, int, int, float, int]], pid: int) -> str:
         """The role whose process tree holds `pid` (`<role>+` below the role's own process), else
         this process ('bench'), else 'other:<command name>'."""
         at = pid
@@ -236,30 +229,27 @@ class CpuAccount:
         return f"other:{procs[pid][0]}"
 
     def stop(self) -> None:
-        procs = _processes(syscalls=True)
+        procs = _processes()
         self.wall, self.machine = time.monotonic() - self.t0, machine_busy_s() - self.busy0
         self.cpu = {name: 0.0 for name in self.roles.values()}
-        for pid, (_, _, _, cpu, n, calls) in procs.items():
+        for pid, (_, _, _, cpu, n) in procs.items():
             owner = self._owner(procs, pid)
             was = self.start.get(pid)
             self.cpu[owner] = self.cpu.get(owner, 0.0) + cpu - (was[3] if was else 0.0)
             if not owner.startswith("other:") and owner != "bench":
-                role = owner.rstrip("+")
-                self.threads[role] = self.threads.get(role, 0) + n
-                self.calls[role] = self.calls.get(role, 0) + calls - (was[5] if was else 0)
+                self.threads[owner.rstrip("+")] = self.threads.get(owner.rstrip("+"), 0) + n
 
     def notes(self, prefix: str = "") -> dict[str, float]:
         """`cpu_s.<role>` (and `cpu_s.<role>+`), `cpu_s.bench`, `cpu_s.other:<command>` (the three
         largest, the rest summed as `cpu_s.other`), `cpu_s.machine` (/proc/stat's busy time, the
-        kernel's included), `cores_busy` (machine / wall), `syscalls.<role>` and `threads.<role>`
-        (at the end); every name after `prefix`."""
+        kernel's included), `cores_busy` (machine / wall) and `threads.<role>` (at the end); every
+        name after `prefix`."""
         others = sorted(((k, v) for k, v in self.cpu.items() if k.startswith("other:")), key=lambda kv: -kv[1])
         out = {f"cpu_s.{k}": round(v, 2) for k, v in self.cpu.items() if not k.startswith("other:")}
         out.update({f"cpu_s.{k}": round(v, 2) for k, v in others[:3]})
         out["cpu_s.other"] = round(sum(v for _, v in others[3:]), 2)
         out["cpu_s.machine"] = round(self.machine, 2)
         out["cores_busy"] = round(self.machine / self.wall, 2) if self.wall > 0 else 0.0
-        out.update({f"syscalls.{k}": float(v) for k, v in self.calls.items()})
         out.update({f"threads.{k}": float(v) for k, v in self.threads.items()})
         return {prefix + k: v for k, v in out.items()}
 
@@ -269,8 +259,8 @@ def print_cpu(notes: dict[str, float], prefix: str = "", what: str = "over the r
     cpu = {k.removeprefix("cpu_s."): v for k, v in got.items() if k.startswith("cpu_s.")}
     if cpu:
         print(f"  CPU s {what} ({got.get('cores_busy', 0):.2f} cores busy): " + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items()))
-        for name, label in (("syscalls.", "read+write system calls"), ("threads.", "threads at the end")):
-            print(f"    {label}: " + ", ".join(f"{k.removeprefix(name)} {int(v)}" for k, v in got.items() if k.startswith(name)))
+        print("    threads at the end: " + ", ".join(f"{k.removeprefix('threads.')} {int(v)}" for k, v in got.items()
+                                                 if k.startswith("threads.")))
 
 
 def _first_timestamp_s(consumer: Consumer, topic: str, partitions: int) -> float | None:
