@@ -174,12 +174,6 @@ def wait_ready(admin: AdminClient, groups: list[str], probe: Consumer, weights: 
         time.sleep(0.5)
 
 
-def session_cpu_s(sessions: list[int]) -> float:
-    """User + system CPU seconds so far of every live process in these sessions (each role is a
-    session of its own, so its children started in the same session count too)."""
-    return sum(p[3] for p in _processes().values() if p[2] in sessions)
-
-
 def _processes() -> dict[int, tuple[str, int, int, float, int]]:
     """Every live process: pid -> (command name, parent pid, session, user + system CPU s, threads)."""
     out, tick = {}, os.sysconf("SC_CLK_TCK")
