@@ -27,8 +27,13 @@ Guarantees (DESIGN.md, "RaaS node"):
 - a workflow may hand an agent program an OpenAI-compatible base URL and a key scoped to its
   rollout (`ctx.openai_endpoint()`, `astraflow.raas.agent_api`): one listener on 127.0.0.1;
 - on SIGTERM it stops taking work, drains what is in flight, commits and leaves the group;
-- a broker outage of any length only pauses it: commits go through `commit_offsets` (retried
-  until the coordinator is back) in a worker thread, so rollouts in flight go on meanwhile.
+- the main loop's commits are asynchronous (`commit(asynchronous=True)` between polls, one at a
+  time, its report served by a later poll), so the loop goes on fetching and starting tasks while
+  a commit crosses a slow link; a commit that fails is sent again with the next loop's offsets,
+  so a broker outage of any length only delays it. A revocation's commit (in the rebalance
+  callback, synchronous) follows the loop's in Kafka's order and carries the group's new
+  generation, so the loop's older commit can never land after it (the broker refuses an old
+  generation); before its final synchronous commit the node waits for the loop's to be answered.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from confluent_kafka import TopicPartition
+from confluent_kafka import KafkaException, TopicPartition
 
 from astraflow.config import AstraflowConfig
 from astraflow.dataflow.placement import SpeedMeter
@@ -66,6 +71,7 @@ from astraflow.records import Metric, NodeInfo, Task, Trajectory
 
 log = logging.getLogger("astraflow.raas")
 PAUSE_AFTER_S = 1.0  # a local buffer full for this long pauses the partitions (see the module docstring)
+COMMIT_REPORT_WAIT_S = 90.0  # the loop's commit unanswered this long (librdkafka answers within its 60 s request timeout): send another
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,11 @@ class RaasNode:
         self.metric_observers: list[Callable[[Metric], None]] = []  # e.g. a Prometheus collector's observe
         self.agent_api = AgentEndpoint(config.raas)  # OpenAI-compatible endpoint, listening once a rollout asks
 
+    # The loop's asynchronous commit in flight (positions, when sent), and librdkafka's commit
+    # reports (error, partitions, when), queued by the polling thread for the loop.
+    _commit_sent: tuple[dict[tuple[str, int], int], float] | None = None
+    _commit_reports: collections.deque | None = None
+
     _commit_rtts: collections.deque[float] | None = None  # durations of the last commits (the shortest is reported)
     _speed_meter: SpeedMeter | None = None  # tasks/s while rollouts are in flight (reported with commits)
     _owned: frozenset[tuple[str, int]] = frozenset()  # partitions assigned (the speed reported is split over them)
@@ -144,7 +155,7 @@ class RaasNode:
             self.cfg.kafka, self.s.group_id or f"af.{self.s.experiment}.raas",
             [self.topics.tasks_of(self.s.tasks_region) if self.s.tasks_region else self.topics.tasks],
             component="raas", dlq=self.dlq, expect=Task, on_assign=self._on_assign,
-            on_revoke=self._on_revoke,
+            on_revoke=self._on_revoke, on_commit=self._on_commit,
             # Tasks are small and a node waits on them: fetch as soon as any arrive.
             **{"fetch.wait.max.ms": 20, "fetch.min.bytes": 1, "queued.max.messages.kbytes": 1024, **self._session()},
         )
@@ -209,7 +220,7 @@ class RaasNode:
                 self._slot_freed.clear()  # a rollout ending from here on wakes the next wait
                 self._start_ready()
                 self.producer.poll(0)
-                await self._commit_in_thread(start_meanwhile=True)
+                await self._commit_async()
                 if time.monotonic() - last_metrics >= self.s.metrics_interval_s:
                     mark = self._publish_metrics(mark)
                     last_metrics = time.monotonic()
@@ -218,9 +229,10 @@ class RaasNode:
             while self._running:
                 await asyncio.to_thread(self.consumer.poll_batch, 1, 0.1)  # keep membership while draining
                 self.producer.poll(0)
-                await self._commit_in_thread()
+                await self._commit_async()
                 await asyncio.sleep(0.05)
             self.producer.flush()
+            await self._settle_commit()
             self._commit()
             self._publish_metrics(mark)
             self.producer.flush()
@@ -366,39 +378,83 @@ class RaasNode:
         if positions and self._commit_positions(positions):
             self.offsets.mark_committed(positions)
 
-    async def _commit_in_thread(self, start_meanwhile: bool = False) -> None:
-        """The main loop's commit: an outage blocks only this coroutine, not the rollouts. With
-        `start_meanwhile`, a rollout that ends while the commit waits on the broker has its room
-        refilled from the buffer at once (a group's last sample ends just when its task commits)."""
+    def _on_commit(self, err, partitions: list[TopicPartition]) -> None:
+        """librdkafka's report of a commit, served by a poll in the polling thread: queued for the loop."""
+        if self._commit_reports is None:
+            self._commit_reports = collections.deque()
+        self._commit_reports.append((err, partitions, time.monotonic()))
+
+    def _take_commit_reports(self) -> None:
+        """The loop's commit answered: its offsets marked committed where Kafka took them (a report
+        of other offsets is a synchronous commit's, handled where it was made)."""
+        while self._commit_reports:
+            err, partitions, at = self._commit_reports.popleft()
+            sent = self._commit_sent
+            if sent is None or {(tp.topic, tp.partition): tp.offset for tp in partitions or []} != sent[0]:
+                continue
+            self._commit_sent = None
+            took = {} if err is not None else {(tp.topic, tp.partition): tp.offset for tp in partitions if tp.error is None}
+            if took:
+                self._rtts().append(at - sent[1])
+                self.offsets.mark_committed(took)
+            if len(took) < len(sent[0]):  # sent again with the next loop's offsets (unless revoked meanwhile)
+                log.info("commit of %s not taken (%s); sending it again", sent[0],
+                         err.str() if err is not None else [tp.error for tp in partitions if tp.error])
+
+    async def _commit_async(self) -> None:
+        """The main loop's commit: sent without waiting for it (see the module docstring), one at
+        a time; what finishes meanwhile goes with the next."""
+        self._take_commit_reports()
+        if self._commit_sent is not None:
+            if time.monotonic() - self._commit_sent[1] < COMMIT_REPORT_WAIT_S:
+                return
+            log.warning("commit of %s unanswered after %.0f s; sending another", self._commit_sent[0], COMMIT_REPORT_WAIT_S)
+            self._commit_sent = None
         positions = self.offsets.to_commit()
         if not positions:
             return
-        commit = asyncio.ensure_future(asyncio.to_thread(self._commit_positions, positions))
-        while start_meanwhile and not commit.done():
-            freed = asyncio.ensure_future(self._slot_freed.wait())
-            await asyncio.wait([commit, freed], return_when=asyncio.FIRST_COMPLETED)
-            freed.cancel()
-            if self._slot_freed.is_set():
-                self._slot_freed.clear()
-                self._start_ready()
-        if await commit:
-            self.offsets.mark_committed(positions)
+        try:
+            if self.dlq.count:  # a dead-lettered task must be durable before its offset is committed
+                await asyncio.to_thread(self.dlq.producer.flush)
+            offsets = [TopicPartition(t, p, o, metadata=self._commit_meta()) for (t, p), o in positions.items()]
+            self.consumer.raw.commit(offsets=offsets, asynchronous=True)
+        except (AstraflowError, KafkaException) as exc:  # a dead letter refused; no partitions (revoked)
+            log.warning("tasks before %s not committed: %s", positions, exc)
+            return
+        self._commit_sent = (positions, time.monotonic())
+
+    async def _settle_commit(self, timeout_s: float = 30.0) -> None:
+        """Wait (polling: reports come with polls) until the loop's commit is answered, so that
+        the final synchronous commit cannot be overtaken by it."""
+        deadline = time.monotonic() + timeout_s
+        self._take_commit_reports()
+        while self._commit_sent is not None and time.monotonic() < deadline:
+            await asyncio.to_thread(self.consumer.poll_batch, 1, 0.1)
+            self._take_commit_reports()
+
+    def _rtts(self) -> collections.deque[float]:
+        if self._commit_rtts is None:
+            self._commit_rtts = collections.deque(maxlen=32)
+        return self._commit_rtts
+
+    def _commit_meta(self) -> str:
+        """The round trip for the placement's refill delay (astraflow.kafka.task_placer): the
+        shortest of the last commits, so that a node's own stalls (a CPU quota, a busy loop) do not
+        count; and its speed while busy, split over the partitions it owns (the placement's reserve)."""
+        rtts = self._rtts()
+        speed = self._speed().speed(time.monotonic(), self.tasks_done)
+        return commit_metadata(min(rtts) if rtts else None, None if speed is None else speed / max(1, len(self._owned)))
 
     def _commit_positions(self, positions: dict[tuple[str, int], int]) -> bool:
-        """Dead letters made durable first, then the offsets; waits out an outage. False when the
-        commit cannot succeed (partitions revoked: their next owner redoes those tasks)."""
+        """Blocking: dead letters made durable first, then the offsets; waits out an outage. False
+        when the commit cannot succeed (partitions revoked: their next owner redoes those tasks)."""
         try:
             if self.dlq.count:  # a dead-lettered task must be durable before its offset is committed
                 self.dlq.producer.flush()
-            # The round trip for the placement's refill delay (astraflow.kafka.task_placer): the shortest
-            # of the last commits, so that a node's own stalls (a CPU quota, a busy loop) do not count;
-            # and its speed while busy, split over the partitions it owns (the placement's reserve).
-            rtts = self._commit_rtts = self._commit_rtts if self._commit_rtts is not None else collections.deque(maxlen=32)
-            speed = self._speed().speed(time.monotonic(), self.tasks_done)
-            meta = commit_metadata(min(rtts) if rtts else None, None if speed is None else speed / max(1, len(self._owned)))
+            meta = self._commit_meta()
             began = time.monotonic()
             commit_offsets(self.consumer.raw, [TopicPartition(t, p, o, metadata=meta) for (t, p), o in positions.items()])
-            rtts.append(time.monotonic() - began)
+            self._rtts().append(time.monotonic() - began)
             return True
         except AstraflowError as exc:  # KafkaLayerError (revoked, fenced), ProduceError (a dead letter refused)
             log.warning("tasks before %s not committed: %s", positions, exc)

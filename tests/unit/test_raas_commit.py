@@ -1,7 +1,10 @@
-"""A RaaS node's commits ride out a broker outage (`commit_offsets`), in a worker thread.
+"""A RaaS node's commits: the main loop's asynchronous ones, and the blocking ones that ride out a
+broker outage (`commit_offsets`).
 
-The consumer here fails its commits as librdkafka does while the group coordinator is
-unreachable (_TRANSPORT), then recovers; the node's commit must wait for it, not drop the
+The loop's commit is sent without waiting (one at a time) and its offsets count as committed
+only once librdkafka reports them taken; a failed one goes again with the next offsets. The
+consumer here fails blocking commits as librdkafka does while the group coordinator is
+unreachable (_TRANSPORT), then recovers; the blocking commit must wait for it, not drop the
 commit, and must give up (without raising) only when the partitions were revoked.
 
 A node also reports its commit round trip in its commits' metadata (the placement's refill
@@ -60,15 +63,61 @@ def _node(consumer: OutageConsumer) -> RaasNode:
     return node
 
 
-def test_a_commit_during_an_outage_waits_for_the_coordinator() -> None:
-    consumer = OutageConsumer(failures=3)
-    node = _node(consumer)
-    asyncio.run(node._commit_in_thread())
-    assert consumer.committed == [[("tasks", 0, 3)]]
-    assert node.offsets.to_commit() == {}  # marked committed: not sent again
+class AsyncCommits:
+    """Records the asynchronous commits it is asked for; their reports come when the test says."""
+
+    def __init__(self) -> None:
+        self.sent: list[list[TopicPartition]] = []
+
+    def commit(self, offsets: list[TopicPartition], asynchronous: bool = True) -> None:
+        assert asynchronous
+        self.sent.append(offsets)
 
 
-def test_the_blocking_commit_waits_too() -> None:
+def _report(node: RaasNode, offsets: list[TopicPartition], err: KafkaError | None = None) -> None:
+    node._on_commit(err, [TopicPartition(tp.topic, tp.partition, tp.offset) for tp in offsets])
+
+
+def test_the_loops_commit_is_sent_without_waiting_and_counts_once_reported() -> None:
+    consumer = AsyncCommits()
+    node = _node(consumer)  # type: ignore[arg-type]
+    asyncio.run(node._commit_async())
+    assert [[(tp.partition, tp.offset) for tp in c] for c in consumer.sent] == [[(0, 3)]]
+    assert node.offsets.to_commit() == {("tasks", 0): 3}  # not answered yet: not counted
+    _finish(node, 3)
+    asyncio.run(node._commit_async())
+    assert len(consumer.sent) == 1  # one at a time: what finished meanwhile goes with the next
+    _report(node, consumer.sent[0])
+    asyncio.run(node._commit_async())
+    assert [[(tp.partition, tp.offset) for tp in c] for c in consumer.sent] == [[(0, 3)], [(0, 4)]]
+    _report(node, consumer.sent[1])
+    node._take_commit_reports()
+    assert node.offsets.to_commit() == {} and node._commit_sent is None
+
+
+def test_a_commit_that_failed_goes_again_with_the_next_offsets() -> None:
+    consumer = AsyncCommits()
+    node = _node(consumer)  # type: ignore[arg-type]
+    asyncio.run(node._commit_async())
+    _finish(node, 3)
+    _report(node, consumer.sent[0], KafkaError(KafkaError._TRANSPORT))  # the coordinator was away
+    asyncio.run(node._commit_async())
+    assert [[(tp.partition, tp.offset) for tp in c] for c in consumer.sent] == [[(0, 3)], [(0, 4)]]
+    assert node.offsets.to_commit() == {("tasks", 0): 4}
+
+
+def test_a_blocking_commits_report_is_not_taken_for_the_loops() -> None:
+    """librdkafka reports every commit; one of other offsets (the rebalance's, made in its
+    callback) neither counts the loop's as answered nor marks anything."""
+    consumer = AsyncCommits()
+    node = _node(consumer)  # type: ignore[arg-type]
+    asyncio.run(node._commit_async())
+    _report(node, [TopicPartition("tasks", 0, 2)])
+    node._take_commit_reports()
+    assert node._commit_sent is not None and node.offsets.to_commit() == {("tasks", 0): 3}
+
+
+def test_the_blocking_commit_waits_out_an_outage() -> None:
     consumer = OutageConsumer(failures=2, code=KafkaError.COORDINATOR_LOAD_IN_PROGRESS)
     node = _node(consumer)
     node._commit()
@@ -78,7 +127,7 @@ def test_the_blocking_commit_waits_too() -> None:
 def test_revoked_partitions_are_not_marked_committed_and_do_not_stop_the_node() -> None:
     consumer = OutageConsumer(failures=1, code=KafkaError.ILLEGAL_GENERATION)
     node = _node(consumer)
-    asyncio.run(node._commit_in_thread())
+    node._commit()
     assert consumer.committed == [] and consumer.attempts == 1
     assert node.offsets.to_commit() == {("tasks", 0): 3}  # still to commit (if the partition stays)
 
