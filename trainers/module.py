@@ -205,10 +205,9 @@ class PolicyTrainer(L.LightningModule):
 
     def _fast_logits(self, model: torch.nn.Module) -> Logits | None:
         """`astraflow.models.decoder.decoder_logits` of `model`, asked once per model (None: the
-        model's own forward, always under FSDP: its parameters are whole only inside its forward)."""
+        model's own forward)."""
         if id(model) not in self._fast:
-            sharded = self._trainer is not None and "FSDP" in type(self.trainer.strategy).__name__
-            self._fast[id(model)] = decoder_logits(model) if self.fast_forward and not sharded else None
+            self._fast[id(model)] = decoder_logits(model) if self.fast_forward else None
         return self._fast[id(model)]
 
     def loss_config_of(self, loss: LossSettings) -> PolicyLossConfig:
