@@ -35,7 +35,6 @@ import lightning as L
 import torch
 
 from astraflow.errors import ModelError, RLError
-from astraflow.models.decoder import Logits, decoder_logits
 from astraflow.rl import (
     PolicyLossConfig,
     policy_loss,
@@ -100,7 +99,6 @@ class PolicyTrainer(L.LightningModule):
         grad_clip: float | None = 1.0,
         minibatches: int = 1,
         ppo_epochs: int = 1,
-        fast_forward: bool = True,
     ) -> None:
         super().__init__()
         if minibatches < 1 or ppo_epochs < 1:
@@ -129,10 +127,6 @@ class PolicyTrainer(L.LightningModule):
         self._last_step_at: float | None = None
         self._times: collections.Counter[str] = collections.Counter()  # seconds per part of this step (metrics)
         self.warm_up_s: float | None = None  # the warm-up's duration, reported with the next step (`warm_up`)
-        # Scoring passes through `astraflow.models.decoder.decoder_logits` where the model allows
-        # (the same logits without transformers' per-call plumbing); False: the model's own forward.
-        self.fast_forward = fast_forward
-        self._fast: dict[int, Logits | None] = {}
 
     def on_fit_start(self) -> None:
         for ref in self._ref:
@@ -178,7 +172,6 @@ class PolicyTrainer(L.LightningModule):
         ent = torch.zeros_like(logprobs) if entropy is not None else None
         lengths = attn.sum(dim=1).tolist()
         keeps_logits = _takes_logits_to_keep(type(model))
-        fast = self._fast_logits(model)
         for chunk in length_chunks(lengths):
             rows = torch.tensor(chunk, device=ids.device)
             width = max(int(max(lengths[i] for i in chunk)), 2)
@@ -186,9 +179,7 @@ class PolicyTrainer(L.LightningModule):
             cols = torch.nonzero(sub_mask[:, 1:].any(dim=0)).squeeze(1)  # logits at t score token t + 1
             if cols.numel() == 0:
                 continue
-            if fast is not None:  # the same logits without transformers' module plumbing
-                logits = fast(sub_ids, sub_attn, cols)
-            elif keeps_logits:
+            if keeps_logits:
                 logits = model(input_ids=sub_ids, attention_mask=sub_attn, use_cache=False, logits_to_keep=cols).logits
             else:
                 logits = model(input_ids=sub_ids, attention_mask=sub_attn, use_cache=False).logits[:, cols]
@@ -202,13 +193,6 @@ class PolicyTrainer(L.LightningModule):
                 ent[rows[:, None], cols[None, :] + 1] = torch.where(trained, h, torch.zeros_like(h))
             logprobs[rows[:, None], cols[None, :] + 1] = torch.where(trained, lp, torch.zeros_like(lp))
         return logprobs, ent
-
-    def _fast_logits(self, model: torch.nn.Module) -> Logits | None:
-        """`astraflow.models.decoder.decoder_logits` of `model`, asked once per model (None: the
-        model's own forward)."""
-        if id(model) not in self._fast:
-            self._fast[id(model)] = decoder_logits(model) if self.fast_forward else None
-        return self._fast[id(model)]
 
     def loss_config_of(self, loss: LossSettings) -> PolicyLossConfig:
         """The `PolicyLossConfig` of `loss` for this model (raises RLError when it is not valid)."""

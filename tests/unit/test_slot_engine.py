@@ -250,7 +250,7 @@ def test_the_llama_family_forward_matches_transformers_forward(tiny_model_dir: P
     logprobs; a model of another layout gets no fast forward."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from astraflow.models.decoder import decoder_forward
+    from astraflow.raas.backends.decoder import decoder_forward
 
     fast, plain = _engine(tiny_model_dir), _engine(tiny_model_dir)
     assert fast.fast_forward is not None

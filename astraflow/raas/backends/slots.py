@@ -42,8 +42,8 @@ import numpy as np
 import torch
 
 from astraflow.errors import AstraflowError
-from astraflow.models.decoder import decoder_forward
 from astraflow.raas.backends.base import GenerateRequest, Generation
+from astraflow.raas.backends.decoder import decoder_forward
 from astraflow.raas.backends.kv_cache import SlotKVCache
 from astraflow.raas.backends.sampling import sample_tokens
 from astraflow.weights.layout import ModelLayout
