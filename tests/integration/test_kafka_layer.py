@@ -120,7 +120,8 @@ def test_experiment_topics_have_the_right_configs(kafka: KafkaSettings, unique) 
         assert set(result.values()) == {"created"}
         assert set(admin.create(specs).values()) == {"exists"}
         listed = admin.list(f"af.{exp}.")
-        assert listed[f"af.{exp}.tasks"] == 3 and listed[f"af.{exp}.solver.weights"] == 1
+        assert listed[f"af.{exp}.tasks"] == 3
+        assert listed[f"af.{exp}.solver.weights"] == 2  # the stream (0) and the snapshots beside it (1)
         assert f"af.{exp}.verifier.train" in listed
         conf = admin.describe([f"af.{exp}.control", f"af.{exp}.solver.weights", f"af.{exp}.rollouts"])
         assert conf[f"af.{exp}.control"]["cleanup.policy"] == "compact"
