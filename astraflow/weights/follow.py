@@ -193,15 +193,11 @@ class WeightFollower:
         a = self._beside
         if not isinstance(record, WeightChunk) or a is None or record.policy != self.policy or record.version != a.m.version:
             return []
-        problem = a.add(record)
-        if problem is not None:
-            self._beside = None
-            return [self._give_up(a.m, a.offset, problem, PayloadError(problem))]
-        if not a.complete:
+        events = self._add_chunk(a, record, beside=True)
+        if events is None:
             return []
         self._beside = None
-        payload = b"".join(a.parts)
-        return [self._apply(a.m, a.offset, lambda: payload, beside=True)]
+        return events
 
     @property
     def loading(self) -> bool:
@@ -252,15 +248,22 @@ class WeightFollower:
         a = self._pending
         if a is None or c.policy != self.policy or c.version != a.m.version:
             return []  # chunks of a version we skip or gave up on
-        problem = a.add(c)
-        if problem is not None:
-            self._pending = None
-            return [self._give_up(a.m, a.offset, problem, PayloadError(problem))]
-        if not a.complete:
+        events = self._add_chunk(a, c)
+        if events is None:
             return []
         self._pending = None
+        return events
+
+    def _add_chunk(self, a: _Assembly, c: WeightChunk, beside: bool = False) -> list[FollowEvent] | None:
+        """Adds `c` to `a`: None while more chunks are due, else the event of `a`'s end (applied
+        or given up), after which the caller lets `a` go."""
+        problem = a.add(c)
+        if problem is not None:
+            return [self._give_up(a.m, a.offset, problem, PayloadError(problem))]
+        if not a.complete:
+            return None
         payload = b"".join(a.parts)
-        return [self._apply(a.m, a.offset, lambda: payload)]
+        return [self._apply(a.m, a.offset, lambda: payload, beside=beside)]
 
     def _apply(self, m: PolicyVersion, offset: int | None, payload_of: Callable[[], bytes],
                beside: bool = False) -> FollowEvent:
