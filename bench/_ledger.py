@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from astraflow.config import KafkaSettings
 from astraflow.errors import SerdeError
@@ -166,7 +166,13 @@ def tally(tasks: Iterable[IssuedTask], steps: list[Step], accounted: dict[str, s
 
 class TopicReader:
     """Reads a topic from its start, `read_committed`, in increments: `read()` returns what is new
-    up to the end of every partition (the last stable offset)."""
+    up to the end of every partition (the last stable offset).
+
+    librdkafka reports a partition's end (`_PARTITION_EOF`, at the offset where it arrived) once per
+    arrival there: a partition with nothing new since the previous read reports nothing again. So
+    the reader keeps where each partition's last end was, asks the broker for each partition's end
+    now (`read_committed`: its last stable offset, past any transaction markers) and counts a
+    partition whose end has not moved as read; the others it reads until their end is reported."""
 
     def __init__(self, kafka: KafkaSettings, topic: str, serde: AvroSerde | None = None) -> None:
         self.topic, self.serde = topic, serde or AvroSerde()
@@ -179,30 +185,47 @@ class TopicReader:
         self.partitions = parts
         self.consumer.assign([TopicPartition(topic, p, 0) for p in parts])  # 0: earliest (never deleted here)
         self.undecodable = 0
+        self.ended_at: dict[int, int] = {}  # partition -> offset of its last reported end
+        self.at_end = False  # the last read ended at every partition's end (False: its deadline came first)
 
     def read(self, timeout_s: float = 30.0) -> list[tuple[Any, int]]:
         """New records as (record, Kafka timestamp ms); stops at the end of every partition."""
         return [(rec, ts) for rec, ts, _, _ in self.read_located(timeout_s)]
 
+    def _unmoved(self, timeout_s: float) -> set[int]:
+        """Partitions whose end is where it was last reported (nothing new to read there)."""
+        out = set()
+        for p, at in self.ended_at.items():
+            try:
+                _, end = self.consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=timeout_s, cached=False)
+            except KafkaException:
+                continue  # unknown: read it until its end is reported
+            if end == at:
+                out.add(p)
+        return out
+
     def read_located(self, timeout_s: float = 30.0) -> list[tuple[Any, int, int, int]]:
-        """New records as (record, Kafka timestamp ms, partition, offset)."""
+        """New records as (record, Kafka timestamp ms, partition, offset); `at_end` says whether the
+        read reached every partition's end before `timeout_s`."""
         import time
 
         out: list[tuple[Any, int, int, int]] = []
-        eof: set[int] = set()
         deadline = time.monotonic() + timeout_s
-        while len(eof) < len(self.partitions) and time.monotonic() < deadline:
+        ended = self._unmoved(min(5.0, timeout_s))
+        while len(ended) < len(self.partitions) and time.monotonic() < deadline:
             for msg in self.consumer.consume(500, 0.5):
                 err = msg.error()
                 if err is not None:
                     if err.code() == KafkaError._PARTITION_EOF:
-                        eof.add(msg.partition())
+                        ended.add(msg.partition())
+                        self.ended_at[msg.partition()] = msg.offset()
                     continue
-                eof.discard(msg.partition())
+                ended.discard(msg.partition())
                 try:
                     out.append((self.serde.loads(msg.value()), msg.timestamp()[1], msg.partition(), msg.offset()))
                 except SerdeError:
                     self.undecodable += 1
+        self.at_end = len(ended) == len(self.partitions)
         return out
 
     def close(self) -> None:
@@ -224,6 +247,7 @@ class Ledger:
         self.unattributed_dead_letters: list[str] = []  # dead letters that name no task, trajectory or sample
         self.steps: list[Step] = []
         self.torn_lines = 0
+        self.complete = False  # the last refresh read every topic to its end (not cut by its timeout)
         self.serde = AvroSerde()
 
     def refresh(self, timeout_s: float = 30.0) -> None:
@@ -238,6 +262,7 @@ class Ledger:
                         self.tasks[rec.task_id] = IssuedTask(rec.task_id, int(rec.n_samples), ts, (r.topic, partition))
         for rec, _ in self.dlq_reader.read(timeout_s):
             self._dead_letter(rec)
+        self.complete = all(r.at_end for r in (*self.tasks_readers, self.dlq_reader))
         self.steps, self.torn_lines = parse_trained_log(self.trained_log.read_text()) if self.trained_log.exists() else ([], 0)
 
     def _dead_letter(self, dl: Any) -> None:

@@ -84,6 +84,14 @@ class RegionsRun:
         self.trained_log = self.work / "trained.jsonl"
         self.readers: list[TopicReader] = []
         self.drain_end: str | None = None  # how the drain ended (`drain`); None: not reached or cut
+        self.timing: dict[str, float] = {}  # where the time around the measured phases goes: step -> seconds
+        self._step_at = time.time()
+
+    def step(self, name: str) -> None:
+        """Records the seconds since the previous step under `name` (the report's `timing_s`)."""
+        now = time.time()
+        self.timing[name] = round(now - self._step_at, 1)
+        self._step_at = now
 
     # ---- setup -----------------------------------------------------------------------------------
 
@@ -91,10 +99,14 @@ class RegionsRun:
         import _rl
 
         a = self.a
+        self._step_at = time.time()
         self.kafka.up(echo=lambda *_: None)
+        self.step("setup_kafka")
         self.wan.up([Link("kafka-1", a.port + 2, a.port + 3)], echo=print)
+        self.step("setup_wan")
         if self.kafka_b is not None:
             self.kafka_b.up(echo=lambda *_: None)
+            self.step("setup_kafka_b")
         model = _rl.tiny_model_dir()
         tasks, _ = _rl.make_tasks(a.prompts, a.seed, "a")
         self.spec = PipelineSpec(
@@ -103,6 +115,7 @@ class RegionsRun:
             trainer_sets=(f"trainer.trained_log={self.trained_log}", "trainer.publish_dtype=bfloat16",
                           f"trainer.snapshot_every_versions={a.snapshot_every}", "trainer.max_staleness=null"))
         _, self.control = create_experiment(self.cfg, self.exp, filters_off=FILTERS_OFF)
+        self.step("setup_experiment")
         if self.kafka_b is not None:
             from astraflow.kafka.mirror import Mirror, MirrorPlan, prepare_topics
 
@@ -110,6 +123,7 @@ class RegionsRun:
             prepare_topics(plan, ["policy"], self.cfg.topics)
             self.mirror = Mirror(plan, self.work / "mirror", libs=self.kafka.libs)
             self.mirror.up(echo=print, timeout_s=300.0)
+            self.step("setup_mirror")
         for role in pipeline_roles(self.exp, self.spec, role_env(self.kafka.bootstrap), nodes=0):
             if role.name == "curator" and self.kafka_b is not None:  # a fixed share of the tasks for region B
                 role.cmd += ["--region-share", f"b={a.region_share}"]
@@ -119,6 +133,7 @@ class RegionsRun:
         self.probe = Consumer({**self.cfg.kafka.client_config(), "group.id": f"{self.exp}-probe", "log_level": 2})
         wait_ready(AdminClient(self.cfg.kafka.client_config()), [f"af.{self.exp}.reward", f"af.{self.exp}.curate"],
                    self.probe, self.topics.weights("policy"), self.sup, 300.0)
+        self.step("setup_roles_ready")
         self.ledger = Ledger(self.cfg.kafka, self.topics.tasks, self.topics.dlq, self.trained_log,
                              (self.topics.tasks_of("b"),) if self.kafka_b is not None else ())
         self.r_roll = TopicReader(self.cfg.kafka, self.topics.rollouts)
@@ -133,6 +148,8 @@ class RegionsRun:
         self._commits_at = 0.0
         self.quota = CpuQuota(self.exp, a.slow_cpus)
         self.control.set("curator", "pause", "off", issued_by="bench-regions")
+        self.step("setup_readers")
+        print(f"setup: {self.timing}", flush=True)
         print(f"experiment {self.exp}: Kafka {self.kafka.bootstrap}, region B via {self.kafka.wan_bootstrap}", flush=True)
 
     def node_role(self, name: str, region: str) -> Role:
@@ -264,6 +281,7 @@ class RegionsRun:
             print(f"calibrate {name}: {n / self.a.calib_s:.2f} rollouts/s alone so far (first after {first - t:.0f}s)",
                   flush=True)
             self.stop_node(name)
+        self.step("calibrate")
 
     def mixed(self) -> None:
         t = time.time()
@@ -276,6 +294,7 @@ class RegionsRun:
         self.marks["mixed_start"] = time.time()
         self.wait(self.a.mixed_s)
         self.marks["mixed_end"] = time.time()
+        self.step("mixed")
         print(f"mixed: {self.count(None, self.marks['mixed_start'], self.marks['mixed_end']) / self.a.mixed_s:.2f} rollouts/s",
               flush=True)
 
@@ -300,6 +319,7 @@ class RegionsRun:
             self.slow_down(node)
             self.wait(h / 2)
         self.marks["elastic_end"] = time.time()
+        self.step("elastic")
 
     def drain(self, idle_s: float = 60.0, timeout_s: float = 180.0) -> None:
         """Waits until every issued sample is trained or dead-lettered; `drain_end` says how it
@@ -316,7 +336,7 @@ class RegionsRun:
             if left == 0 and zero_seen:  # twice in a row: the curator's last transaction is read too
                 self.drain_end = "accounted"
                 break
-            zero_seen = left == 0
+            zero_seen = left == 0 and self.ledger.complete  # a read cut by its timeout proves nothing
             if left != last:
                 last, moved = left, time.time()
             elif left and time.time() - moved > idle_s:
@@ -328,6 +348,8 @@ class RegionsRun:
         if self.drain_end == "accounted" and self.ledger.outstanding():
             self.drain_end = "late tasks"  # tasks read after the check (run 12: 12 tasks): not a loss count
         self.marks["drained"] = time.time()
+        self.step("drain")
+        print(f"drain: {self.drain_end} after {self.timing['drain']:.0f} s", flush=True)
 
     # ---- figures ---------------------------------------------------------------------------------
 
@@ -353,10 +375,12 @@ class RegionsRun:
     def close_links(self) -> None:
         """Stops every role, so that every region-B connection closes: Toxiproxy 2.5 adds a
         connection's bytes to its counters only when the connection ends."""
+        self._step_at = time.time()
         self.sup.stop_all()
         if self.mirror is not None:  # MM2's connections through the link close with it
             self.mirror.down(echo=lambda *_: None)
         self.wan_bytes["end"] = self.wan.bytes().get("kafka-1", {})
+        self.step("stop_roles")
 
     def close(self) -> None:
         self.sup.stop_all()

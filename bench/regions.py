@@ -44,6 +44,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -97,6 +98,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     a = parse(argv)
+    started = time.time()
     # SIGTERM (a deadline, a test's timeout) ends the run through the `finally` below: roles,
     # the proxy, the brokers and the CPU group are removed, not left behind.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -127,10 +129,14 @@ def main(argv: list[str] | None = None) -> dict:
                 run.save_raw(out.with_suffix(".raw.pickle"))
                 report = run.report()
                 report["completed"] = "drained" in run.marks
+                run.step("report")
+                report["timing_s"] = dict(run.timing)
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(report, indent=1) + "\n")  # before printing, and when stopped early
         finally:
             run.close()
+            run.step("close")
+            print(f"timing (s): {run.timing}; {time.time() - started:.0f} s in all", flush=True)
     assert report is not None
     print_table(report)
     print(f"figures in {out}")

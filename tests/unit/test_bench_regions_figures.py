@@ -122,8 +122,11 @@ class _FakeRun:
     handlers: list[tuple] = []  # regions.main's signal.signal calls
 
     def __init__(self, a, exp: str) -> None:
-        self.a, self.marks, self.closed, self.saved = a, {}, False, None
+        self.a, self.marks, self.closed, self.saved, self.timing = a, {}, False, None, {}
         _FakeRun.instances.append(self)
+
+    def step(self, name: str) -> None:
+        self.timing[name] = 0.0
 
     def setup(self) -> None: ...
     def follow_wan(self, stop) -> None: ...
@@ -195,7 +198,7 @@ def test_the_drain_counts_as_accounted_only_when_nothing_is_outstanding_twice_an
 
     from _regions_run import RegionsRun
 
-    def drained(outstanding: list[int]) -> str:
+    def drained(outstanding: list[int], complete: bool = True, timeout_s: float = 30.0) -> str:
         run = RegionsRun.__new__(RegionsRun)
         left = list(outstanding)
         now = [left.pop(0)]
@@ -205,12 +208,14 @@ def test_the_drain_counts_as_accounted_only_when_nothing_is_outstanding_twice_an
                 now[0] = left.pop(0)
 
         run.control = SimpleNamespace(set=lambda *a, **k: None)
-        run.ledger = SimpleNamespace(refresh=refresh, outstanding=lambda: now[0])
+        run.ledger = SimpleNamespace(refresh=refresh, outstanding=lambda: now[0], complete=complete)
         run.refresh = run.wait = lambda *a: None
-        run.marks = {}
-        run.drain(idle_s=60.0, timeout_s=30.0)
+        run.marks, run.timing, run._step_at = {}, {}, 0.0
+        run.drain(idle_s=60.0, timeout_s=timeout_s)
         return run.drain_end
 
     assert drained([8, 4, 0, 0, 0]) == "accounted"
     assert drained([8, 0, 12, 4, 0, 0, 0]) == "accounted"  # a zero then the curator's last tasks: not yet
     assert drained([8, 0, 0, 12]) == "late tasks"  # tasks read only by the final read (run 12)
+    # reads cut by their timeout (some partition not read to its end): zeros prove nothing
+    assert drained([8, 0, 0, 0], complete=False, timeout_s=0.5) == "deadline"
