@@ -1,8 +1,10 @@
-"""Slower hardware, simulated: a cgroup v1 CPU quota on one process (root only).
+"""Hardware of a given speed, simulated: a cgroup v1 CPU quota on one process (root only).
 
 `CpuQuota(name, cpus)` creates `/sys/fs/cgroup/cpu/astraflow-<name>` with
 `cpu.cfs_quota_us = cpus * cpu.cfs_period_us` (0.3: at most 30% of one core, however idle the
-machine is), `add(pid)` moves a process into it (children it starts later inherit it; `add_tree`
+machine is) and a high `cpu.shares` (`SHARES`, 16 times a process's weight), so that the group also
+gets its quota when the machine is loaded (a device of its own: as fast in a busy run as alone).
+`add(pid)` moves a process into it (children it starts later inherit it; `add_tree`
 moves a process and every descendant already started, such as a RaaS node's engine process, which
 runs in a session and process group of its own), and
 `remove()` moves whatever is left back to the root group and deletes the group. The benchmark
@@ -17,6 +19,7 @@ from pathlib import Path
 from astraflow.errors import AstraflowError
 
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")
+SHARES = 16384  # cpu.shares of the group; a process of the root group weighs 1024
 
 
 class CpuQuotaError(AstraflowError):
@@ -36,6 +39,7 @@ class CpuQuota:
             self.path.mkdir(exist_ok=True)
             period = int((self.path / "cpu.cfs_period_us").read_text())
             (self.path / "cpu.cfs_quota_us").write_text(str(int(cpus * period)))
+            (self.path / "cpu.shares").write_text(str(SHARES))
         except OSError as exc:
             raise CpuQuotaError(f"cannot set up {self.path} ({exc}); run the benchmark as root") from exc
         self.cpus = cpus

@@ -260,7 +260,7 @@ def build(run: RegionsRun) -> dict[str, Any]:
         done_at[tid] = max(ts, done_at.get(tid, 0.0))
     commits = getattr(seen, "commits", [])  # (not in the raw records of runs before it was read)
     nodes = []
-    for name, region, slowed in run.node_specs:
+    for name, region in run.node_specs:
         n = run.count(name, t0, t1)
         share = n / mixed_total
         expected = alone[name] / total_alone if name in alone else None  # None: not calibrated (--no-calibrate)
@@ -268,7 +268,7 @@ def build(run: RegionsRun) -> dict[str, Any]:
         spans = spans_of.get(name, [])
         mine = [tid for tid, at in issued_sorted if tid in where_of and owner_at(by_part, where_of[tid], at) == name]
         to_start = [first_start[tid] - issued_at[tid] for tid in mine if t0 <= first_start.get(tid, -1.0) < t1]
-        nodes.append({"node": name, "region": region, "slowed_cpus": a.slow_cpus if slowed else None,
+        nodes.append({"node": name, "region": region, "cpus": run.cpus.get(name) or None,
                       "alone_rps": _r(alone.get(name)), "rel_speed": _r(alone[name] / fastest) if name in alone else None,
                       "mixed_rps": _r(n / (t1 - t0)), "share": _r(share), "expected_share": _r(expected),
                       "share_dev": None if expected is None else _r((share - expected) / expected if expected else 0.0),
@@ -310,7 +310,7 @@ def build(run: RegionsRun) -> dict[str, Any]:
         return versions, seconds
 
     lags, lag_by_node = lag_of("raas-b1")[0], {}
-    for name, _, _ in run.node_specs:
+    for name, _ in run.node_specs:
         v, sec = lag_of(name)
         lag_by_node[name] = {"versions_mean": _r(statistics.mean(v)) if v else None, "versions_max": max(v) if v else None,
                              "seconds_mean": _r(statistics.mean(sec)) if sec else None,

@@ -26,11 +26,24 @@ from astraflow.records import Metric, PolicyVersion, Trajectory, TrajectoryStatu
 from astraflow.weights.versions import SNAPSHOT_PARTITION
 
 FILTERS_OFF = ("filter.zero_variance", "filter.length", "filter.staleness")
-NODES = (("raas-a1", "a", False), ("raas-a2", "a", True), ("raas-b1", "b", False))  # name, region, slowed
-NODES_MM2 = (*NODES, ("raas-b2", "b", False))  # --via mm2: two nodes in B, so a node's loss is not the region's
+NODES = (("raas-a1", "a"), ("raas-a2", "a"), ("raas-b1", "b"))  # name, region
+NODES_MM2 = (*NODES, ("raas-b2", "b"))  # --via mm2: two nodes in B, so a node's loss is not the region's
 # the elastic phase: (what, node): SIGTERM (a node leaves), kill -9 (a host dies), each followed by a restart
 EVENTS = {"wan": (("sigterm", "raas-b1"), ("kill9", "raas-a1")),  # kill -9 of the fastest node, loaded
           "mm2": (("sigterm", "raas-a1"), ("kill9", "raas-b1"))}  # raas-b2 stays in B
+
+
+def node_cpus(spec: str, names: list[str]) -> dict[str, float]:
+    """`--node-cpus` ("raas-a1=0.3,raas-a2=0.1,...") -> node -> cores, for the nodes of this run
+    (0 or not named: uncapped; a node of the other `--via` is ignored)."""
+    out = dict.fromkeys(names, 0.0)
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, _, cores = item.partition("=")
+        if name not in {n for n, _ in NODES_MM2}:
+            raise ValueError(f"--node-cpus names {name!r}, not a node ({', '.join(n for n, _ in NODES_MM2)})")
+        if name in out:
+            out[name] = float(cores)
+    return out
 
 
 @dataclass
@@ -54,6 +67,7 @@ class RegionsRun:
     def __init__(self, args: argparse.Namespace, exp: str) -> None:
         self.a, self.exp = args, exp
         self.node_specs = NODES_MM2 if args.via == "mm2" else NODES
+        self.cpus = node_cpus(args.node_cpus, [n for n, _ in self.node_specs])  # node -> cores (0: uncapped)
         self.work = Path(args.work_dir) / exp
         self.work.mkdir(parents=True, exist_ok=True)
         p = args.port
@@ -76,7 +90,7 @@ class RegionsRun:
         self.topics = Topics(exp)
         self.sup = Supervisor(self.work / "logs")
         self.nodes: dict[str, Role] = {}
-        self.quota: CpuQuota | None = None
+        self.quotas: dict[str, CpuQuota] = {}  # node -> its CPU group (--node-cpus; none: uncapped)
         self.seen = Seen()
         self.marks: dict[str, float] = {}  # event -> epoch s
         self.calib: dict[str, tuple[float, int, float]] = {}  # node -> (start, rollouts, seconds)
@@ -146,14 +160,14 @@ class RegionsRun:
         # the curator's placer reads it: a reader named after the nodes' group, which never joins it
         self.commit_reader = Consumer(reader_config(self.cfg.kafka, f"af.{self.exp}.raas", log_level=2))
         self._commits_at = 0.0
-        self.quota = CpuQuota(self.exp, a.slow_cpus)
+        self.quotas = {name: CpuQuota(f"{self.exp}-{name}", cpus) for name, cpus in self.cpus.items() if cpus}
         self.control.set("curator", "pause", "off", issued_by="bench-regions")
         self.step("setup_readers")
         print(f"setup: {self.timing}", flush=True)
         print(f"experiment {self.exp}: Kafka {self.kafka.bootstrap}, region B via {self.kafka.wan_bootstrap}", flush=True)
 
     def node_role(self, name: str, region: str) -> Role:
-        s, i = self.spec, [n for n, _, _ in self.node_specs].index(name)
+        s, i = self.spec, [n for n, _ in self.node_specs].index(name)
         boot = self.kafka.bootstrap if region == "a" else self.region_kafka.bootstrap_servers
         own = ["--tasks-region", region] if region != "a" and self.kafka_b is not None else []
         return Role(name, [*PY, "raas", "serve", "-e", self.exp, "-p", f"policy={s.model_dir}", "--max-inflight",
@@ -190,13 +204,12 @@ class RegionsRun:
         self.sup.start(role)  # supervised again (stop and kill_node drop it)
         return time.time()
 
-    def slow_down(self, name: str) -> None:
-        """The slowed node's CPU quota, applied once it serves (slower hardware, not a slower start-up:
+    def apply_quota(self, name: str) -> None:
+        """The node's CPU quota, applied once it serves (its hardware's speed, not a slower start-up:
         at a few percent of a core, loading torch alone would take minutes)."""
-        _, _, slowed = next(n for n in self.node_specs if n[0] == name)
         role = self.nodes[name]
-        if slowed and self.quota is not None and role.proc is not None:
-            self.quota.add_tree(role.proc.pid)
+        if name in self.quotas and role.proc is not None:
+            self.quotas[name].add_tree(role.proc.pid)
 
     # ---- reading back ----------------------------------------------------------------------------
 
@@ -268,12 +281,12 @@ class RegionsRun:
     # ---- phases ----------------------------------------------------------------------------------
 
     def calibrate(self) -> None:
-        for name, _, _ in self.node_specs:
+        for name, _ in self.node_specs:
             t = self.start_node(name)
             first = self.first_after(name, t)
             if first is None:
                 raise RuntimeError(f"{name} wrote no trajectory within 180 s; see {self.work / 'logs'}")
-            self.slow_down(name)
+            self.apply_quota(name)
             first = time.time()
             self.wait(self.a.calib_s)
             n = self.count(name, first, first + self.a.calib_s)  # so far: the report counts again, once all is read
@@ -285,11 +298,11 @@ class RegionsRun:
 
     def mixed(self) -> None:
         t = time.time()
-        for name, _, _ in self.node_specs:
+        for name, _ in self.node_specs:
             self.start_node(name)
-        for name, _, _ in self.node_specs:
+        for name, _ in self.node_specs:
             self.first_after(name, t)
-            self.slow_down(name)
+            self.apply_quota(name)
         self.refresh()
         self.marks["mixed_start"] = time.time()
         self.wait(self.a.mixed_s)
@@ -316,7 +329,7 @@ class RegionsRun:
             self.wait(h)
             self.marks[f"join_{node}"] = self.start_node(node)
             self.first_after(node, self.marks[f"join_{node}"])
-            self.slow_down(node)
+            self.apply_quota(node)
             self.wait(h / 2)
         self.marks["elastic_end"] = time.time()
         self.step("elastic")
@@ -365,7 +378,7 @@ class RegionsRun:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(pickle.dumps({"seen": self.seen, "marks": self.marks, "calib": self.calib,
                                        "wan_bytes": self.wan_bytes, "args": vars(self.a), "exp": self.exp,
-                                       "tasks": self.ledger.tasks, "logs": {n: self.node_log(n) for n, _, _ in self.node_specs}}))
+                                       "tasks": self.ledger.tasks, "logs": {n: self.node_log(n) for n, _ in self.node_specs}}))
 
     def report(self) -> dict:
         from _regions_report import build
@@ -392,8 +405,8 @@ class RegionsRun:
             self.probe.close()
         if getattr(self, "commit_reader", None) is not None:
             self.commit_reader.close()
-        if self.quota is not None:
-            self.quota.remove()
+        for q in self.quotas.values():
+            q.remove()
         if self.mirror is not None:
             self.mirror.down(echo=lambda *_: None)
         self.wan.down(echo=lambda *_: None)

@@ -219,3 +219,14 @@ def test_the_drain_counts_as_accounted_only_when_nothing_is_outstanding_twice_an
     assert drained([8, 0, 0, 12]) == "late tasks"  # tasks read only by the final read (run 12)
     # reads cut by their timeout (some partition not read to its end): zeros prove nothing
     assert drained([8, 0, 0, 0], complete=False, timeout_s=0.5) == "deadline"
+
+
+def test_node_cpus_gives_every_node_of_the_run_its_quota_and_refuses_unknown_names():
+    from _regions_run import node_cpus
+
+    names = ["raas-a1", "raas-a2", "raas-b1"]
+    assert node_cpus("raas-a1=0.3, raas-a2=0.1,raas-b1=0.2,raas-b2=0.2", names) == {
+        "raas-a1": 0.3, "raas-a2": 0.1, "raas-b1": 0.2}  # raas-b2: the --via mm2 node, not in this run
+    assert node_cpus("raas-a2=0.1", names) == {"raas-a1": 0.0, "raas-a2": 0.1, "raas-b1": 0.0}  # others uncapped
+    with pytest.raises(ValueError, match="raas-c1"):
+        node_cpus("raas-c1=0.5", names)
