@@ -90,18 +90,26 @@ class ChunkEncoder:
             crc = tensor_crc(n, crc)  # first touch: brings the chunk into cache for what follows
             mask = self._mask[: n.size]
             np.not_equal(o, n, out=mask)
+            if mask.all():  # every element changed (an fp32 Adam step): no indices to find or gather
+                records.append(self._encode_chunk(index, None, o, n))
+                n_changed += n.size
+                continue
             idx = np.flatnonzero(mask)
             if idx.size:
                 records.append(self._encode_chunk(index, idx, o[idx], n[idx]))
                 n_changed += idx.size
         return records, n_changed, crc
 
-    def _encode_chunk(self, index: int, idx: np.ndarray, old: np.ndarray, new: np.ndarray) -> bytes:
-        k = idx.size
-        gaps = np.empty(k, dtype=np.uint32)
-        gaps[0] = idx[0]
-        np.subtract(idx[1:], idx[:-1], out=gaps[1:], casting="unsafe")
-        gaps[1:] -= 1
+    def _encode_chunk(self, index: int, idx: np.ndarray | None, old: np.ndarray, new: np.ndarray) -> bytes:
+        """`idx`: positions of the changed elements `old`/`new` within the chunk (None: all of them)."""
+        k = new.size
+        if idx is None:  # the same bytes as the gaps of 0, 1, ..., k - 1: all zero
+            gaps = np.zeros(k, dtype=np.uint8)
+        else:
+            gaps = np.empty(k, dtype=np.uint32)
+            gaps[0] = idx[0]
+            np.subtract(idx[1:], idx[:-1], out=gaps[1:], casting="unsafe")
+            gaps[1:] -= 1
         signed = (new - old).view(SINT_OF[new.itemsize])  # wrapping difference of bit patterns
         neg = signed < 0
         mag = np.abs(signed).view(UINT_OF[new.itemsize])  # |INT_MIN| wraps to 2**(bits-1): still exact
@@ -172,7 +180,8 @@ def iter_delta_chunks(
 def decode_delta_chunk(
     head: tuple[int, ...], frame: memoryview, itemsize: int, chunk_len: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Decode one DELTA chunk into (positions within the chunk, wrapping bit differences)."""
+    """Decode one DELTA chunk into (positions within the chunk, wrapping bit differences); the
+    positions are `slice(None)` when every element of the chunk changed."""
     _, k, n_big, gw, mw, _ = head
     if mw > itemsize:
         raise DeltaFormatError(f"magnitude width {mw} exceeds the dtype's {itemsize} bytes")
@@ -180,18 +189,31 @@ def decode_delta_chunk(
         raise DeltaFormatError(f"a delta chunk changes {k} elements of a {chunk_len}-element chunk")
     flag_len = (k + 7) // 8
     raw = _decompress(frame, gw * k + 2 * flag_len + mw * n_big)
-    idx = _unplanes(raw[: gw * k], gw, k, 4).astype(np.int64)
-    idx += 1
-    np.cumsum(idx, out=idx)
-    idx -= 1
-    if idx[-1] >= chunk_len:
-        raise DeltaFormatError("a delta chunk points past the end of its tensor")
-    big = np.flatnonzero(np.unpackbits(raw[gw * k : gw * k + flag_len], count=k))
-    if big.size != n_big:
-        raise DeltaFormatError("a delta chunk's magnitude flags do not match its count")
+    idx: np.ndarray | slice
+    if k == chunk_len:  # every element changed: the gaps must all be 0 (any other points past the end)
+        if raw[: gw * k].any():
+            raise DeltaFormatError("a delta chunk points past the end of its tensor")
+        idx = slice(None)
+    else:
+        idx = _unplanes(raw[: gw * k], gw, k, 4).astype(np.int64)
+        idx += 1
+        np.cumsum(idx, out=idx)
+        idx -= 1
+        if idx[-1] >= chunk_len:
+            raise DeltaFormatError("a delta chunk points past the end of its tensor")
+    flags = np.unpackbits(raw[gw * k : gw * k + flag_len], count=k)
     udt = UINT_OF[itemsize]
-    diff = np.ones(k, dtype=udt)
-    diff[big] = _unplanes(raw[gw * k + 2 * flag_len :], mw, n_big, itemsize) + udt.type(2)
+    if n_big == k:  # every magnitude is big: no positions to scatter them to
+        if not flags.all():
+            raise DeltaFormatError("a delta chunk's magnitude flags do not match its count")
+        diff = _unplanes(raw[gw * k + 2 * flag_len :], mw, n_big, itemsize)
+        diff += udt.type(2)
+    else:
+        big = np.flatnonzero(flags)
+        if big.size != n_big:
+            raise DeltaFormatError("a delta chunk's magnitude flags do not match its count")
+        diff = np.ones(k, dtype=udt)
+        diff[big] = _unplanes(raw[gw * k + 2 * flag_len :], mw, n_big, itemsize) + udt.type(2)
     # Conditional two's-complement negation, (x ^ -s) + s, wraps like the encoder's subtraction
     # (and is ~20x faster than a masked np.negative).
     neg = np.unpackbits(raw[gw * k + flag_len : gw * k + 2 * flag_len], count=k).astype(udt)
