@@ -47,6 +47,10 @@ __all__ = ["BackendError", "TorchBackend", "sample_tokens"]
 log = logging.getLogger("astraflow.raas.engine")
 
 
+ENCODED_KEPT = 256  # texts whose ids `TorchBackend.encode` keeps (a node's groups in flight share their prompts)
+ENCODED_MAX_CHARS = 8192  # longer texts are encoded each time
+
+
 class TorchBackend:
     """Serves one policy with transformers + torch (CPU by default, CUDA when present)."""
 
@@ -67,6 +71,8 @@ class TorchBackend:
         self._lock = threading.Lock()
         self._applied = threading.Condition()
         self.ttft_s: collections.deque[float] = collections.deque(maxlen=100_000)  # submit -> first token, recent
+        self._encoded: dict[tuple[str, bool], tuple[int, ...]] = {}  # recent short texts' ids (see `encode`)
+        self._encoded_lock = threading.Lock()
         opts = {"max_batch": max_batch, "cache_slots": cache_slots, "device": device, "version": version, "seed": seed,
                 "threads": threads, "max_cache_lag": max_cache_lag}
         self.model: Any = None
@@ -108,7 +114,19 @@ class TorchBackend:
     # ---- public API ----------------------------------------------------------------------------
 
     def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_bos)
+        """The token ids of `text` (a new list each call). The last `ENCODED_KEPT` texts of up to
+        `ENCODED_MAX_CHARS` are remembered: the n samples of a group each encode the same prompt."""
+        if len(text) > ENCODED_MAX_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_bos)
+        key = (text, add_bos)
+        ids = self._encoded.get(key)
+        if ids is None:
+            ids = tuple(self.tokenizer.encode(text, add_special_tokens=add_bos))
+            with self._encoded_lock:
+                self._encoded[key] = ids
+                if len(self._encoded) > ENCODED_KEPT:
+                    del self._encoded[next(iter(self._encoded))]  # the oldest
+        return list(ids)
 
     def decode(self, ids: list[int] | np.ndarray) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
