@@ -54,7 +54,11 @@ it was faster than with 1 (156 vs 139 samples/s on (a), 8 steps), so 2 is its de
 Figures per workload: wall time, trained samples/s, train reward per step, held-out success
 start -> final, time to the target success (warm start + `--target-gain`), TRL/AstraFlow ratios.
 
-Usage: python bench/vs_trl.py [--quick] [--json OUT] [--sigmas 1.0] [--steps N] [--workloads a,b]
+`--repeats N` runs every workload's sides N times in turn (TRL, then the others, then TRL again...),
+the same work each time, and prints every repeat's samples/s ratio with their mean and median:
+the machine's speed drifts between runs (TRL alone measured 121-241 samples/s on the same code).
+
+Usage: python bench/vs_trl.py [--quick] [--json OUT] [--sigmas 1.0] [--steps N] [--workloads a,b] [--repeats N]
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -225,6 +230,17 @@ def steady_per_s(run: _rl.Run) -> float | None:
     return (marks[-1][0] - marks[0][0]) * _rl.SLOTS / (marks[-1][1] - marks[0][1])
 
 
+def repeat_summary(ratios: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per workload and side (the ratios' names without their ' #<repeat>'): the samples/s ratio
+    AstraFlow/TRL of every repeat, in order, with their mean and median."""
+    every: dict[str, list[float]] = {}
+    for name, r in ratios.items():
+        case, side = name.rsplit(" ", 1)
+        every.setdefault(f"{case.split(' #')[0]} {side}", []).append(r["samples_per_s_astraflow_over_trl"])
+    return {name: {"every": xs, "mean": statistics.fmean(xs), "median": statistics.median(xs)}
+            for name, xs in every.items()}
+
+
 def _clone(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -246,7 +262,12 @@ def main() -> None:
     ap.add_argument("--sides", default="trl,astraflow,pipeline",
                     help="trl, astraflow (in-process scheduling) and/or pipeline (the real Kafka pipeline)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run each workload's sides (TRL first, then the others, in turn) this many times: every "
+                         "repeat's ratios, then their mean and median (the machine's speed drifts between runs)")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
     args.steps = args.steps or (4 if args.quick else 16)
     args.eval_every = args.eval_every or 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach a hub
@@ -259,9 +280,9 @@ def main() -> None:
     cases = [(w, s) for w in args.workloads.split(",") for s in ([0.0] if w == "a" else
                                                                    [float(x) for x in args.sigmas.split(",")])]
     rows: list[dict[str, Any]] = []
-    for workload, sigma in cases:
+    for (workload, sigma), repeat in ((c, r) for c in cases for r in range(1, args.repeats + 1)):
         tasks, heldout = _rl.make_tasks(args.steps * _rl.PROMPTS_PER_STEP, args.seed, workload)
-        label = f"{workload}" + (f" (sigma {sigma})" if workload == "b" else "")
+        label = f"{workload}" + (f" (sigma {sigma})" if workload == "b" else "") + (f" #{repeat}" if args.repeats > 1 else "")
         runs: dict[str, _rl.Run] = {}
         trainer_threads = [int(x) for x in str(args.trainer_threads).split(",")]
         sides = [x for x in args.sides.split(",") if x != "trl"]
@@ -293,7 +314,8 @@ def main() -> None:
                   + " ".join(f"{s:.3f}@{t:.0f}s" for _, t, s in r.success), flush=True)
         target = runs["trl"].success[0][2] + args.target_gain
         for side, r in runs.items():
-            rows.append({"side": side, "case": label, **r.summary(target), "steady_per_s": steady_per_s(r)})
+            rows.append({"side": side, "case": label, "repeat": repeat, **r.summary(target),
+                         "steady_per_s": steady_per_s(r)})
 
     print()
     print(f"{'workload':<16} {'side':<12} {'wall s':>7} {'samples/s':>9} {'steady':>7} {'reward 1st->last':>16} "
@@ -318,7 +340,8 @@ def main() -> None:
         f"{c}: " + (f"{r['time_to_target_trl_over_astraflow']:.2f}x" if r["time_to_target_trl_over_astraflow"]
                     else "not reached by both") for c, r in ratios.items()))
     _common.write_json(args.json, "vs_trl", {
-        "trl_version": trl.__version__, "steps": args.steps, "samples_per_step": _rl.SLOTS, "lr": _rl.LR,
+        "trl_version": trl.__version__, "steps": args.steps, "repeats": args.repeats,
+        "repeat_summary": repeat_summary(ratios), "samples_per_step": _rl.SLOTS, "lr": _rl.LR,
         "group": _rl.GROUP, "median_s": args.median_s, "staleness": args.staleness,
         "threads": {"astraflow": "1 per role (decode, trainer)", "pipeline_trainer": trainer_threads,
                     "trl": args.trl_threads},
@@ -329,6 +352,10 @@ def main() -> None:
     print("AstraFlow vs TRL, steady samples/s (after the first snapshot): " + ", ".join(
         f"{c} {r['steady_per_s_astraflow_over_trl']:.2f}x" for c, r in ratios.items()
         if r["steady_per_s_astraflow_over_trl"] is not None))
+    if args.repeats > 1:
+        for name, summary in repeat_summary(ratios).items():
+            print(f"over {args.repeats} repeats, {name}: samples/s ratio mean {summary['mean']:.2f}x, median "
+                  f"{summary['median']:.2f}x, every repeat " + " ".join(f"{x:.2f}x" for x in summary["every"]))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from __future__ import annotations
 # variable, and the leak guard would blame the test.
 import _rl
 import pytest
-from vs_trl import ToolRollout, steady_per_s
+from vs_trl import ToolRollout, repeat_summary, steady_per_s
 
 pytestmark = pytest.mark.unit
 
@@ -55,3 +55,13 @@ def test_steady_samples_per_s_leave_out_the_time_to_the_first_snapshot() -> None
     assert steady_per_s(run) == 4 * _rl.SLOTS / 2.0
     run.success = [(0, 0.0, 0.1), (2, 3.0, 0.1)]
     assert steady_per_s(run) is None
+
+
+def test_repeats_are_summarised_per_workload_and_side_in_order() -> None:
+    ratios = {f"{case} #{k} {side}": {"samples_per_s_astraflow_over_trl": x}
+              for case, side, xs in (("a", "pipeline", [0.9, 1.5, 1.2, 1.0]), ("b (sigma 1.0)", "astraflow", [2.0, 3.0]))
+              for k, x in enumerate(xs, 1)}
+    got = repeat_summary(ratios)
+    assert got["a pipeline"] == {"every": [0.9, 1.5, 1.2, 1.0], "mean": pytest.approx(1.15), "median": pytest.approx(1.1)}
+    assert got["b (sigma 1.0) astraflow"]["every"] == [2.0, 3.0] and got["b (sigma 1.0) astraflow"]["median"] == 2.5
+    assert repeat_summary({"a pipeline": {"samples_per_s_astraflow_over_trl": 1.3}})["a pipeline"]["every"] == [1.3]
