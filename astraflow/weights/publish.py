@@ -78,13 +78,15 @@ def _log_kafka_error(err: KafkaError) -> None:
 
 
 def publisher_producer_config(transactional_id: str | None) -> dict[str, Any]:
-    """Producer settings of a weight publisher (on top of the shared ones)."""
-    if transactional_id is None:
-        return {"message.timeout.ms": 0, "error_cb": _log_kafka_error}  # wait for Kafka through any outage
+    """Producer settings of a weight publisher (on top of the shared ones). No Kafka compression:
+    the chunks are the weight codec's zstd frames already, and compressing them again would cost
+    the trainer (and every follower's decompression) CPU for nothing."""
+    if transactional_id is None:  # wait for Kafka through any outage
+        return {"message.timeout.ms": 0, "compression.type": "none", "error_cb": _log_kafka_error}
     # Transactional: records wait for Kafka up to the transaction timeout (librdkafka caps
     # message.timeout.ms there); a transaction aborted by then is retried whole.
     return {"transactional.id": transactional_id, "transaction.timeout.ms": TRANSACTION_TIMEOUT_MS,
-            "error_cb": _log_kafka_error}
+            "compression.type": "none", "error_cb": _log_kafka_error}
 
 
 class WeightPublisher:
