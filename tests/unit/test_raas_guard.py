@@ -181,3 +181,20 @@ def test_what_a_workflow_does_to_its_task_never_reaches_the_answer() -> None:
     traj = asyncio.run(run_workflow(meddling, ctx, 5.0))
     assert "trajectory_id='someone-else/1', expected 'task-7/1'" in traj.error
     assert traj.trajectory_id == "task-7/1" and traj.metadata == record.metadata and record.task_id == "task-7"
+
+
+def test_a_workflow_that_changes_its_task_in_place_leaves_the_record_as_read() -> None:
+    ctx = _ctx()
+    record = ctx.task
+    before = repr(record)
+
+    async def meddling(ctx: RolloutContext) -> Trajectory:
+        assert ctx.task is not record and ctx.task == record
+        ctx.task.metadata["added"] = "x"
+        ctx.task.policies.append("another")
+        ctx.task.sampling.stop.append("</zz>")
+        ctx.task.sampling.max_tokens = 1
+        return ctx.finish("x")
+
+    asyncio.run(run_workflow(meddling, ctx, 5.0))
+    assert repr(record) == before
