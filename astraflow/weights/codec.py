@@ -115,7 +115,7 @@ class ChunkEncoder:
         mag = np.abs(signed).view(UINT_OF[new.itemsize])  # |INT_MIN| wraps to 2**(bits-1): still exact
         mag -= 1  # >= 0; 0 for the one-ulp steps that dominate
         big = mag != 0
-        big_mag = np.compress(big, mag)  # np.compress is ~4x faster than mag[big]
+        big_mag = mag if big.all() else np.compress(big, mag)  # np.compress is ~4x faster than mag[big]
         big_mag -= 1
         gw = _width(gaps.max())
         mw = _width(big_mag.max()) if big_mag.size else 1
