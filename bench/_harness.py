@@ -21,6 +21,7 @@ from _pipeline import (
     PipelineSpec,
     app_role,
     create_experiment,
+    interrupt_on_sigterm,
     node_role,
     pipeline_roles,
     wait_ready,
@@ -291,6 +292,7 @@ class Harness:
         print(f"  drain: {last} samples still outstanding", flush=True)
         return False
 
+    @interrupt_on_sigterm()  # `timeout`/`kill` too: the phases so far are counted, every role and broker stopped
     def run(self) -> Report:
         t_start = time.time()
         try:
