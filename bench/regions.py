@@ -8,7 +8,7 @@ publishing bf16 weights: every version a delta in the stream, a snapshot every `
 versions beside it, which only joining nodes read) and
 three RaaS nodes with the same settings and no per-node share: `raas-a1` and `raas-a2` (region A)
 and `raas-b1` (region B: it bootstraps at the proxy, so tasks, weights and rollouts all cross the
-WAN). Each node's speed is its CPU quota (`--node-cpus`: 0.3, 0.1 and 0.2 cores, each in a cgroup
+WAN). Each node's speed is its CPU quota (`--node-cpus`: 0.3, 0.15 and 0.25 cores, each in a cgroup
 with a high weight so it gets its quota however loaded the machine is), like accelerators of
 different models: a node is as fast in the busy mixed phase as it was alone, and the rest of the
 machine is left to the broker, the proxy, the trainer and the stream apps.
@@ -63,7 +63,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--api-port", type=int, default=27474, help="Toxiproxy's API")
     ap.add_argument("--latency-ms", type=int, default=150, help="WAN latency each way (RTT: twice)")
     ap.add_argument("--rate-kb-s", type=int, default=256, help="WAN bandwidth per connection and direction")
-    ap.add_argument("--node-cpus", default="raas-a1=0.3,raas-a2=0.1,raas-b1=0.2,raas-b2=0.2",
+    ap.add_argument("--node-cpus", default="raas-a1=0.3,raas-a2=0.15,raas-b1=0.25,raas-b2=0.25",
                     help="each node's CPU quota in cores, from its first trajectory (its hardware's speed; 0: uncapped, "
                          "as fast as the machine's load lets it be)")
     ap.add_argument("--calib-s", type=float, default=None, help="each node alone (default 40; quick 20)")
