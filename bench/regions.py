@@ -15,7 +15,9 @@ machine is left to the broker, the proxy, the trainer and the stream apps.
 
 Phases:
 1. **calibrate**: each node alone (the others not running), `--calib-s` from its first
-   trajectory: its rollouts/s alone is its relative speed.
+   trajectory: its rollouts/s alone is its relative speed. Not with `--via mm2` (it needs
+   `--no-calibrate`): there region B gets a fixed share of the tasks, which a node alone in
+   region A leaves waiting until they fill the curator's window.
 2. **mixed**: all three, `--mixed-s`: rollouts/s and share per node, against the share its
    calibrated speed predicts; idle: the fraction of its metric samples (every 5 s) with nothing
    in flight while the raas group had tasks waiting.
@@ -95,6 +97,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "astraflow-regions"))
     ap.add_argument("--json", default=None, help="where to write the figures (default bench/results/regions.json)")
     a = ap.parse_args(argv)
+    if a.via == "mm2" and not a.no_calibrate:
+        # Each node alone in region A would leave region B's fixed share of the tasks unconsumed:
+        # they fill the curator's --max-ahead window and issuing stops (the next node then waits
+        # 180 s for a task that never comes).
+        ap.error("--via mm2 needs --no-calibrate: the curator sends region B its fixed --region-share "
+                 "of the tasks, so a node calibrated alone leaves that share waiting and the curator's "
+                 "--max-ahead window fills with it")
     a.calib_s = a.calib_s or (20.0 if a.quick else 40.0)
     a.mixed_s = a.mixed_s or (40.0 if a.quick else 90.0)
     a.hold_s = a.hold_s or (20.0 if a.quick else 30.0)

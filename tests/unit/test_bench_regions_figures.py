@@ -230,3 +230,16 @@ def test_node_cpus_gives_every_node_of_the_run_its_quota_and_refuses_unknown_nam
     assert node_cpus("raas-a2=0.1", names) == {"raas-a1": 0.0, "raas-a2": 0.1, "raas-b1": 0.0}  # others uncapped
     with pytest.raises(ValueError, match="raas-c1"):
         node_cpus("raas-c1=0.5", names)
+
+
+def test_mm2_without_no_calibrate_is_refused_before_anything_starts(capsys) -> None:
+    import regions
+
+    # Calibrating one node at a time cannot work through MirrorMaker 2: region B's fixed share
+    # of the tasks would fill the curator's window (the 180 s stall of a run at 19629e6).
+    with pytest.raises(SystemExit) as refused:
+        regions.parse(["--quick", "--via", "mm2"])
+    assert refused.value.code == 2 and "--no-calibrate" in capsys.readouterr().err
+    a = regions.parse(["--quick", "--via", "mm2", "--no-calibrate"])
+    assert a.via == "mm2" and a.no_calibrate
+    assert regions.parse(["--quick"]).via == "wan"  # calibration over the direct WAN link stays the default
