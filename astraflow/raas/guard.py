@@ -81,6 +81,7 @@ async def run_workflow(workflow: Workflow, ctx: RolloutContext, timeout_s: float
     record = ctx.task
     # The workflow's own copy: what it does to it never reaches the record. A pickle round trip is
     # a deep copy of a record (fields, lists, dicts, nested records) at a third of deepcopy's cost.
+    # It pickles the node's own decoded Task (validated Avro values), never bytes from Kafka.
     ctx.task = pickle.loads(pickle.dumps(record, pickle.HIGHEST_PROTOCOL))
     task = asyncio.ensure_future(_contained(workflow, ctx))
     if running is not None:
