@@ -21,7 +21,6 @@ import asyncio
 import dataclasses
 import inspect
 import logging
-import pickle
 import weakref
 from dataclasses import dataclass
 
@@ -79,10 +78,7 @@ async def run_workflow(workflow: Workflow, ctx: RolloutContext, timeout_s: float
     task is added to `running` (what `astraflow.raas.watchdog` may interrupt)."""
     label = f"{ctx.task.workflow[:200]} on {ctx.task.task_id}/{ctx.sample_index}"
     record = ctx.task
-    # The workflow's own copy: what it does to it never reaches the record. A pickle round trip is
-    # a deep copy of a record (fields, lists, dicts, nested records) at a third of deepcopy's cost.
-    # It pickles the node's own decoded Task (validated Avro values), never bytes from Kafka.
-    ctx.task = pickle.loads(pickle.dumps(record, pickle.HIGHEST_PROTOCOL))
+    ctx.task = record.copy()  # the workflow's own copy: what it does to it never reaches the record
     task = asyncio.ensure_future(_contained(workflow, ctx))
     if running is not None:
         running.add(task)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -68,6 +68,12 @@ class Task:
             "lineage": [s.to_avro() for s in self.lineage],
             "created_at": self.created_at,
         }
+
+    def copy(self) -> Task:
+        """A copy sharing nothing mutable with this task: its lists, dict and nested records are new
+        (strings and numbers are immutable), so changes to one never reach the other."""
+        return replace(self, policies=list(self.policies), sampling=replace(self.sampling, stop=list(self.sampling.stop)),
+                       metadata=dict(self.metadata), lineage=[replace(ref) for ref in self.lineage])
 
     @classmethod
     def from_avro(cls, d: dict[str, Any]) -> Task:
