@@ -21,10 +21,11 @@ trainer, counted until the trainer has consumed their samples):
 The benchmark process pauses the curator (control topic) while the roles start, waits until the
 node, reward and curate have joined their consumer groups and the trainer has published its
 version 0, then resumes it. The clock
-starts at the first task's Kafka timestamp and stops when the weights of version `steps` arrive
-at the benchmark's own `KafkaWeightFollower`, which also keeps a copy of the weights every
-`eval_every` versions; `_rl.score_snapshots` scores them after the run (no evaluation cost
-during it). Curate's two filters that drop trajectories the other modes train are switched off
+starts at the first task's Kafka timestamp and stops when the records of version `steps` have all
+arrived at the benchmark process (`_weight_tap.WeightTap`, which only collects the weights
+stream during the run); after the run the tap replays them through a `WeightFollower` for a copy
+of the weights every `eval_every` versions (the bits `KafkaWeightFollower` gives), and
+`_rl.score_snapshots` scores those (neither decoding nor evaluation costs the run anything). Curate's two filters that drop trajectories the other modes train are switched off
 on the control topic: `filter.zero_variance` (groups whose 8 rewards are equal) and
 `filter.length` (rollouts that hit the token limit). So every group is trained, as in the
 in-process modes and in TRL, and a step costs the same 64 rollouts everywhere;
@@ -49,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import _rl
-import torch
+from _weight_tap import WeightTap
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
@@ -60,7 +61,6 @@ from astraflow.demo.supervisor import Role, Supervisor
 from astraflow.kafka.clients import watermarks
 from astraflow.kafka.topics import TopicAdmin, Topics, topic_specs
 from astraflow.records import Metric, Task
-from astraflow.weights.follow import KafkaWeightFollower
 
 READY_TIMEOUT_S = 180.0
 IDLE_PROBE_S = 2.0  # the roles' CPU is also measured this long while they are ready and idle, before the run
@@ -427,7 +427,7 @@ def run_pipeline(mode: str, workload: str, sigma: float, *, steps: int, eval_eve
     topic_admin = TopicAdmin(cfg.kafka)
     topics = Topics(exp)
     sup = Supervisor(run_dir / "logs")
-    follower = KafkaWeightFollower(cfg.kafka, exp, "policy", request_snapshots=False, requester="bench")
+    tap = WeightTap(cfg.kafka, exp)
     probe = Consumer({**cfg.kafka.client_config(), "group.id": f"{exp}-probe", "enable.auto.commit": False})
     run = _rl.Run(f"pipeline-{mode}", workload, sigma)
     base, tokenizer = load_tiny(model_dir)
@@ -439,25 +439,17 @@ def run_pipeline(mode: str, workload: str, sigma: float, *, steps: int, eval_eve
         admin = AdminClient(cfg.kafka.client_config())
         wait_ready(admin, [f"af.{exp}.raas", f"af.{exp}.reward", f"af.{exp}.curate"], probe, topics.weights("policy"),
                     sup, READY_TIMEOUT_S)
-        follower.start()
+        tap.start()
         run.snapshots.append((0, 0.0, {k: v.detach().clone() for k, v in base.state_dict().items()}))
         idle = CpuAccount(sup)  # the roles ready, the curator paused: what they cost doing nothing
         time.sleep(IDLE_PROBE_S)
         idle.stop()
         cpu = CpuAccount(sup)
         control.set("curator", "pause", "off", issued_by="bench")
-        arrivals: list[tuple[int, float, dict[str, torch.Tensor]]] = []
-        seen: dict[int, float] = {}  # version -> when it arrived here
-        next_mark = eval_every
         deadline = time.monotonic() + timeout_s
         while True:
-            follower.poll(timeout_s=0.2)
-            version = follower.follower.version or 0
-            seen.setdefault(version, time.time())
-            if version >= min(next_mark, steps):
-                state = {k: v.detach().clone().float() for k, v in follower.follower.state.items()}
-                arrivals.append((version, time.time(), state))
-                next_mark = (version // eval_every + 1) * eval_every
+            tap.poll(timeout_s=0.2)  # collects only: the weights are decoded after the run
+            version = tap.version or 0
             if version >= steps:
                 cpu.stop()
                 rolled_out = _end_offsets(probe, topics.rollouts, cfg.topics.partitions)  # first: the pipeline goes on
@@ -466,6 +458,7 @@ def run_pipeline(mode: str, workload: str, sigma: float, *, steps: int, eval_eve
             if time.monotonic() > deadline:
                 raise TimeoutError(f"version {steps} not published within {timeout_s:.0f}s (at {version}); logs in "
                                    f"{run_dir / 'logs'}")
+        arrivals, seen = tap.replay(eval_every, steps)  # snapshots at the marks; version -> when it arrived here
         parts = cfg.topics.partitions
         t0 = _first_timestamp_s(probe, topics.tasks, parts)
         assert t0 is not None, "no task was issued"
@@ -490,7 +483,7 @@ def run_pipeline(mode: str, workload: str, sigma: float, *, steps: int, eval_eve
         print_cpu(run.notes, "idle.", f"in {IDLE_PROBE_S:.0f} s before the run, idle")
     finally:
         sup.stop_all()
-        follower.close()
+        tap.close()
         probe.close()
         topic_admin.delete([s.name for s in specs])
     _rl.score_snapshots(run, base, tokenizer, heldout)
