@@ -61,11 +61,17 @@ groups it drops as incomplete, so lost trajectories alone do not leak slots.
 measurement of the trainers' backlogs: figures that only fall as time passes (groups curated
 later are counted in `issued - curated` in full, samples trained later in the backlog), so a
 count from an older measurement is never below the truth and issuing on it never exceeds
-max-ahead. The backlogs are measured again (two small requests per policy, in a thread, so
-that feedback keeps being read meanwhile: the committed offsets of its trainer's group and the
-train topic's end offsets) while the count leaves no room, every `lag_interval_s` (each tick),
-so a trainer taking a batch frees its slots within a tick; at the next tick after feedback
-arrives (curate may have dropped a group); and once a second for the gauges.
+max-ahead. The backlogs are measured again (in a thread, so that feedback keeps being read
+meanwhile: the committed offsets of its trainer's group, one request per policy, and the train
+topic's end offsets when they may have moved, see below) while the count leaves no room, every
+`lag_interval_s` (each tick), so a trainer taking a batch frees its slots within a tick; at the
+next tick after feedback arrives (curate may have dropped a group); and once a second for the
+gauges. The end offsets move only when curate commits samples, in the same transaction as their
+feedback, so they are read again only when feedback arrived since they were last read (and at
+least once a second); in between, the last ones serve, counted with the `curated` read before
+them, which can only count more (older end offsets leave out only samples of groups that still
+count as not curated). While paused (`control set ... pause on`) the curator sends no request
+at all; its first tick after that measures before it issues.
 """
 
 from __future__ import annotations
@@ -175,7 +181,11 @@ class CuratorApp(AppHandler):
         self._gauge_due = 0.0  # ...and while not
         self._admin: Any = None  # end offsets of the train topics
         self._partitions: dict[str, list[int]] = {}  # train topic -> its partitions (read once, as the trainer does)
-        self._curated_at_lag: dict[str, int] = dict.fromkeys(self.throttled, 0)  # `curated_by` when the backlogs were measured
+        self._curated_at_lag: dict[str, int] = dict.fromkeys(self.throttled, 0)  # `curated_by` when the end offsets were read
+        self._ends: dict[str, dict[int, int]] = {}  # policy -> its train topic's end offsets, as last read
+        self._starts: dict[str, dict[int, int]] = {}  # train topic -> start offsets of partitions never committed
+        self._fed = True  # feedback arrived since the end offsets were last read: read them again
+        self._ends_due = 0.0  # ...and at least every gauge_interval_s
         self._lag_consumer: Any = None
         self._readers: dict[str, Any] = {}  # trainer group -> consumer that reads its committed offsets
         self._recovered = False  # the prompt_stats table was recovered: statistics are known
@@ -240,6 +250,7 @@ class CuratorApp(AppHandler):
         if self._on_feedback(key, inc.record) and inc.value is not None:
             self.worker.table("prompt_stats")[key.encode()] = inc.value
             self._lag_due = 0.0  # a group curate dropped frees its slot: measure at the next tick
+            self._fed = True  # curate committed samples (in the transaction of this record): new end offsets
 
     def _on_feedback(self, key: str, stats: PromptStats | None) -> bool:
         """Takes newer statistics of a prompt (primary or throttled policy); returns whether it did."""
@@ -275,9 +286,10 @@ class CuratorApp(AppHandler):
         """Train samples not consumed yet, of the policy with the most."""
         return max(self.backlog_by.values(), default=0)
 
-    def measure_backlog(self, policy: str) -> int:
+    def measure_backlog(self, policy: str, ends: bool = True) -> int:
         """Train samples of `policy` its trainer has not consumed yet (0 when trainers are ignored):
-        the end offsets first (read_committed: the last stable offsets), then the committed ones."""
+        the end offsets first (read_committed: the last stable offsets; with `ends` False, those
+        read last time), then the committed ones."""
         group = self.trainer_groups.get(policy)
         if group is None:
             return 0
@@ -296,15 +308,19 @@ class CuratorApp(AppHandler):
                                              isolation_level=IsolationLevel.READ_COMMITTED, request_timeout=10.0)
             return {tp.partition: f.result().offset for tp, f in asked.items()}
 
-        ends = offsets(OffsetSpec.latest(), parts)
+        if ends or policy not in self._ends:
+            self._ends[policy] = offsets(OffsetSpec.latest(), parts)
+        end = self._ends[policy]
         # committed() reads the offsets of the consumer's own group: one reader per trainer group.
         reader = self._readers.get(group)
         if reader is None:
             reader = self._readers[group] = Consumer(reader_config(self.worker.kafka, group))
         done = {tp.partition: tp for tp in reader.committed([TopicPartition(topic, p) for p in parts], timeout=10.0)}
         fresh = [p for p in parts if p not in done or done[p].offset < 0]  # never committed: from the partition's start
-        start = offsets(OffsetSpec.earliest(), fresh) if fresh else {}
-        return sum(max(0, ends[p] - start[p]) if p in start else pending_samples(ends[p], done[p].offset, done[p].metadata)
+        start = self._starts.setdefault(topic, {})
+        if any(p not in start for p in fresh):  # read once: a start that moved later (retention) only counts more
+            start.update(offsets(OffsetSpec.earliest(), [p for p in fresh if p not in start]))
+        return sum(max(0, end[p] - start[p]) if p in fresh else pending_samples(end[p], done[p].offset, done[p].metadata)
                    for p in parts)
 
     def ahead_by(self) -> dict[str, int]:
@@ -320,33 +336,44 @@ class CuratorApp(AppHandler):
             room = min(room, self.options.max_tasks - self.issued_here)
         return room
 
-    def _backlogs(self, place_at: float | None = None) -> dict[str, int | Exception]:
+    def _backlogs(self, ends: bool, place_at: float | None = None) -> dict[str, int | Exception]:
         """Each throttled policy's backlog, or why it could not be measured (runs in a thread);
-        with `place_at`, the placement observes the nodes' progress first."""
+        `ends`: read the end offsets again; with `place_at`, the placement observes the nodes'
+        progress first."""
         if place_at is not None and self.placer is not None:
             self.placer.observe(place_at)
         out: dict[str, int | Exception] = {}
         for policy in self.throttled:
             try:
-                out[policy] = self.measure_backlog(policy)
+                out[policy] = self.measure_backlog(policy, ends)
             except (KafkaException, AstraflowError) as exc:
                 out[policy] = exc
         return out
 
-    async def measure(self, place_at: float | None = None) -> None:
-        """The trainers' backlogs, and `curated` as it was just before (see below). The requests
-        run in a thread: the event loop meanwhile reads feedback (a blocked loop would leave groups
-        counted twice, in the backlog and as not curated, for longer)."""
-        # Groups curated after the backlog was measured are in `curated` but their samples are not
-        # in the backlog: counting them as done would issue more than max-ahead. So `curated` is
-        # read BEFORE the measurement (a group counts as ahead a little longer).
+    async def measure(self, now: float, place_at: float | None = None) -> None:
+        """The trainers' backlogs, and `curated` as it was just before the end offsets were read
+        (see below). The requests run in a thread: the event loop meanwhile reads feedback (a
+        blocked loop would leave groups counted twice, in the backlog and as not curated, for
+        longer). The end offsets are read again only when feedback arrived since they were last
+        read (curate writes samples and feedback in one transaction) or `gauge_interval_s` has
+        passed; otherwise the last ones serve, with the `curated` read before them."""
+        # Groups curated after the end offsets were read are in `curated` but their samples are
+        # not in the backlog: counting them as done would issue more than max-ahead. So `curated`
+        # is read BEFORE the end offsets (a group counts as ahead a little longer). Older end
+        # offsets with newer committed ones only count more: the samples of the groups in that
+        # `curated` all lie below those end offsets.
         curated = dict(self.curated_by)
-        for policy, backlog in (await asyncio.to_thread(self._backlogs, place_at)).items():
+        ends = self._fed or now >= self._ends_due
+        if ends:
+            self._fed, self._ends_due = False, now + self.options.gauge_interval_s
+        for policy, backlog in (await asyncio.to_thread(self._backlogs, ends, place_at)).items():
             if isinstance(backlog, Exception):  # a slow broker: keep the last figures, retry later
                 log.warning("could not measure the %s trainer's backlog (%s); using the last value", policy, backlog)
+                self._fed = True  # and read the end offsets again then
                 continue
             self.backlog_by[policy] = backlog
-            self._curated_at_lag[policy] = curated[policy]
+            if ends:
+                self._curated_at_lag[policy] = curated[policy]
 
     def tick(self, now: float) -> Awaitable[None] | None:
         """Issues what the count allows; measures the backlogs first when due (then returns that work)."""
@@ -355,17 +382,20 @@ class CuratorApp(AppHandler):
         self._observe()
         control = self.worker.control.get("pause")
         self.paused = control is not None and control.strategy.lower() in PAUSE_ON
+        if self.paused:  # nothing to issue: no requests either (the first tick after it measures, as due)
+            self.issue()
+            return None
         place_at = None
         if self.placer is not None and now >= self._place_due:  # the placement's own pace
             self._place_due, place_at = now + PLACE_INTERVAL_S, now
         if (now >= self._lag_due and self.room() <= 0) or now >= self._gauge_due or place_at is not None:
             self._lag_due, self._gauge_due = now + self.options.lag_interval_s, now + self.options.gauge_interval_s
-            return self._measured_then_issue(place_at)
+            return self._measured_then_issue(now, place_at)
         self.issue()
         return None
 
-    async def _measured_then_issue(self, place_at: float | None) -> None:
-        await self.measure(place_at)
+    async def _measured_then_issue(self, now: float, place_at: float | None) -> None:
+        await self.measure(now, place_at)
         self.issue()
 
     def issue(self) -> None:

@@ -54,7 +54,7 @@ def test_curator_keeps_at_most_max_ahead_tasks_until_feedback_arrives(tmp_path: 
 def test_curator_measures_the_trainers_while_blocked_and_issues_on_the_tick_room_is_made(tmp_path: Any) -> None:
     app, w = make_curator(tmp_path, max_ahead=2)
     serde, backlog, measured = AvroSerde(), [0], []
-    app.measure_backlog = lambda policy: measured.append(policy) or backlog[0]  # type: ignore[method-assign]
+    app.measure_backlog = lambda policy, ends=True: measured.append(policy) or backlog[0]  # type: ignore[method-assign]
     tick(app, 0.0)  # the first tick measures (gauges), then issues
     assert len(w.sent) == 2 and len(measured) == 1
     tick(app, 0.001)  # blocked, measured less than lag_interval_s ago: no request to Kafka
@@ -107,3 +107,46 @@ def test_curator_feeds_greso_the_zero_variance_share_it_sees(tmp_path: Any) -> N
     # all-solved share 100% > its target: skip more easy prompts; all-failed share 0%: skip fewer hard ones
     assert greso.p_easy == pytest.approx(0.4) and greso.p_hard == pytest.approx(0.6)
     assert app.curated == 4 and app._zv == [0, 0, 0]
+
+
+def test_curator_makes_no_request_while_paused_and_measures_before_it_issues_again(tmp_path: Any) -> None:
+    app, w = make_curator(tmp_path, max_ahead=2)
+    backlog, measured = [0], []
+    app.measure_backlog = lambda policy, ends=True: measured.append(ends) or backlog[0]  # type: ignore[method-assign]
+    w.control.set("curator", "pause", "on")
+    for t in range(20):  # well past every interval: still nothing asked of Kafka
+        tick(app, t * 0.5)
+    assert measured == [] and w.sent == [] and app.paused
+    backlog[0] = 4  # meanwhile (say, a restart) two groups of samples wait for the trainer
+    w.control.set("curator", "pause", "off")
+    tick(app, 10.0)
+    assert measured == [True] and app.ahead == 2 and w.sent == []  # measured first: no room, nothing issued
+
+
+def test_curator_reads_end_offsets_again_only_after_feedback_and_pairs_them_with_curated(tmp_path: Any) -> None:
+    app, w = make_curator(tmp_path, max_ahead=2)
+    serde, backlog, measured = AvroSerde(), [0], []
+    app.measure_backlog = lambda policy, ends=True: measured.append(ends) or backlog[0]  # type: ignore[method-assign]
+    tick(app, 0.0)  # the first measurement reads everything
+    assert measured == [True] and len(w.sent) == 2
+    lag = app.options.lag_interval_s
+    tick(app, lag + 0.001)  # blocked, no feedback since: the committed offsets only
+    assert measured == [True, False]
+    # a group is curated but its feedback is only in the statistics (as if read while the end offsets
+    # were being read): without new end offsets its samples may be missing from the backlog, so it
+    # must still count as ahead, whatever the committed offsets say
+    first = w.sent[0][1]
+    app._on_feedback(f"solver/{first.prompt_id}", PromptStats(first.prompt_id, "d", "solver", 1, 2, 1, 1, 1, 0, 4, 0, 0))
+    tick(app, 2 * lag + 0.002)
+    assert measured[-1] is False and app.curated == 1 and app.ahead == 2 and len(w.sent) == 2
+    # the feedback record itself arrives (curate's transaction is visible): new end offsets, counted with it
+    second = w.sent[1][1]
+    stats = PromptStats(second.prompt_id, "d", "solver", 1, 2, 1, 1, 1, 0, 4, 0, 0)
+    app.handle(Received(stats, "feedback", 0, 0, f"solver/{second.prompt_id}".encode(), 0, serde.dumps(stats), {}))
+    backlog[0] = 2  # one group's samples wait for the trainer
+    tick(app, 2 * lag + 0.003)
+    assert measured[-1] is True and len(w.sent) == 3 and app.ahead == 2  # 2 issued - 2 curated + 1 group: room for one
+    tick(app, 4 * lag)
+    assert measured[-1] is False
+    tick(app, 2 * lag + 0.004 + app.options.gauge_interval_s)  # and at least every gauge interval, feedback or not
+    assert measured[-1] is True

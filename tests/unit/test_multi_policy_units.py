@@ -84,7 +84,7 @@ def test_the_curator_waits_for_the_slowest_of_its_policies(tmp_path: Path) -> No
     app._on_feedback(f"c/{first}", stats("c", first, 1))
     tick(app, 2.0)
     assert len(w.sent) == 3 and app.curated == 1
-    app.measure_backlog = lambda policy: 4 if policy == "b" else 0  # b's trainer has 2 groups of samples to go
+    app.measure_backlog = lambda policy, ends=True: 4 if policy == "b" else 0  # b's trainer has 2 groups of samples to go
     tick(app, 3.0)
     assert len(w.sent) == 3 and app.ahead == 4
     assert app.gauges()["tasks_ahead.b"] == 4 and app.gauges()["train_backlog.b"] == 4
