@@ -186,6 +186,7 @@ class CuratorApp(AppHandler):
         self._starts: dict[str, dict[int, int]] = {}  # train topic -> start offsets of partitions never committed
         self._fed = True  # feedback arrived since the end offsets were last read: read them again
         self._ends_due = 0.0  # ...and at least every gauge_interval_s
+        self.measured = self.ends_read = 0  # backlog measurements, and those that read the end offsets
         self._lag_consumer: Any = None
         self._readers: dict[str, Any] = {}  # trainer group -> consumer that reads its committed offsets
         self._recovered = False  # the prompt_stats table was recovered: statistics are known
@@ -366,6 +367,7 @@ class CuratorApp(AppHandler):
         ends = self._fed or now >= self._ends_due
         if ends:
             self._fed, self._ends_due = False, now + self.options.gauge_interval_s
+        self.measured, self.ends_read = self.measured + 1, self.ends_read + ends
         for policy, backlog in (await asyncio.to_thread(self._backlogs, ends, place_at)).items():
             if isinstance(backlog, Exception):  # a slow broker: keep the last figures, retry later
                 log.warning("could not measure the %s trainer's backlog (%s); using the last value", policy, backlog)
@@ -455,12 +457,15 @@ class CuratorApp(AppHandler):
             "tasks_ahead": float(self.ahead), "tasks_issued_total": float(self.issued),
             "groups_curated_total": float(self.curated), "train_backlog": float(self.backlog),
             "prompts_skipped_total": float(self.skipped), "paused": float(self.paused),
+            "backlog_measurements_total": float(self.measured), "end_offset_reads_total": float(self.ends_read),
             "control_version.curator": float(self.slot.version),
             **{f"tasks_ahead.{p}": float(a) for p, a in self.ahead_by().items()},
             **{f"train_backlog.{p}": float(b) for p, b in self.backlog_by.items()},
         }
 
     def close(self) -> None:
+        log.info("curator: %d tasks issued here, %d backlog measurements, %d of them read the end offsets",
+                 self.issued_here, self.measured, self.ends_read)
         if self.placer is not None:
             self.placer.close()
         for consumer in [self._lag_consumer, *self._readers.values()]:

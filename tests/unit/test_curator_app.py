@@ -150,3 +150,4 @@ def test_curator_reads_end_offsets_again_only_after_feedback_and_pairs_them_with
     assert measured[-1] is False
     tick(app, 2 * lag + 0.004 + app.options.gauge_interval_s)  # and at least every gauge interval, feedback or not
     assert measured[-1] is True
+    assert app.gauges()["backlog_measurements_total"] == 6 and app.gauges()["end_offset_reads_total"] == 3
