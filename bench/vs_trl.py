@@ -328,9 +328,7 @@ def main() -> None:
               f"{rw[0]:>9.3f}->{rw[-1]:.3f} {x['start_success']:>13.3f}->{x['final_success']:.3f} {tt:>10}")
     ratios = {}
     for case in dict.fromkeys(x["case"] for x in rows):
-        t = next((x for x in rows if x["case"] == case and x["side"] == "trl"), None)
-        if t is None:  # --sides without trl: nothing to compare with
-            continue
+        t = next(x for x in rows if x["case"] == case and x["side"] == "trl")
         for a in (x for x in rows if x["case"] == case and x["side"] != "trl"):
             tt = t["time_to_target_s"] / a["time_to_target_s"] if t["time_to_target_s"] and a["time_to_target_s"] else None
             steady = (a["steady_per_s"] / t["steady_per_s"]) if a["steady_per_s"] and t["steady_per_s"] else None
