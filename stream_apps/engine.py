@@ -15,7 +15,9 @@ the consumer group `af.<experiment>.<app>`:
   not one `send` each) `SEND_LINGER_S` (25 ms) after the first of them was kept, once
   `SEND_BATCH_BYTES` (1 MiB) are kept, and before every commit of the partition, ahead of its
   offsets. Of the table writes handed over together, only the last one of each key goes (the
-  others are replaced in the same transaction: a recovery would read the last one anyway).
+  others are replaced in the same transaction: a recovery would read the last one anyway), and
+  none when that last one deletes a key the table did not hold before the first of them (curate's
+  group assembled and emitted in one burst: the changelog would only get a tombstone).
 * **Exactly-once** (`processing_guarantee="exactly_once"`): Faust keeps one transactional
   producer per assigned source partition. `ExactTransactionManager` (`stream_apps.transactions`
   lists every gap of Faust 0.15 it closes): outputs go to the transaction of the SOURCE
@@ -111,6 +113,7 @@ class _Out:
     value: bytes | None
     partition: int | None = None  # changelog writes (co-partitioned with the source), placed tasks (curator)
     table: bool = False  # a table's changelog write: only the last one per key of a hand-over is sent
+    born: bool = False  # ...and the table did not hold its key before it (`_last_table_writes`)
 
 
 _OUTBOX: contextvars.ContextVar[list[_Out] | None] = contextvars.ContextVar("astraflow_outbox", default=None)
@@ -120,7 +123,15 @@ _PARTITION: contextvars.ContextVar[int | None] = contextvars.ContextVar("astrafl
 def _last_table_writes(outs: list[_Out]) -> list[_Out]:
     """`outs` without the table writes a later write of the same key (same table, same partition)
     replaces: all of them are in one transaction, and a table recovered from its changelog keeps
-    the last value of each key (curate writes a group's state once per member, then deletes it)."""
+    the last value of each key (curate writes a group's state once per member, then deletes it).
+    When that last write deletes a key the table did not hold before the first write of it here,
+    none of them goes: the changelog holds nothing for the key (the table's memory follows its
+    changelog write for write, so a key it did not hold has no value there, or a tombstone) and
+    a recovery without them reads what it would read with them: no value."""
+    born: dict[tuple[str, int | None, bytes | None], bool] = {}
+    for out in outs:
+        if out.table:
+            born.setdefault((out.topic, out.partition, out.key), out.born)
     seen: set[tuple[str, int | None, bytes | None]] = set()
     kept: list[_Out] = []
     for out in reversed(outs):
@@ -129,6 +140,8 @@ def _last_table_writes(outs: list[_Out]) -> list[_Out]:
             if where in seen:
                 continue
             seen.add(where)
+            if out.value is None and born[where]:
+                continue
         kept.append(out)
     kept.reverse()
     return kept
@@ -226,7 +239,8 @@ class StreamEngine(EngineLifecycle):
         partition = _PARTITION.get()
         if partition is None:
             raise AstraflowError(f"table {table.name} written outside a record or partition transaction")
-        self._outbox().append(_Out(table.changelog_topic.get_topic_name(), key, value, partition, table=True))
+        born = key not in table.data  # Faust's table changes its data after calling on_key_set / on_key_del
+        self._outbox().append(_Out(table.changelog_topic.get_topic_name(), key, value, partition, table=True, born=born))
 
     def reread(self, partition: int, offsets: list[int]) -> dict[int, bytes]:
         """Values of the source's records at `offsets` of `partition`, read again (read_committed);

@@ -359,3 +359,43 @@ def test_outputs_go_to_the_transaction_in_batches_before_the_offsets_they_commit
     assert first_commit == [("batch", "train", 1, [b"a", b"d"]), ("batch", "train", 1, [b"e"]),
                             ("batch", "train", 0, [b"b"]), ("batch", "changelog", 0, [b"c1", b"c2"]),
                             ("offsets", 3), "commit", "begin"]
+
+
+def test_a_key_born_and_deleted_in_one_hand_over_writes_nothing_to_the_changelog() -> None:
+    from stream_apps.engine import _last_table_writes, _Out
+
+    def cl(key: bytes, value: bytes | None, born: bool, partition: int = 0) -> _Out:
+        return _Out("groups-changelog", key, value, partition, table=True, born=born)
+
+    outs = [
+        cl(b"g1", b"m1", born=True), _Out("train", b"g0", b"s0"), cl(b"g1", b"m1m2", born=False),
+        cl(b"g1", None, born=False),  # g1 assembled and emitted here: nothing for the changelog
+        cl(b"g2", b"m1", born=False), cl(b"g2", None, born=False),  # g2 was held before: its tombstone goes
+        cl(b"g3", b"m1", born=True), cl(b"g3", None, born=False), cl(b"g3", b"again", born=True),  # last: a value
+        cl(b"g4", None, born=False),  # only deleted here, held before
+        cl(b"g1", b"other partition", born=True, partition=1),
+    ]
+    kept = _last_table_writes(outs)
+    assert [(o.topic, o.key, o.value, o.partition) for o in kept] == [
+        ("train", b"g0", b"s0", None), ("groups-changelog", b"g2", None, 0), ("groups-changelog", b"g3", b"again", 0),
+        ("groups-changelog", b"g4", None, 0), ("groups-changelog", b"g1", b"other partition", 1)]
+
+
+def test_table_writes_record_whether_the_table_held_the_key_before_them() -> None:
+    from stream_apps.engine import _OUTBOX, _PARTITION
+
+    engine = StreamEngine(RewardApp(), EngineSettings(EXP, KafkaSettings(), source_partitions=1))
+    data: dict[bytes, bytes] = {b"held": b"v"}
+    table = SimpleNamespace(data=data, name="groups",
+                            changelog_topic=SimpleNamespace(get_topic_name=lambda: "groups-changelog"))
+    outbox: list[Any] = []
+    box, part = _OUTBOX.set(outbox), _PARTITION.set(0)
+    try:
+        engine.changelog(table, b"new", b"x")
+        data[b"new"] = b"x"  # as Faust's table does after on_key_set
+        engine.changelog(table, b"new", None)
+        engine.changelog(table, b"held", None)
+    finally:
+        _OUTBOX.reset(box)
+        _PARTITION.reset(part)
+    assert [(o.key, o.value, o.born) for o in outbox] == [(b"new", b"x", True), (b"new", None, False), (b"held", None, False)]
