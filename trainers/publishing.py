@@ -203,6 +203,7 @@ class DurablePublication(L.Callback):
             snapshot=snapshot,
             version=version,
             lineage=trained_records(self.publisher.policy, version, step, samples),
+            prepared=True,  # `_weights` cast and checked them: the encoder does not again
         )
         return manifest.version
 

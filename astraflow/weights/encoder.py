@@ -122,12 +122,24 @@ class VersionEncoder:
         trainer_step: int = 0,
         trained_samples: int = 0,
         snapshot: bool = False,
+        prepared: bool = False,
     ) -> Publication:
         """Encode `state` (any dtype, any device) as the next version; NonFiniteWeightsError (and
-        no change to the encoder) if a published tensor is not finite."""
+        no change to the encoder) if a published tensor is not finite. `prepared`: `state` is
+        already what `published_state` returns in the settings' dtype and `check_finite` passed
+        (the trainer's checkpointed copy): it is kept as is, not copied and checked again, so the
+        caller must not change it afterwards."""
         version = self.next_version
-        new = published_state(state, self.settings.dtype)
-        check_finite(new)
+        if prepared:
+            new = dict(state)
+            for name, t in new.items():
+                if t.is_floating_point() and str(t.dtype).removeprefix("torch.") != self.settings.dtype:
+                    raise WeightsError(f"prepared weights {name!r} are {t.dtype}, not the published {self.settings.dtype}")
+                if t.device.type != "cpu" or not t.is_contiguous():
+                    raise WeightsError(f"prepared weights {name!r} are not a contiguous CPU tensor")
+        else:
+            new = published_state(state, self.settings.dtype)
+            check_finite(new)
         due = snapshot or self._prev is None or self._since_snapshot + 1 >= self.settings.snapshot_every
         record = payload = manifest = None
         if self._prev is not None:

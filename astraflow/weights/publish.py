@@ -184,10 +184,12 @@ class WeightPublisher:
         snapshot: bool = False,
         version: int | None = None,
         lineage: Sequence[Any] = (),
+        prepared: bool = False,
     ) -> PolicyVersion:
         """Encode `state` as the next version (or as `version`, e.g. one a checkpoint promised)
         and send it, with `lineage` records (e.g. `TrainedSamples`) to the lineage topic in the same
-        transaction; returns its manifest once acknowledged (committed)."""
+        transaction; returns its manifest once acknowledged (committed). `prepared`: see
+        `VersionEncoder.encode` (weights already cast and checked, not copied again)."""
         if version is not None:
             self.encoder.next_version = version
         pub = self.encoder.encode(
@@ -195,6 +197,7 @@ class WeightPublisher:
             trainer_step=trainer_step,
             trained_samples=trained_samples,
             snapshot=snapshot or self._snapshot_requested,
+            prepared=prepared,
         )
         self._lineage = list(lineage)
         try:

@@ -8,10 +8,12 @@ gaps, and falling back to a snapshot (never to wrong weights).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 import torch
 
+from astraflow.errors import WeightsError
 from astraflow.records import PolicyVersion, WeightChunk, WeightKind
 from astraflow.weights.chain import ApplyStatus
 from astraflow.weights.follow import WeightFollower
@@ -90,6 +92,28 @@ def test_published_state_casts_and_drops_tied_aliases() -> None:
     state = published_state(_Tied().state_dict(), "bfloat16")
     assert "head.weight" not in state and "emb.weight" in state
     assert all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in state.values())
+
+
+def test_prepared_weights_encode_to_the_same_bytes_and_a_wrong_dtype_is_refused() -> None:
+    """The trainer hands the encoder weights it already cast and checked (`prepared`): the same
+    payloads and manifests as from the raw state, and weights not in the published dtype refused."""
+    torch.manual_seed(0)
+    model, settings = _Tied(), PublishSettings(dtype="bfloat16", snapshot_every=2)
+    raw, ready = VersionEncoder("p", settings), VersionEncoder("p", settings)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        state = model.state_dict()
+        a = raw.encode(state, trainer_step=1)
+        b = ready.encode(published_state(state, "bfloat16"), trainer_step=1, prepared=True)
+        assert a.payload == b.payload and _bits_equal(a.state, b.state)
+        assert replace(a.manifest, created_at=0) == replace(b.manifest, created_at=0)
+        assert (a.beside is None) == (b.beside is None) and (a.beside is None or a.beside[1] == b.beside[1])
+        model(torch.randint(0, 64, (8,))).logsumexp(-1).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with pytest.raises(WeightsError, match="not the published bfloat16"):
+        ready.encode(published_state(model.state_dict(), "float32"), prepared=True)
+    assert ready.next_version == 3  # nothing changed
 
 
 def test_chain_of_20_deltas_reproduces_published_weights_bit_for_bit() -> None:
