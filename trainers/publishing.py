@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -50,6 +51,7 @@ from trainers.crash import CrashPoints
 log = logging.getLogger(__name__)
 
 _TAIL_BYTES = 8 * 1024 * 1024  # how much of the log's end is searched for a version's lines
+_VERSION_IN_LINE = re.compile(rb'"version": (\d+),')
 
 
 class TrainedSampleLog:
@@ -59,6 +61,10 @@ class TrainedSampleLog:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
+        # After this process's last append: (the file's size, the newest version in its tail and
+        # in what it appended). While the size is still that, the file ends with a whole line and
+        # holds no line of a newer version, so the next version's write skips reading the tail.
+        self._known: tuple[int, int] | None = None
 
     def _repair(self) -> None:
         """Drop a torn last line (a kill mid-write)."""
@@ -75,27 +81,42 @@ class TrainedSampleLog:
             cut = tail.rfind(b"\n")
             f.truncate(size - len(tail) + cut + 1 if cut >= 0 else max(0, size - len(tail)))
 
+    def _tail(self) -> bytes:
+        with open(self.path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - _TAIL_BYTES))
+            return f.read()
+
     def recorded(self, version: int) -> set[str]:
         """Sample ids already logged under `version` (searched in the log's tail)."""
         if not self.path.exists():
             return set()
-        with open(self.path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(max(0, size - _TAIL_BYTES))
-            lines = f.read().split(b"\n")
         found = set()
-        for line in lines:
+        for line in self._tail().split(b"\n"):
             if f'"version": {version},'.encode() in line:
                 found.add(json.loads(line)["sample_id"])
         return found
+
+    def _size(self) -> int | None:
+        try:
+            return self.path.stat().st_size
+        except FileNotFoundError:
+            return None
 
     def write(self, version: int, samples: list[list[Any]]) -> None:
         """Append `samples` ([sample_id, step, partition, offset]) under `version`, durably."""
         if not samples:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._repair()
-        done = self.recorded(version)
+        known = self._known
+        if known is not None and version > known[1] and self._size() == known[0]:
+            done: set[str] = set()  # the file is as this process left it: no torn line, no line of `version`
+            newest = version
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._repair()
+            done = self.recorded(version)
+            tail = self._tail() if self.path.exists() else b""
+            newest = max([version, *(int(v) for v in _VERSION_IN_LINE.findall(tail))])
         lines = [
             json.dumps({"sample_id": sid, "step": step, "version": version, "partition": p, "offset": o})
             for sid, step, p, o in samples
@@ -107,6 +128,7 @@ class TrainedSampleLog:
             f.write("\n".join(lines) + "\n")
             f.flush()
             os.fsync(f.fileno())
+            self._known = (os.fstat(f.fileno()).st_size, newest)
 
 
 def trained_records(policy: str, version: int, step: int, samples: list[list[Any]], per_record: int = 2000) -> list[TrainedSamples]:

@@ -147,6 +147,34 @@ def test_trained_sample_log_writes_each_line_once_and_repairs_a_torn_tail(tmp_pa
     assert lines[0] == {"sample_id": "a", "step": 1, "version": 1, "partition": 0, "offset": 10}
 
 
+def test_trained_sample_log_reads_its_tail_only_when_the_file_is_not_as_it_left_it(tmp_path: Path,
+                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Appending the next version reads nothing while the file is as this log left it; a line
+    appended by someone else (or an older version written again) is checked against the tail."""
+    path = tmp_path / "trained.jsonl"
+    log = TrainedSampleLog(path)
+    reads: list[int] = []
+    tail = TrainedSampleLog._tail
+    monkeypatch.setattr(TrainedSampleLog, "_tail", lambda self: reads.append(1) or tail(self))
+    log.write(1, [["a", 1, 0, 10]])
+    first = len(reads)
+    log.write(2, [["b", 2, 0, 11]])
+    log.write(3, [["c", 3, 0, 12]])
+    assert len(reads) == first  # as this process left it: no read
+    log.write(3, [["c", 3, 0, 12], ["d", 3, 0, 13]])  # the same version again (a restart's): checked
+    assert len(reads) > first
+    with open(path, "a") as f:
+        f.write('{"sample_id": "e", "step": 4, "version": 4, "partition": 0, "offset": 14}\n{"sample_id": "f", "st')
+    log.write(4, [["e", 4, 0, 14], ["g", 4, 0, 15]])  # someone else wrote: e is not repeated, the torn line goes
+    # an earlier process logged version 6: this one, newly started, never skips the check for 5 or 6
+    other = TrainedSampleLog(path)
+    other.write(6, [["h", 6, 0, 16]])
+    other.write(5, [["i", 5, 0, 17]])
+    other.write(6, [["h", 6, 0, 16], ["j", 6, 0, 18]])
+    got = [(x["sample_id"], x["version"]) for x in map(json.loads, path.read_text().splitlines())]
+    assert got == [("a", 1), ("b", 2), ("c", 3), ("d", 3), ("e", 4), ("g", 4), ("h", 6), ("i", 5), ("j", 6)]
+
+
 def test_crash_points_parse_and_count() -> None:
     crash = CrashPoints("after_publish:3")
     assert (crash.point, crash.nth) == ("after_publish", 3)
