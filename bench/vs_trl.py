@@ -44,8 +44,10 @@ scored after training with `_rl.score_snapshots`, so evaluation costs neither si
 
 Not the same on both sides (only the last sentence is about speed): TRL scales
 advantages by the unbiased group std + 1e-4, AstraFlow by the population std + 1e-6 (TRL's
-advantages are ~6% smaller for groups of 8); AstraFlow trains up to `--staleness` versions off
-policy (PPO ratio to the behaviour logprobs), TRL exactly on policy; AstraFlow trains the first 8
+advantages are ~6% smaller for groups of 8); AstraFlow issues prompts at most `--staleness`
+batches ahead of its trainer and trains off policy (PPO ratio to the behaviour logprobs; the
+pipeline's samples were 2.4-2.6 versions behind its trainer on average in 64-step runs, its JSON's
+`staleness_mean`), TRL exactly on policy; AstraFlow trains the first 8
 groups to complete (quick groups first), TRL the next 8 in order. TRL's generation stops on the
 `</calc>` token id, AstraFlow's backend on the decoded string: the same here, the tag is one
 token. TRL does its Trainer bookkeeping each step (metrics, callbacks), and with 2 torch threads
