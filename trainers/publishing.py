@@ -87,12 +87,11 @@ class TrainedSampleLog:
             f.seek(max(0, size - _TAIL_BYTES))
             return f.read()
 
-    def recorded(self, version: int) -> set[str]:
-        """Sample ids already logged under `version` (searched in the log's tail)."""
-        if not self.path.exists():
-            return set()
+    @staticmethod
+    def recorded(tail: bytes, version: int) -> set[str]:
+        """Sample ids logged under `version` in `tail` (the log's end, `_tail`)."""
         found = set()
-        for line in self._tail().split(b"\n"):
+        for line in tail.split(b"\n"):
             if f'"version": {version},'.encode() in line:
                 found.add(json.loads(line)["sample_id"])
         return found
@@ -114,8 +113,8 @@ class TrainedSampleLog:
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._repair()
-            done = self.recorded(version)
-            tail = self._tail() if self.path.exists() else b""
+            tail = self._tail() if self.path.exists() else b""  # read once: lines of `version`, the newest version
+            done = self.recorded(tail, version)
             newest = max([version, *(int(v) for v in _VERSION_IN_LINE.findall(tail))])
         lines = [
             json.dumps({"sample_id": sid, "step": step, "version": version, "partition": p, "offset": o})
