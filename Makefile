@@ -1,5 +1,5 @@
 # The two quick-start commands (README) and a few conveniences.
-.PHONY: demo test lint bench kafka-up kafka-down compose compose-down
+.PHONY: demo test check lint bench kafka-up kafka-down compose compose-down
 
 demo:        ## set everything up, start the local Kafka, run the CPU demo
 	bash scripts/demo.sh
@@ -7,8 +7,11 @@ demo:        ## set everything up, start the local Kafka, run the CPU demo
 test:        ## set up, start the local Kafka, run lint and the whole test suite
 	bash scripts/test.sh
 
+check:       ## the fast tier: lint and the unit tests (no broker), a few minutes
+	bash scripts/check.sh
+
 lint:
-	$$(bash scripts/env.sh)/bin/ruff check astraflow stream_apps trainers tests bench
+	$$(bash scripts/env.sh)/bin/ruff check astraflow astraflow_cli stream_apps trainers tests bench
 
 bench:
 	for b in bench/*.py; do case $$b in */_*) ;; *) $$(bash scripts/env.sh)/bin/python $$b --quick ;; esac; done

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             "trainer.batch_size=4", "trainer.max_wait_s=0.5", "trainer.stop_when_idle_s=60",
             "trainer.max_staleness=null",  # the synthetic samples all claim version 0
             "trainer.logger=none", "trainer.progress_bar=false"]
-    cmd = [sys.executable, "-m", "astraflow.cli.main", "train", "-e", exp, "-p", "policy", "-m", str(model)]
+    cmd = [sys.executable, "-m", "astraflow_cli.main", "train", "-e", exp, "-p", "policy", "-m", str(model)]
     for s in sets:
         cmd += ["--set", s]
     out_file = open(work / "trainer.out", "w")  # noqa: SIM115 - the child's output

@@ -73,4 +73,4 @@ def build_processor_worker(spec: str | object, settings: EngineSettings) -> Stre
 
 def app_command(app: str, experiment: str, *args: str, python: str | None = None) -> list[str]:
     """The command line that runs `app` as its own process (e.g. for a supervisor)."""
-    return [python or sys.executable, "-m", "astraflow.cli.main", "app", "run", app, "--experiment", experiment, *args]
+    return [python or sys.executable, "-m", "astraflow_cli.main", "app", "run", app, "--experiment", experiment, *args]

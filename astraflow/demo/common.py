@@ -26,7 +26,7 @@ from astraflow.config import AstraflowConfig, default_home, write_resolved
 from astraflow.demo.supervisor import Role, RoleFailed, Supervisor
 from astraflow.kafka.topics import TopicAdmin, topic_specs
 
-PY = [sys.executable, "-m", "astraflow.cli.main"]
+PY = [sys.executable, "-m", "astraflow_cli.main"]
 
 
 def role_env(bootstrap_servers: str) -> dict[str, str]:

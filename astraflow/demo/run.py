@@ -180,9 +180,8 @@ def run_demo(cfg: AstraflowConfig, s: DemoSettings, run_dir: Path, console: Cons
 
 def _dashboard(cfg: AstraflowConfig, exp: str, console: Console) -> tuple[Any, Any] | None:
     """The live page of the run (`astraflow dashboard`), on 127.0.0.1:8787 or a free port."""
-    from astraflow.cli.dashboard_cmd import DashboardServer
     from astraflow.errors import ConfigError
-    from astraflow.ops.dashboard import DashboardState
+    from astraflow.ops.dashboard import DashboardServer, DashboardState
 
     state = DashboardState(cfg.kafka, exp, interval_s=5.0, window_s=30.0).start()
     for port in (8787, 0):

@@ -12,18 +12,21 @@ page's model (`snapshot()`):
 - **dlq**: records and the latest reasons.
 
 The page (`astraflow/ops/dashboard.html`) polls `/api/state` and redraws; the server
-(`astraflow.cli.dashboard_cmd`) binds to 127.0.0.1 unless told otherwise.
+(`DashboardServer`, started by `astraflow dashboard`) binds to 127.0.0.1 unless told otherwise.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import deque
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from astraflow.config import KafkaSettings
-from astraflow.errors import AstraflowError
+from astraflow.errors import AstraflowError, ConfigError
 from astraflow.ops.status import StatusReport, collect_status
 
 ROLES = ("curator", "raas", "reward", "curate", "trainer", "archive")
@@ -131,3 +134,49 @@ class DashboardState:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+
+
+PAGE = Path(__file__).resolve().parent / "dashboard.html"
+
+
+class DashboardServer:
+    """Serves the page at / and the state at /api/state from a daemon thread."""
+
+    def __init__(self, state: Any, addr: str = "127.0.0.1", port: int = 0) -> None:
+        page = PAGE.read_bytes()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path in ("/", "/index.html"):
+                    body, kind = page, "text/html; charset=utf-8"
+                elif self.path.split("?")[0] == "/api/state":
+                    body, kind = json.dumps(state.snapshot()).encode(), "application/json"
+                else:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Cache-Control", "no-store")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:  # polled every 2 s: not worth a line each
+                pass
+
+        try:
+            self.httpd = ThreadingHTTPServer((addr, port), Handler)
+        except OSError as exc:
+            raise ConfigError(f"cannot serve the dashboard on {addr}:{port}: {exc} (choose another --port)") from exc
+        self.httpd.daemon_threads = True
+        self.addr, self.port = addr, int(self.httpd.server_address[1])
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="astraflow-dashboard-http", daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.addr}:{self.port}/"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

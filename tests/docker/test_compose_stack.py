@@ -100,7 +100,7 @@ class Stack:
 
     def astraflow(self, *args: str) -> str:
         """The host's CLI against the stack's Kafka (published on the loopback)."""
-        cmd = [sys.executable, "-m", "astraflow.cli.main", "--set", f"kafka.bootstrap_servers=127.0.0.1:{KAFKA_PORT}", *args]
+        cmd = [sys.executable, "-m", "astraflow_cli.main", "--set", f"kafka.bootstrap_servers=127.0.0.1:{KAFKA_PORT}", *args]
         res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert res.returncode == 0, f"astraflow {' '.join(args)}: {res.stdout}\n{res.stderr}"
         return res.stdout

@@ -41,7 +41,7 @@ def _read_all(kafka: KafkaSettings, topic: str, idle_s: float = 3.0) -> list:
 
 def test_short_demo(kafka: KafkaSettings, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "astraflow.cli.main", "demo", "--bootstrap", kafka.bootstrap_servers,
+    cmd = [sys.executable, "-m", "astraflow_cli.main", "demo", "--bootstrap", kafka.bootstrap_servers,
            "--minutes", "15", "--versions", "3", "--out", str(run_dir), "--sft-steps", "300", "--target", "1.01",
            "--n-samples", "4", "--batch-size", "16"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env={**os.environ, "COLUMNS": "120"})

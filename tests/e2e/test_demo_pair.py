@@ -26,7 +26,7 @@ def test_short_solver_verifier_demo(kafka: KafkaSettings, tmp_path: Path) -> Non
     from test_demo import _read_all
 
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "astraflow.cli.main", "demo", "--scenario", "solver-verifier", "--bootstrap",
+    cmd = [sys.executable, "-m", "astraflow_cli.main", "demo", "--scenario", "solver-verifier", "--bootstrap",
            kafka.bootstrap_servers, "--minutes", "15", "--versions", "1", "--out", str(run_dir), "--sft-steps", "300", "--n-samples", "4",
            "--batch-size", "8"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env={**os.environ, "COLUMNS": "120"})

@@ -27,7 +27,7 @@ def test_short_db_scenario(kafka: KafkaSettings, tmp_path: Path) -> None:
     from test_demo import _read_all
 
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "astraflow.cli.main", "demo", "--scenario", "db", "--bootstrap",
+    cmd = [sys.executable, "-m", "astraflow_cli.main", "demo", "--scenario", "db", "--bootstrap",
            kafka.bootstrap_servers, "--minutes", "10", "--versions", "2", "--out", str(run_dir), "--heldout", "16",
            "--sft-steps", "200"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=1300, env={**os.environ, "COLUMNS": "120"})

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from astraflow.archive.kafka_source import TopicSource
-from astraflow.cli.main import app
+from astraflow_cli.main import app
 from astraflow.config import KafkaSettings
 from astraflow.kafka.clients import RecordProducer
 from astraflow.kafka.topics import Topics

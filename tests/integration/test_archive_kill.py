@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _start(kafka: KafkaSettings, topic: str, archive: Path, group: str, log: Path, *extra: str) -> subprocess.Popen:
     cmd = [
-        sys.executable, "-m", "astraflow.cli.main", "--set", f"kafka.bootstrap_servers={kafka.bootstrap_servers}",
+        sys.executable, "-m", "astraflow_cli.main", "--set", f"kafka.bootstrap_servers={kafka.bootstrap_servers}",
         "archive", "run", "--topics", topic, "--to", str(archive), "--group", group,
         "--instance-id", "archive-0", "--max-file-age", "0.5", "--block-kb", "4", *extra,
     ]

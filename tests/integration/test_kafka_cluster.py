@@ -46,7 +46,7 @@ def test_three_nodes_report_and_experiment_topics_get_rf3_isr2(cluster: LocalKaf
     assert st.answering and [n.node_id for n in st.nodes if n.answering] == [1, 2, 3]
     assert len({n.pid for n in st.nodes}) == 3
     # The CLI finds the cluster from its data directory alone (layout.json: nodes and ports).
-    res = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "kafka", "status", "--data-dir", str(cluster.root),
+    res = subprocess.run([sys.executable, "-m", "astraflow_cli.main", "kafka", "status", "--data-dir", str(cluster.root),
                           "--json"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     shown = json.loads(res.stdout)

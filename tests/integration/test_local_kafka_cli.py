@@ -15,7 +15,7 @@ def _cli(*args: str, env_bootstrap: str | None = None) -> subprocess.CompletedPr
     env = dict(os.environ)
     if env_bootstrap:
         env["ASTRAFLOW__KAFKA__BOOTSTRAP_SERVERS"] = env_bootstrap
-    return subprocess.run([sys.executable, "-m", "astraflow.cli.main", *args], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run([sys.executable, "-m", "astraflow_cli.main", *args], capture_output=True, text=True, env=env, timeout=120)
 
 
 def test_up_on_running_broker_is_a_noop(kafka: KafkaSettings) -> None:

@@ -22,7 +22,7 @@ from astraflow.testing import make_task
 
 def _node(kafka: KafkaSettings, experiment: str, model: Path, node_id: str, log: Path) -> subprocess.Popen:
     env = {**os.environ, "ASTRAFLOW__KAFKA__BOOTSTRAP_SERVERS": kafka.bootstrap_servers}
-    cmd = [sys.executable, "-m", "astraflow.cli.main", "raas", "serve", "-e", experiment, "-p", f"policy={model}",
+    cmd = [sys.executable, "-m", "astraflow_cli.main", "raas", "serve", "-e", experiment, "-p", f"policy={model}",
            "--max-inflight", "2", "--prefetch", "1", "--node-id", node_id, "--threads", "1", "--no-follow-weights"]
     return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 

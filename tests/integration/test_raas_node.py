@@ -116,7 +116,7 @@ def test_prometheus_endpoint_serves_node_metrics(kafka: KafkaSettings, experimen
     producer.flush()
     env = {**os.environ, "ASTRAFLOW__KAFKA__BOOTSTRAP_SERVERS": kafka.bootstrap_servers, "ASTRAFLOW_METRICS_PORT": str(port)}
     # Metrics every second (the CLI keeps NodeSettings' 5 s default; the test waits for two rounds).
-    proc = subprocess.Popen([sys.executable, "-m", "astraflow.cli.main", "raas", "serve", "-e", experiment,
+    proc = subprocess.Popen([sys.executable, "-m", "astraflow_cli.main", "raas", "serve", "-e", experiment,
                              "-p", f"policy={tiny_model_dir}", "--node-id", "prom-node", "--threads", "1",
                              "--no-follow-weights"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     body = ""

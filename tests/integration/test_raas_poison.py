@@ -187,7 +187,7 @@ def _node(kafka: KafkaSettings, experiment: str, model: Path, node_id: str, log:
            "ASTRAFLOW__RAAS__WORKFLOW_MODULES": f"[{', '.join(flows)}]", "ASTRAFLOW__RAAS__ROLLOUT_TIMEOUT_S": str(timeout_s),
            "ASTRAFLOW__RAAS__MAX_TOKENS": "32", "ASTRAFLOW__RAAS__MAX_PROMPT_CHARS": "200",
            "PYTHONPATH": os.pathsep.join(p for p in (str(log.parent), os.environ.get("PYTHONPATH")) if p)}
-    cmd = [sys.executable, "-m", "astraflow.cli.main", "raas", "serve", "-e", experiment, "-p", f"policy={model}",
+    cmd = [sys.executable, "-m", "astraflow_cli.main", "raas", "serve", "-e", experiment, "-p", f"policy={model}",
            "--max-inflight", "32", "--node-id", node_id, "--threads", "1", "--no-follow-weights"]
     return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 

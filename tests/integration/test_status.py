@@ -151,7 +151,7 @@ def test_status_reports_the_nodes_lags_and_versions_the_experiment_has(running: 
 
 
 def test_status_command_prints_json_and_tables(running: Running) -> None:
-    from astraflow.cli.main import app
+    from astraflow_cli.main import app
 
     base = ["--set", f"kafka.bootstrap_servers={running.kafka.bootstrap_servers}", "status", "-e", running.experiment]
     res = CliRunner().invoke(app, [*base, "--json"])
@@ -168,7 +168,7 @@ def test_status_command_prints_json_and_tables(running: Running) -> None:
 
 
 def test_status_of_a_missing_experiment_says_how_to_create_it(kafka: KafkaSettings) -> None:
-    from astraflow.cli.main import app
+    from astraflow_cli.main import app
 
     res = CliRunner().invoke(app, ["--set", f"kafka.bootstrap_servers={kafka.bootstrap_servers}", "status", "-e",
                                    f"missing-{uuid.uuid4().hex[:8]}"])

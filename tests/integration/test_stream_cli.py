@@ -32,7 +32,7 @@ def test_reward_app_and_example_processor_as_processes(kafka: KafkaSettings, exp
     env = {**os.environ, "ASTRAFLOW__KAFKA__BOOTSTRAP_SERVERS": kafka.bootstrap_servers, "PYTHONUNBUFFERED": "1"}
     commands = {
         "reward": app_command("reward", experiment, "--metrics-interval", "1"),
-        "proc": [sys.executable, "-m", "astraflow.cli.main", "process", "run",
+        "proc": [sys.executable, "-m", "astraflow_cli.main", "process", "run",
                  "stream_apps.examples.tool_errors:tool_errors", "-e", experiment],
     }
     logs = {name: (tmp_path / f"{name}.log").open("w") for name in commands}

@@ -17,7 +17,7 @@ import uuid
 from confluent_kafka import Consumer
 from typer.testing import CliRunner
 
-from astraflow.cli.main import app as cli
+from astraflow_cli.main import app as cli
 from astraflow.config import KafkaSettings
 from astraflow.kafka.clients import RecordProducer
 from astraflow.kafka.topics import Topics

@@ -38,7 +38,7 @@ def group(name: str, answers: list[str]) -> list[Trajectory]:
 
 
 def _trace(kafka: KafkaSettings, exp: str, ident: str, *extra: str) -> tuple[int, str]:
-    from astraflow.cli.main import app
+    from astraflow_cli.main import app
 
     res = CliRunner().invoke(app, ["--set", f"kafka.bootstrap_servers={kafka.bootstrap_servers}", "trace", ident,
                                    "-e", exp, *extra], env={"COLUMNS": "250"})

@@ -18,7 +18,7 @@ import torch
 from confluent_kafka import Consumer, TopicPartition
 from typer.testing import CliRunner
 
-from astraflow.cli.main import app
+from astraflow_cli.main import app
 from astraflow.config import KafkaSettings
 from astraflow.control import ControlWriter
 from astraflow.kafka.clients import RecordProducer

@@ -68,7 +68,7 @@ def _train(kafka: KafkaSettings, experiment: str, model: Path, run_dir: Path, cr
         "trainer.max_staleness=null",  # every synthetic sample claims version 0, trained up to version 12
         *extra,
     ]
-    cmd = [sys.executable, "-m", "astraflow.cli.main", "train", "-e", experiment, "-p", "policy", "-m", str(model)]
+    cmd = [sys.executable, "-m", "astraflow_cli.main", "train", "-e", experiment, "-p", "policy", "-m", str(model)]
     for s in sets:
         cmd += ["--set", s]
     env = {k: v for k, v in os.environ.items() if k != "ASTRAFLOW_TRAINER_CRASH_AT"}

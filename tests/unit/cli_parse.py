@@ -10,7 +10,7 @@ import typer
 def parse_cli(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
     """Parses `argv` group by group; returns the command path and the options of the last command.
     Raises a usage error (unknown command or option, missing required one, bad value)."""
-    from astraflow.cli.main import app
+    from astraflow_cli.main import app
 
     cmd: Any = typer.main.get_command(app)
     ctx = cmd.make_context("astraflow", list(argv))

@@ -8,7 +8,7 @@ def test_help_does_not_import_heavy_libraries() -> None:
     code = (
         "import sys\n"
         "from typer.testing import CliRunner\n"
-        "from astraflow.cli.main import app\n"
+        "from astraflow_cli.main import app\n"
         "r = CliRunner().invoke(app, ['--help'])\n"
         "assert r.exit_code == 0, r.output\n"
         "for sub in ['kafka', 'topics', 'raas', 'train', 'demo', 'model']:\n"
@@ -22,7 +22,7 @@ def test_help_does_not_import_heavy_libraries() -> None:
 
 
 def test_config_errors_are_one_readable_line() -> None:
-    res = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "--set", "topics.partitions=x", "config"],
+    res = subprocess.run([sys.executable, "-m", "astraflow_cli.main", "--set", "topics.partitions=x", "config"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 1
     assert "ConfigError" in res.stderr and "topics.partitions" in res.stderr and "Traceback" not in res.stderr

@@ -371,7 +371,7 @@ USAGE_ERRORS: tuple[type[Exception], ...] = (click.ClickException, getattr(typer
 
 @pytest.mark.parametrize(("where", "argv"), LINES, ids=[w for w, _ in LINES])
 def test_every_compose_command_exists_in_the_cli(where: str, argv: list[str]) -> None:
-    from astraflow.cli.main import app
+    from astraflow_cli.main import app
 
     try:
         path, _ = parse_cli(argv)

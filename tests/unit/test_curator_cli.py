@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import astraflow.cli.apps_cmd as apps_cmd
+import astraflow_cli.apps_cmd as apps_cmd
 import stream_apps.launch as launch
-from astraflow.cli.main import app
+from astraflow_cli.main import app
 from stream_apps.curator import CuratorOptions
 
 

@@ -50,7 +50,7 @@ def test_role_command_lines_are_what_the_cli_parses() -> None:
     node = node_role("raas-1", "exp1", {"a": Path("/m/a"), "b": Path("/m/b")}, 8, 3, env)
     curate = curate_role("exp1", ["a", "b"], env)
     for role in (trainer, node, curate):
-        assert role.cmd[1:3] == ["-m", "astraflow.cli.main"] and role.env == env
+        assert role.cmd[1:3] == ["-m", "astraflow_cli.main"] and role.env == env
     _, t = parse_cli(trainer.cmd[3:])
     assert (t["experiment"], t["policy"], t["model"]) == ("exp1", "a", "/m/a")
     assert {"run_dir=/run/a", "trainer.lr=0.0003", "trainer.batch_size=16", "trainer.publish_dtype=float32"} <= set(t["set_"])

@@ -41,7 +41,7 @@ def _secret_env() -> dict[str, str]:
 
 def test_astraflow_config_masks_every_secret() -> None:
     env = {**os.environ, **_secret_env()}
-    res = subprocess.run([sys.executable, "-m", "astraflow.cli.main", "config"], capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-m", "astraflow_cli.main", "config"], capture_output=True, text=True,
                          timeout=60, env=env)
     assert res.returncode == 0, res.stderr
     for secret in (SASL_PW, REG_PW, KEY_PW):

@@ -93,7 +93,7 @@ def test_settings_refuse_nonsense() -> None:
 def test_cli_status_and_up_say_what_is_missing(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from astraflow.cli.main import app
+    from astraflow_cli.main import app
 
     sets = ["--set", f"wan.data_dir={tmp_path / 'wan'}", "--set", "wan.api_port=1"]
     r = CliRunner().invoke(app, [*sets, "wan", "status"])

@@ -13,7 +13,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from astraflow.cli.common import console, err_console, handle_errors, load
+from astraflow_cli.common import console, err_console, handle_errors, load
 
 app = typer.Typer(help="Archive topics into Avro container files; list and verify archives.", no_args_is_help=True)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from astraflow.cli.common import console, handle_errors, load
+from astraflow_cli.common import console, handle_errors, load
 
 
 @handle_errors

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from astraflow.cli.common import console, err_console, handle_errors, load, serve_until_stopped
+from astraflow_cli.common import console, err_console, handle_errors, load, serve_until_stopped
 
 if TYPE_CHECKING:
     from astraflow.ops.status import StatusReport

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from astraflow.cli.common import console, handle_errors
+from astraflow_cli.common import console, handle_errors
 
 
 @handle_errors

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from astraflow.cli.common import console, handle_errors, load
+from astraflow_cli.common import console, handle_errors, load
 
 if TYPE_CHECKING:
     from astraflow.kafka.local import LocalKafka

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from astraflow.cli.common import console, handle_errors
+from astraflow_cli.common import console, handle_errors
 
 app = typer.Typer(help="Build and warm-start tiny local models (no hub downloads).", no_args_is_help=True)
 

@@ -11,7 +11,7 @@ import uuid
 
 import typer
 
-from astraflow.cli.common import console, handle_errors, load
+from astraflow_cli.common import console, handle_errors, load
 
 
 @handle_errors

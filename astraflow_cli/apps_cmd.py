@@ -16,7 +16,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from astraflow.cli.common import console, handle_errors, load
+from astraflow_cli.common import console, handle_errors, load
 
 app_app = typer.Typer(help="Run the stream apps (Faust workers): reward, curate, curator.", no_args_is_help=True)
 control_app = typer.Typer(help="Select the strategies of running apps (hot swap, no restart).", no_args_is_help=True)

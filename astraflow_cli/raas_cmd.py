@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from astraflow.cli.common import console, handle_errors, load
+from astraflow_cli.common import console, handle_errors, load
 
 app = typer.Typer(help="Rollout-as-a-Service nodes.", no_args_is_help=True)
 

@@ -7,7 +7,7 @@ import json
 import typer
 from rich.table import Table
 
-from astraflow.cli.common import console, handle_errors, load
+from astraflow_cli.common import console, handle_errors, load
 
 app = typer.Typer(help="Create and inspect an experiment's Kafka topics.", no_args_is_help=True)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from astraflow.cli.common import console, err_console, handle_errors, load
+from astraflow_cli.common import console, err_console, handle_errors, load
 
 app = typer.Typer(help="Inspect an experiment's records: trajectories, train samples, dead letters.", no_args_is_help=True)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from astraflow.cli import (
+from astraflow_cli import (
     apps_cmd,
     archive_cmd,
     dashboard_cmd,
@@ -21,7 +21,7 @@ from astraflow.cli import (
     train_cmd,
     wan_cmd,
 )
-from astraflow.cli.common import console, handle_errors, load
+from astraflow_cli.common import console, handle_errors, load
 
 app = typer.Typer(
     help="AstraFlow: reinforcement learning for LLM agents as a dataflow on Apache Kafka.",

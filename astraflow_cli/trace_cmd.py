@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from astraflow.cli.common import console, handle_errors, load
+from astraflow_cli.common import console, handle_errors, load
 
 EXPERIMENT = typer.Option(..., "--experiment", "-e", help="Experiment name (topics are af.<experiment>.*).")
 

@@ -8,8 +8,8 @@ import json
 import typer
 from rich.markup import escape
 
-from astraflow.cli.common import console, handle_errors, load
-from astraflow.cli.kafka_cmd import DATA_DIR, PORT, _local
+from astraflow_cli.common import console, handle_errors, load
+from astraflow_cli.kafka_cmd import DATA_DIR, PORT, _local
 
 app = typer.Typer(help="Simulate a WAN link (latency, bandwidth cap) between region B and the local Kafka.",
                   no_args_is_help=True)

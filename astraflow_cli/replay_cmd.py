@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from astraflow.cli.common import console, err_console, handle_errors, load
+from astraflow_cli.common import console, err_console, handle_errors, load
 
 
 @handle_errors
