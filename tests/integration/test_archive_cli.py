@@ -10,11 +10,11 @@ import pytest
 from typer.testing import CliRunner
 
 from astraflow.archive.kafka_source import TopicSource
-from astraflow_cli.main import app
 from astraflow.config import KafkaSettings
 from astraflow.kafka.clients import RecordProducer
 from astraflow.kafka.topics import Topics
 from astraflow.testing import make_trajectory
+from astraflow_cli.main import app
 
 pytestmark = pytest.mark.timeout(120)  # a hang fails fast instead of holding the suite
 

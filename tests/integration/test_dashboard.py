@@ -78,8 +78,7 @@ def _dom(chromium: str, url: str, shot: Path | None = None) -> str:
 
 
 def test_the_page_shows_the_run_as_the_topics_count_it(kafka: KafkaSettings, exp: str) -> None:
-    from astraflow.ops.dashboard import DashboardServer
-    from astraflow.ops.dashboard import DashboardState
+    from astraflow.ops.dashboard import DashboardServer, DashboardState
 
     chromium = _chromium()
     topics = Topics(exp)

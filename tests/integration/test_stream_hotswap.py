@@ -17,13 +17,13 @@ import uuid
 from confluent_kafka import Consumer
 from typer.testing import CliRunner
 
-from astraflow_cli.main import app as cli
 from astraflow.config import KafkaSettings
 from astraflow.kafka.clients import RecordProducer
 from astraflow.kafka.topics import Topics
 from astraflow.records import Trajectory
 from astraflow.serde import AvroSerde
 from astraflow.testing import make_trajectory
+from astraflow_cli.main import app as cli
 from stream_apps.engine import EngineSettings
 from stream_apps.launch import build_worker
 

@@ -18,7 +18,6 @@ import torch
 from confluent_kafka import Consumer, TopicPartition
 from typer.testing import CliRunner
 
-from astraflow_cli.main import app
 from astraflow.config import KafkaSettings
 from astraflow.control import ControlWriter
 from astraflow.kafka.clients import RecordProducer
@@ -27,6 +26,7 @@ from astraflow.models.tiny import init_tiny, load_tiny
 from astraflow.records import Metric
 from astraflow.serde import AvroSerde
 from astraflow.weights.versions import latest_policy_version
+from astraflow_cli.main import app
 from trainers.config import TrainRunConfig
 from trainers.run import run_training
 from trainers.synthetic import make_samples
