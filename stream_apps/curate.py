@@ -20,7 +20,11 @@ For every group (records keyed by `group_id`, so a group lives on one partition)
    strategy's memory of ids is not transactional, so after an aborted transaction it would drop
    the members of a group emitted again (a split group). Set it to `dedupe` only for inputs
    that repeat ids across groups.
-4. **Per policy**: one TrainSample per training sequence of each trajectory
+4. **ERROR trajectories** (an infrastructure failure: backend crash, deadline, a raising
+   workflow) are never trained and do not enter their siblings' advantages, whatever the
+   strategies: counted as `error_trajectory`, a GroupDropped on `lineage` says why (they stay
+   in `scored` and the archive).
+5. **Per policy**: one TrainSample per training sequence of each trajectory
    (`stream_apps.groups.train_samples`: usually one; an agent that rewrote its history has
    several), then **advantages** (slot `advantage`, default `grpo`) over ALL of that policy's
    trajectories of the group (one reward each; every sequence of a trajectory gets its value), and only then the filters mask samples out (DAPO-style: a filtered member does not

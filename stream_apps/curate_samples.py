@@ -18,7 +18,14 @@ from astraflow.dataflow.filters import FilterContext, FilterResult
 from astraflow.dataflow.prompt_stats import update_prompt_stats
 from astraflow.dataflow.registry import Strategy
 from astraflow.errors import AstraflowError
-from astraflow.records import GroupDropped, PromptStats, StrategyRef, TrainSample, Trajectory
+from astraflow.records import (
+    GroupDropped,
+    PromptStats,
+    StrategyRef,
+    TrainSample,
+    Trajectory,
+    TrajectoryStatus,
+)
 from stream_apps.groups import (
     Group,
     policy_reward,
@@ -75,6 +82,15 @@ class GroupSamples:
             raise IncompleteGroupError(
                 f"group {group.group_id} timed out after {self.group_timeout_s:g} s with {len(trajs)} of {group.expected} "
                 f"members, fewer than --min-group-size {self.min_group_size}")
+        # A trajectory that ended in ERROR (backend crash, timeout, a raising workflow) is an
+        # infrastructure failure, not a sample of the policy: never trained, and not part of its
+        # siblings' baseline either. Not a strategy the control topic could switch off.
+        failed = [t for t in trajs if t.status is TrajectoryStatus.ERROR]
+        if failed:
+            self.worker.drop("error_trajectory", len(failed))
+            self._drops.append(self._dropped(failed, "", "status", "error_trajectory",
+                                             "ended in ERROR: " + (failed[0].error or "no error text")[:500]))
+            trajs = [t for t in trajs if t.status is not TrajectoryStatus.ERROR]
         # Advantages are computed on the whole (deduplicated) group, then filters mask samples
         # out of it (as DAPO does): dropping a stale or over-long member must not change its
         # siblings' advantages.

@@ -138,3 +138,17 @@ def test_curate_computes_advantages_on_the_whole_group_before_filters_mask() -> 
     assert w.dropped["staleness"] == 2
     std = np.std([1.0, 0.0, 0.0, 0.0])
     assert by_policy(w)["a"] == pytest.approx({"mix/0": 0.75 / std, "mix/1": -0.25 / std}, abs=1e-4)
+
+
+def test_error_trajectories_are_never_trained_nor_in_their_siblings_baseline() -> None:
+    from astraflow.records import TrajectoryStatus
+
+    app, w = make_curate(policies=("a",))
+    w.control.set("curate", "filter.length", "none")  # not a strategy: no control record turns it off
+    trajs = [two_policy_traj("g", i, 3, r, False) for i, r in enumerate([1.0, 0.0, 0.0])]
+    trajs[2].status, trajs[2].error = TrajectoryStatus.ERROR, "BackendError: the engine died"
+    feed(app, trajs)
+    assert by_policy(w)["a"] == pytest.approx({"g/0": 1.0, "g/1": -1.0}, abs=1e-5)  # 2-member baseline
+    assert w.dropped["error_trajectory"] == 1 and not w.dead
+    [drop] = [r for t, r, _ in w.side if t == Topics(EXP).lineage]
+    assert drop.trajectory_ids == ["g/2"] and drop.filter == "status" and "engine died" in drop.reason
