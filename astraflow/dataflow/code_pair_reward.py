@@ -23,7 +23,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from astraflow.dataflow.code_reward import HARNESS, extract_code, parse_report
+from astraflow.dataflow.code_reward import HARNESS, extract_code, parse_report, tests_spec
 from astraflow.dataflow.registry import register
 from astraflow.dataflow.rewards import RewardResult, load_reference
 from astraflow.errors import RewardError
@@ -73,7 +73,7 @@ class CoderTester:
 
     async def _run(self, code: str, tests: list[str]) -> tuple[int, set[int]]:
         """(tests passed, indexes of the tests that failed); a run without a report failed them all."""
-        _, harness = await run_split_async(code, HARNESS, driver_files={"tests.json": json.dumps({"tests": tests, "setup": ""})},
+        _, harness = await run_split_async(code, HARNESS, driver_files={"tests.json": tests_spec(tests)},
                                            limits=SandboxLimits(wall_s=self.timeout_s, cpu_s=self.cpu_s,
                                                                 memory_mb=self.memory_mb))
         report = parse_report(harness, len(tests))

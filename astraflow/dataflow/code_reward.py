@@ -1,7 +1,9 @@
 """Code reward: the model's code runs against the reference's unit tests, in two sandboxes.
 
-Reference JSON: {"tests": ["assert add(1, 2) == 3", ...], "setup": "optional code run first"}
-("tests" may also be one string: a single test). The model's code is `final_answer`, or the last
+Reference JSON: {"tests": ["assert add(1, 2) == 3", ...], "setup": "optional code run first",
+"entry_points": ["add"]} ("tests" may also be one string: a single test; "entry_points", the
+solution's names the tests may use, defaults to the names the setup and tests read that are not
+builtins). The model's code is `final_answer`, or the last
 fenced block in it.
 
 The solution and the tests never share an interpreter (`astraflow.sandbox.split`): the solution
@@ -18,7 +20,9 @@ apps; `reward(t)` blocks and suits worker threads.
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import builtins
 import json
 import re
 from dataclasses import dataclass
@@ -52,7 +56,7 @@ def report(passed, failures):
 from _astraflow_remote import SolutionGone, connect
 
 try:
-    namespace = {"__name__": "tests", **connect(int(sys.argv[1]), int(sys.argv[2]))}
+    namespace = {"__name__": "tests", **connect(int(sys.argv[1]), int(sys.argv[2]), spec["entry_points"])}
 except SolutionGone as exc:
     report(0, [str(exc)[:300]])
     sys.exit(0)
@@ -76,6 +80,26 @@ def extract_code(text: str) -> str:
         return text
     python = [body for lang, body in blocks if lang.lower() in ("python", "py", "python3")]
     return (python or [body for _, body in blocks])[-1]
+
+
+def entry_points_of(sources: list[str]) -> list[str]:
+    """The names the tests read and do not get from Python's builtins: what they may take from the
+    solution (a test that does not parse names nothing; it fails in the sandbox and says why)."""
+    names: set[str] = set()
+    for src in sources:
+        try:
+            tree = ast.parse(src)
+        except (SyntaxError, ValueError):
+            continue
+        names |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return sorted(n for n in names if not n.startswith("__") and not hasattr(builtins, n))
+
+
+def tests_spec(tests: list[str], setup: str = "", entry_points: list[str] | None = None) -> str:
+    """The tests sandbox's `tests.json` for HARNESS: the tests, the setup, and the solution's names
+    they may use (`entry_points`, else `entry_points_of` the setup and tests)."""
+    names = sorted(entry_points) if entry_points is not None else entry_points_of([setup, *tests])
+    return json.dumps({"tests": tests, "setup": setup, "entry_points": names})
 
 
 def parse_report(result: SandboxResult, total: int) -> dict | None:
@@ -123,8 +147,11 @@ class CodeTests:
         setup = ref.get("setup") or ""
         if not isinstance(setup, str):
             raise RewardError(f"trajectory {trajectory.trajectory_id}: code reference 'setup' must be a string")
+        named = ref.get("entry_points")
+        if named is not None and not (isinstance(named, list) and all(isinstance(n, str) for n in named)):
+            raise RewardError(f"trajectory {trajectory.trajectory_id}: code reference 'entry_points' must be a list of names")
         code = extract_code(trajectory.final_answer or "")
-        return code, json.dumps({"tests": tests, "setup": setup}), len(tests)
+        return code, tests_spec(tests, setup, named), len(tests)
 
     def score(self, solution: SandboxResult | None, tests: SandboxResult, total: int) -> RewardResult:
         """Reward from the finished runs (the solution's is None when it was cancelled at the end)."""

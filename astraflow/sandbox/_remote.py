@@ -6,7 +6,8 @@ Shipped into both sandboxes of `astraflow.sandbox.split` as `_astraflow_remote.p
   requests about the objects it holds;
 * the **driver** side calls `connect(fd_in, fd_out)` and gets the solution's top-level names as
   plain values or `Remote` proxies, whose calls, attributes, items, length, iteration,
-  membership, truth and text are requests to the solution. Arguments are copied over; what a
+  truth and text are requests to the solution (membership is decided by the driver on the items:
+asking would show the solution what the tests look for). Arguments are copied over; what a
   call did to a list, dict or set argument is copied back into the caller's object.
 
 Only plain data crosses the pipes, as JSON lines: None, bool, int (huge ones tagged), float
@@ -16,11 +17,16 @@ process and crosses as a numbered handle. A value the driver receives is therefo
 by the driver's own, unpatched types: a solution cannot hand over an object whose `__eq__`
 always says yes, and a proxy compares by identity only. Exceptions cross as the names of their
 classes (the driver raises the first builtin exception class among them, else `RemoteError`).
+
+The driver trusts nothing that runs in the solution's process, this module's copy there
+included: which names it accepts (`entry_name`: no dunders, no builtins' names, only the entry
+points the task names) and every value it decodes are decided on the driver's side.
 """
 
 import base64
 import builtins
 import json
+import keyword
 import math
 import os
 import sys
@@ -180,8 +186,6 @@ def serve(fd_in, fd_out, path="solution.py"):
             elif op == "setitem":
                 target[args[0]] = args[1]
                 out = None
-            elif op == "contains":
-                out = args[0] in target
             elif op == "len":
                 out = len(target)
             elif op == "list":
@@ -238,7 +242,9 @@ class Remote:
         self._ask("setitem", key, value)
 
     def __contains__(self, item):
-        return bool(self._ask("contains", item) is True)
+        # Decided here, on the items as plain data: asking the solution would hand it the value
+        # the tests look for (`assert expected in result`), and let it say yes to anything.
+        return any(item is x or item == x for x in self)
 
     def __len__(self):
         n = self._ask("len")
@@ -334,12 +340,32 @@ class _Connection:
         raise RemoteError(f"{names[0] if names else 'Exception'}: {message}")
 
 
-def connect(fd_in, fd_out):
+def entry_name(name, entry_points=None):
+    """True when a name the solution sends may enter the driver's namespace.
+
+    Decided in the driver's process (the solution's own filter runs where the solution can
+    patch it or write to the pipe itself): an identifier, no dunder (`__builtins__` would
+    become the tests' builtins), not a keyword, nothing that shadows a builtin (`sorted`,
+    `len`, `set`, ...), and, when the task names its entry points, one of them.
+    """
+    return (
+        type(name) is str
+        and name.isidentifier()
+        and not name.startswith("__")
+        and not keyword.iskeyword(name)
+        and not hasattr(builtins, name)
+        and (entry_points is None or name in entry_points)
+    )
+
+
+def connect(fd_in, fd_out, entry_points=None):
     """The solution's top-level names (plain values or proxies); raises SolutionGone if it failed.
 
-    Names that would shadow a builtin (`sorted`, `print`, ...) are left out, so code that the
-    driver runs with these names always gets its own builtins.
+    Only names `entry_name` accepts are given (with `entry_points`, a collection of names, only
+    those), so code that the driver runs with these names always gets its own builtins and
+    nothing of the solution it did not ask for.
     """
+    allowed = None if entry_points is None else frozenset(str(n) for n in entry_points)
     conn = _Connection(fd_in, fd_out)
     hello = conn._receive()
     if "load_error" in hello:
@@ -348,7 +374,7 @@ def connect(fd_in, fd_out):
     if type(names) is not dict:
         raise SolutionGone("the solution broke the protocol: no names")
     try:
-        return {str(k): decode(v, conn.resolve) for k, v in names.items() if not hasattr(builtins, str(k))}
+        return {k: decode(v, conn.resolve) for k, v in names.items() if entry_name(k, allowed)}
     except (TypeError, ValueError, RecursionError) as exc:
         raise SolutionGone(f"the solution broke the protocol: {exc}") from None
 

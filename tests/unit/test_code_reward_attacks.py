@@ -99,8 +99,22 @@ ATTACKS = {
         "import os, sys\nos.write(int(sys.argv[2]), b'{\"names\": {}}\\n')  # the server's reply pipe\n\n"
         "def add(a, b):\n    return None\n"
     ),
+    # The solution's own copy of the name filter is no barrier: a key whose `startswith` lies
+    # takes `__builtins__` across, and the tests' `sorted` would resolve through the solution.
+    "dunder_builtins_through_a_lying_key": (
+        "class S(str):\n    def startswith(self, *a):\n        return False\n    __hash__ = str.__hash__\n\n"
+        "def sort_list(x):\n    return list(x)\n\ndef fake_sorted(x, **k):\n    return list(x)\n\n"
+        "del globals()['__builtins__']\nglobals()[S('__builtins__')] = {'sorted': fake_sorted, 'len': len}\n"
+    ),
+    # `expected in result`: membership asked of the solution would show it the expected value.
+    "contains_says_yes_to_anything": (
+        "class Yes:\n    def __contains__(self, x):\n        return True\n\ndef add(a, b):\n    return Yes()\n"
+    ),
 }
 SORT_TESTS = ["assert sort_list([3, 1, 2]) == sorted([3, 1, 2])"]
+CONTAINS_TESTS = ["assert 3 in add(1, 2)", "assert 0 in add(-1, 1)", "assert 4 in add(2, 2)"]
+TESTS_OF = {"shadow_a_builtin_the_tests_use": SORT_TESTS, "dunder_builtins_through_a_lying_key": SORT_TESTS,
+            "contains_says_yes_to_anything": CONTAINS_TESTS}
 
 HONEST = {
     "in_place_changes_to_arguments": (
@@ -124,6 +138,11 @@ HONEST = {
          "assert count('aab') == {'a': 2, 'b': 1}",
          "assert check(float('inf')) == float('inf') and check(2 ** 80) == 2 ** 80 and check(7 ** 9000) == 7 ** 9000",
          "assert echo(b'x') == b'x' and echo({1: (2, {3})}) == {1: (2, {3})} and echo(1j) == 1j"],
+    ),
+    "membership_in_a_solution_container": (
+        "class Bag:\n    def __init__(self, *xs):\n        self.xs = list(xs)\n    def __iter__(self):\n        return iter(self.xs)\n\n"
+        "def add(a, b):\n    return Bag(a + b, a, b)\n",
+        ["assert 3 in add(1, 2) and 7 not in add(1, 2)"],
     ),
 }
 
@@ -149,7 +168,7 @@ def score(code: str, tests: list[str]) -> dict[str, float]:
 
 @pytest.mark.parametrize("attack", list(ATTACKS))
 def test_attacks_on_the_test_process_earn_nothing(attack: str, mode: str) -> None:
-    tests = SORT_TESTS if attack == "shadow_a_builtin_the_tests_use" else ADD_TESTS
+    tests = TESTS_OF.get(attack, ADD_TESTS)
     out = score(ATTACKS[attack], tests)
     assert out["reward"] == 0.0 and out["tests_passed"] == 0.0, out
     assert out["reported"] == 1.0  # the test process itself always reports
@@ -207,3 +226,14 @@ def test_wire_carries_plain_data_only() -> None:
     for bad in ({"$q": 1}, {"$t": 1}, {"$f": "1e999"}, {"$h": "0"}, {"a": 1, "b": 2}):
         with pytest.raises(ValueError):
             decode(bad, lambda n: n)
+
+
+def test_only_the_entry_points_the_tests_name_cross() -> None:
+    from astraflow.dataflow.code_reward import entry_points_of
+    from astraflow.sandbox._remote import entry_name
+
+    assert entry_points_of(["import math\nx = helper(2)", "assert add(x, 1) == sorted([3])[0]", "def ("]) == \
+        ["add", "helper", "x"]
+    assert entry_name("add", {"add"}) and not entry_name("other", {"add"})
+    for bad in ("__builtins__", "__class__", "sorted", "len", "None", "for", "a b", 3):
+        assert not entry_name(bad), bad
