@@ -20,7 +20,6 @@ from __future__ import annotations
 import getpass
 import socket
 import time
-import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -84,12 +83,11 @@ class ControlState:
 
 
 def _consumer(kafka: KafkaSettings, max_record_bytes: int) -> Any:
-    from confluent_kafka import Consumer
-
-    from astraflow.kafka.clients import reader_config
+    from astraflow.kafka.clients import reader
+    from astraflow.kafka.topics import reader_group
 
     # A throwaway group id: librdkafka wants one, but the reader only assigns and never commits.
-    return Consumer(reader_config(kafka, f"af-reader-{uuid.uuid4().hex[:12]}", max_record_bytes))
+    return reader(kafka, reader_group("control"), max_record_bytes)
 
 
 class CompactedReader:

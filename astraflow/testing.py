@@ -4,7 +4,6 @@ used by the pipeline)."""
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -87,13 +86,12 @@ def read_records(kafka: KafkaSettings, topics: list[str], until: Callable[[list[
                  timeout_s: float = 40.0) -> list[Any]:
     """Decoded records of `topics` from their start (as a new consumer group, read_committed) until
     `until(records)` holds or `timeout_s` has passed."""
-    from confluent_kafka import Consumer
-
-    from astraflow.kafka.clients import reader_config
+    from astraflow.kafka.clients import reader
+    from astraflow.kafka.topics import reader_group
     from astraflow.serde import AvroSerde
 
     serde = AvroSerde()
-    c = Consumer(reader_config(kafka, f"read-{uuid.uuid4().hex}"))
+    c = reader(kafka, reader_group("test"))
     c.subscribe(topics)
     out: list[Any] = []
     deadline = time.monotonic() + timeout_s

@@ -58,7 +58,9 @@ def show(
         name = reader.resolve_topic(name)
         records = reader.read_topic(name, since_ms, until_ms)
     else:
-        if not experiment and not name.startswith("af."):
+        from astraflow.kafka.topics import PREFIX
+
+        if not experiment and not name.startswith(PREFIX):
             raise ArchiveError(f"pass --experiment to read its {topic!r} stream, or a full topic name, or --archive DIR")
         from astraflow.archive.kafka_source import TopicSource
 

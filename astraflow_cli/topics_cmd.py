@@ -38,10 +38,10 @@ def list_(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """List topics (all AstraFlow topics, or one experiment's) with partition counts."""
-    from astraflow.kafka.topics import TopicAdmin, Topics
+    from astraflow.kafka.topics import PREFIX, TopicAdmin, Topics
 
     cfg = load(ctx)
-    prefix = f"af.{Topics(experiment).experiment}." if experiment else "af."
+    prefix = Topics(experiment).prefix if experiment else PREFIX
     topics = TopicAdmin(cfg.kafka).list(prefix)
     if as_json:
         console.print_json(json.dumps(topics))
@@ -56,11 +56,11 @@ def list_(
 @handle_errors
 def describe(ctx: typer.Context, experiment: str = EXPERIMENT, policy: list[str] = POLICY) -> None:
     """Show the non-default configs of the experiment's topics."""
-    from astraflow.kafka.topics import TopicAdmin, topic_specs
+    from astraflow.kafka.topics import TopicAdmin, Topics, topic_specs
 
     cfg = load(ctx)
     admin = TopicAdmin(cfg.kafka)
-    existing = admin.list(f"af.{experiment}.")
+    existing = admin.list(Topics(experiment).prefix)
     names = [s.name for s in topic_specs(experiment, policy, cfg.topics) if s.name in existing]
     table = Table("topic", "partitions", "config")
     for name, conf in admin.describe(names).items():

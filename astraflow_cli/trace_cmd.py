@@ -37,10 +37,10 @@ def trace(
             yield from reader.read_topic(topic)
     else:
         from astraflow.archive.kafka_source import TopicSource
-        from astraflow.kafka.topics import TopicAdmin
+        from astraflow.kafka.topics import TopicAdmin, Topics
 
         cfg = load(ctx)
-        topics = list(TopicAdmin(cfg.kafka).list(f"af.{experiment}."))
+        topics = list(TopicAdmin(cfg.kafka).list(Topics(experiment).prefix))
 
         def source(topic: str) -> Iterator[ArchivedRecord]:
             with TopicSource(cfg.kafka, topic) as src:

@@ -264,15 +264,13 @@ def hand_loop(kafka: Any, step: _Step, src: str, group: str, n: int, codec: str,
     """Runs `step` over `src` as consumer group `group`, exactly-once, until its n inputs are
     committed; returns the monotonic time of its first record (the commit rule: module doc).
     `refresh` runs before each tick (curate: the trainer's versions)."""
-    from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+    from confluent_kafka import KafkaException, Producer, TopicPartition
 
-    from astraflow.kafka.clients import producer_config
+    from astraflow.kafka.clients import producer_config, reader
 
     producer = Producer({**producer_config(kafka, max_record_bytes), "compression.type": codec,
                          "partitioner": "murmur2_random", "transactional.id": group})
-    consumer = Consumer({**kafka.client_config(), "group.id": group, "enable.auto.commit": False,
-                         "auto.offset.reset": "earliest", "isolation.level": "read_committed",
-                         "fetch.message.max.bytes": max_record_bytes + 64 * 1024})
+    consumer = reader(kafka, group, max_record_bytes)  # commits in its transactions, by hand
     producer.init_transactions()
     producer.begin_transaction()
     consumer.subscribe([src])

@@ -68,13 +68,11 @@ def reward_input(run: str, rng: random.Random) -> list[Any]:
 def read_topic(kafka: Any, topic: str | list[str], isolation: str, quiet_s: float, deadline: float, want: int,
           decode: bool = True) -> list[Any]:
     """Every record of `topic` (decoded) until nothing new came for `quiet_s` after `want` were read."""
-    from confluent_kafka import Consumer
-
+    from astraflow.kafka.clients import reader
     from astraflow.serde import AvroSerde
 
     serde = AvroSerde()
-    c = Consumer({**kafka.client_config(), "group.id": f"count-{uuid.uuid4().hex}", "auto.offset.reset": "earliest",
-                  "enable.auto.commit": False, "isolation.level": isolation})
+    c = reader(kafka, f"count-{uuid.uuid4().hex}", **{"isolation.level": isolation})
     c.subscribe([topic] if isinstance(topic, str) else topic)
     out: list[Any] = []
     last = time.monotonic()
@@ -164,11 +162,12 @@ class OpenTransactions:
     """
 
     def __init__(self, kafka: Any, topic: str) -> None:
-        from confluent_kafka import Consumer, TopicPartition
+        from confluent_kafka import TopicPartition
+
+        from astraflow.kafka.clients import reader
 
         def consumer(isolation: str) -> Any:
-            return Consumer({**kafka.client_config(), "group.id": f"watch-{uuid.uuid4().hex}",
-                             "enable.auto.commit": False, "isolation.level": isolation})
+            return reader(kafka, f"watch-{uuid.uuid4().hex}", **{"isolation.level": isolation})
 
         self._committed, self._end = consumer("read_committed"), consumer("read_uncommitted")
         deadline = time.monotonic() + 30

@@ -126,7 +126,7 @@ def build_report(kafka: KafkaSettings, topics: Topics, ledger: Ledger, phases: l
     scored = [(rec, ts) for rec, ts, _, _ in scored_at]
     scored_where = {f"{rec.trajectory_id}#{POLICY}": (p, o) for rec, _, p, o in scored_at}
     scored_ids = set(scored_where)
-    curate_read = committed_offsets(kafka, f"af.{settings.get('experiment', '')}.curate", topics.scored)
+    curate_read = committed_offsets(kafka, topics.group("curate"), topics.scored)
     train = sorted(((rec, ts) for rec, ts in read(topics.train(POLICY)) if isinstance(rec, TrainSample)), key=lambda x: x[1])
     train_seen: Counter[str] = Counter()
     train_dup_times: list[float] = []
@@ -218,9 +218,11 @@ def build_report(kafka: KafkaSettings, topics: Topics, ledger: Ledger, phases: l
 
 def committed_offsets(kafka: KafkaSettings, group: str, topic: str) -> dict[int, int]:
     """Partition -> the consumer group's committed offset on `topic` (partitions it never committed are absent)."""
-    from confluent_kafka import Consumer, TopicPartition
+    from confluent_kafka import TopicPartition
 
-    c = Consumer({**kafka.client_config(), "group.id": group, "enable.auto.commit": False, "log_level": 2})
+    from astraflow.kafka.clients import reader
+
+    c = reader(kafka, group, log_level=2)
     try:
         parts = sorted(c.list_topics(topic, timeout=30).topics[topic].partitions)
         return {tp.partition: tp.offset for tp in c.committed([TopicPartition(topic, p) for p in parts], timeout=30)

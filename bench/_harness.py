@@ -31,7 +31,7 @@ from _pipeline import (
 from astraflow.config import load_config
 from astraflow.demo.common import role_env
 from astraflow.demo.supervisor import Role, Supervisor, tail
-from astraflow.kafka.clients import watermarks
+from astraflow.kafka.clients import reader, watermarks
 from astraflow.kafka.topics import Topics
 
 ROLE_KILLS = ("curator", "reward", "curate", "trainer", "nodes")
@@ -102,12 +102,11 @@ class Harness:
         nodes = [node_role(self.exp, self.spec, self.node_env(), i + 1) for i in range(a.nodes)]
         for role in [*pipeline_roles(self.exp, self.spec, self.env(), nodes=0), *nodes]:
             self.roles[role.name] = self.sup.start(role)
-        from confluent_kafka import Consumer
         from confluent_kafka.admin import AdminClient
 
-        self.probe = Consumer({**self.cfg.kafka.client_config(), "group.id": f"{self.exp}-probe", "log_level": 2})
+        self.probe = reader(self.cfg.kafka, f"{self.exp}-probe", log_level=2)
         wait_ready(AdminClient(self.cfg.kafka.client_config()),
-                   [f"af.{self.exp}.raas", f"af.{self.exp}.reward", f"af.{self.exp}.curate"], self.probe,
+                   [self.topics.raas_group, self.topics.group("reward"), self.topics.group("curate")], self.probe,
                    self.topics.weights("policy"), self.sup, a.ready_timeout_s)
         self.ledger = Ledger(self.cfg.kafka, self.topics.tasks, self.topics.dlq, self.trained_log)
         self.rollouts = TopicReader(self.cfg.kafka, self.topics.rollouts)

@@ -32,10 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from astraflow.config import KafkaSettings
 from astraflow.errors import SerdeError
+from astraflow.kafka.clients import reader
 from astraflow.serde import AvroSerde
 
 POLICY = "policy"
@@ -176,10 +177,8 @@ class TopicReader:
 
     def __init__(self, kafka: KafkaSettings, topic: str, serde: AvroSerde | None = None) -> None:
         self.topic, self.serde = topic, serde or AvroSerde()
-        self.consumer = Consumer({**kafka.client_config(), "group.id": f"faults-reader-{uuid.uuid4().hex[:8]}",
-                                  "enable.auto.commit": False, "isolation.level": "read_committed",
-                                  "enable.partition.eof": True, "auto.offset.reset": "earliest",
-                                  "log_level": 2})  # quiet while the harness has the broker down
+        self.consumer = reader(kafka, f"faults-reader-{uuid.uuid4().hex[:8]}", **{"enable.partition.eof": True},
+                               log_level=2)  # quiet while the harness has the broker down
         md = self.consumer.list_topics(topic, timeout=30)
         parts = sorted(md.topics[topic].partitions)
         self.partitions = parts

@@ -58,7 +58,7 @@ from astraflow.config import AstraflowConfig, load_config
 from astraflow.control import ControlWriter
 from astraflow.demo.common import PY, role_env
 from astraflow.demo.supervisor import Role, Supervisor
-from astraflow.kafka.clients import watermarks
+from astraflow.kafka.clients import reader, watermarks
 from astraflow.kafka.topics import TopicAdmin, Topics, topic_specs
 from astraflow.records import Metric, Task
 
@@ -428,7 +428,7 @@ def run_pipeline(mode: str, workload: str, sigma: float, *, steps: int, eval_eve
     topics = Topics(exp)
     sup = Supervisor(run_dir / "logs")
     tap = WeightTap(cfg.kafka, exp)
-    probe = Consumer({**cfg.kafka.client_config(), "group.id": f"{exp}-probe", "enable.auto.commit": False})
+    probe = reader(cfg.kafka, f"{exp}-probe")
     run = _rl.Run(f"pipeline-{mode}", workload, sigma)
     base, tokenizer = load_tiny(model_dir)
     try:
@@ -437,7 +437,7 @@ def run_pipeline(mode: str, workload: str, sigma: float, *, steps: int, eval_eve
                            bootstrap=cfg.kafka.bootstrap_servers, trainer_threads=trainer_threads):
             sup.start(role)
         admin = AdminClient(cfg.kafka.client_config())
-        wait_ready(admin, [f"af.{exp}.raas", f"af.{exp}.reward", f"af.{exp}.curate"], probe, topics.weights("policy"),
+        wait_ready(admin, [topics.raas_group, topics.group("reward"), topics.group("curate")], probe, topics.weights("policy"),
                     sup, READY_TIMEOUT_S)
         tap.start()
         run.snapshots.append((0, 0.0, {k: v.detach().clone() for k, v in base.state_dict().items()}))

@@ -41,6 +41,7 @@ from confluent_kafka.admin import AdminClient
 from astraflow.config import load_config
 from astraflow.demo.common import PY, curate_role, role_env
 from astraflow.demo.supervisor import Role, Supervisor
+from astraflow.kafka.clients import reader
 from astraflow.kafka.topics import TopicAdmin, Topics
 from astraflow.records import Task
 from astraflow.weights.follow import KafkaWeightFollower
@@ -107,7 +108,7 @@ def run_pair_pipeline(policies: tuple[str, ...], models: dict[str, str], tasks: 
     topics = Topics(exp)
     sup = Supervisor(run_dir / "logs")
     followers = {p: KafkaWeightFollower(cfg.kafka, exp, p, request_snapshots=False, requester="bench") for p in policies}
-    probe = Consumer({**cfg.kafka.client_config(), "group.id": f"{exp}-probe", "enable.auto.commit": False})
+    probe = reader(cfg.kafka, f"{exp}-probe")
     snapshots: dict[str, list[tuple[int, float, dict[str, torch.Tensor]]]] = {p: [] for p in policies}
     try:
         started_at = time.time()
@@ -117,7 +118,7 @@ def run_pair_pipeline(policies: tuple[str, ...], models: dict[str, str], tasks: 
             sup.start(role)
         admin = AdminClient(cfg.kafka.client_config())
         for p in policies:  # every group has a member and each trainer has published its version 0
-            _pipeline.wait_ready(admin, [f"af.{exp}.raas", f"af.{exp}.reward", f"af.{exp}.curate"], probe,
+            _pipeline.wait_ready(admin, [topics.raas_group, topics.group("reward"), topics.group("curate")], probe,
                                  topics.weights(p), sup, _pipeline.READY_TIMEOUT_S)
         ready_at = time.time()
         for f in followers.values():

@@ -14,7 +14,7 @@ from typing import Any
 from _cpuquota import CpuQuota
 from _ledger import Ledger, TopicReader
 from _pipeline import PipelineSpec, create_experiment, pipeline_roles, wait_ready, write_dataset
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import KafkaException, TopicPartition
 
 from astraflow.config import KafkaSettings, LocalKafkaSettings, WanSettings, load_config
 from astraflow.demo.common import PY, role_env
@@ -144,8 +144,10 @@ class RegionsRun:
             self.sup.start(role)
         from confluent_kafka.admin import AdminClient
 
-        self.probe = Consumer({**self.cfg.kafka.client_config(), "group.id": f"{self.exp}-probe", "log_level": 2})
-        wait_ready(AdminClient(self.cfg.kafka.client_config()), [f"af.{self.exp}.reward", f"af.{self.exp}.curate"],
+        from astraflow.kafka.clients import reader
+
+        self.probe = reader(self.cfg.kafka, f"{self.exp}-probe", log_level=2)
+        wait_ready(AdminClient(self.cfg.kafka.client_config()), [self.topics.group("reward"), self.topics.group("curate")],
                    self.probe, self.topics.weights("policy"), self.sup, 300.0)
         self.step("setup_roles_ready")
         self.ledger = Ledger(self.cfg.kafka, self.topics.tasks, self.topics.dlq, self.trained_log,
@@ -154,11 +156,9 @@ class RegionsRun:
         self.r_metrics = TopicReader(self.cfg.kafka, self.topics.metrics)
         self.r_weights = TopicReader(self.cfg.kafka, self.topics.weights("policy"))
         self.readers = [self.r_roll, self.r_metrics, self.r_weights]
-        from astraflow.kafka.clients import reader_config
-
         # what the nodes report with their commits (the placement's speed and refill delay), read as
         # the curator's placer reads it: a reader named after the nodes' group, which never joins it
-        self.commit_reader = Consumer(reader_config(self.cfg.kafka, f"af.{self.exp}.raas", log_level=2))
+        self.commit_reader = reader(self.cfg.kafka, self.topics.raas_group, log_level=2)
         self._commits_at = 0.0
         self.quotas = {name: CpuQuota(f"{self.exp}-{name}", cpus) for name, cpus in self.cpus.items() if cpus}
         self.control.set("curator", "pause", "off", issued_by="bench-regions")

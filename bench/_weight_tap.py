@@ -44,7 +44,7 @@ class WeightTap:
     def __init__(self, kafka: KafkaSettings, experiment: str, policy: str = "policy") -> None:
         self.policy, self.serde = policy, AvroSerde()
         self.topic = Topics(experiment).weights(policy)
-        self._consumer = assigned_consumer(kafka, self.serde, f"af.{experiment}.bench-tap")
+        self._consumer = assigned_consumer(kafka, self.serde, Topics(experiment).group("bench-tap"))
         self.records: list[tuple[int, Any, float]] = []  # (offset, record or None, time.time() it arrived)
         self.arrived: dict[int, float] = {}  # version -> when its last record arrived here
         self._open: tuple[int, int, int] | None = None  # (version, chunks announced, chunks seen) of the version being read

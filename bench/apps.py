@@ -65,11 +65,11 @@ from typing import Any
 
 import _common
 from _apps_hand import HandCurate, HandReward, hand_loop
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Producer
 from dataplane import commit  # the bare loop commits as the data-plane benchmark's does
 
 from astraflow.config import KafkaSettings, TopicSettings
-from astraflow.kafka.clients import RecordProducer, producer_config
+from astraflow.kafka.clients import RecordProducer, producer_config, reader
 from astraflow.kafka.topics import TopicAdmin, Topics, TopicSpec, topic_specs
 from astraflow.serde import AvroSerde
 from stream_apps.engine import COMPRESSIONS, EngineSettings
@@ -171,7 +171,7 @@ class Finish:
     def _watch(self) -> None:
         from confluent_kafka import TopicPartition
 
-        c = Consumer({**self.kafka.client_config(), "group.id": self.group, "enable.auto.commit": False})
+        c = reader(self.kafka, self.group)
         tps = [TopicPartition(self.topic, p) for p in range(PARTITIONS)]
         try:
             while sum(max(0, tp.offset) for tp in c.committed(tps, timeout=10)) < self.n:
@@ -192,11 +192,7 @@ def plain_stage(kafka: KafkaSettings, src: str, dst: str, n: int, serde: AvroSer
     group = f"bench-plain-{uuid.uuid4().hex}"
     done = Finish(kafka, src, group, n)
     producer = Producer({**producer_config(kafka, serde.max_record_bytes), "compression.type": codec})
-    consumer = Consumer({
-        **kafka.client_config(), "group.id": group, "enable.auto.commit": False,
-        "auto.offset.reset": "earliest", "isolation.level": "read_committed",
-        "fetch.message.max.bytes": serde.max_record_bytes + 64 * 1024,
-    })
+    consumer = reader(kafka, group, serde.max_record_bytes)  # commits by hand: the baseline
     consumer.subscribe([src])
     first, copied, last_commit = None, 0, time.monotonic()
     while copied < n:
@@ -256,7 +252,7 @@ def our_stage(kafka: KafkaSettings, app: str, experiment: str, src: str, n: int,
               guarantee: str, codec: str, cpu: StageCpu) -> float:
     """Runs one app worker until it committed all n inputs; returns seconds from its first record."""
     settings = EngineSettings(experiment, kafka, metrics_interval_s=5.0, guarantee=guarantee,  # type: ignore[arg-type]
-                              group_id=f"af.{experiment}.{app}.{guarantee}", compression=codec)  # type: ignore[arg-type]
+                              group_id=Topics(experiment).group(f"{app}.{guarantee}"), compression=codec)  # type: ignore[arg-type]
     done = Finish(kafka, src, settings.group_id or "", n)
     worker = build_worker(app, settings, options)
     cpu.when_first(lambda: worker.stats.first_in_at is not None)
@@ -279,7 +275,7 @@ def restart(kafka: KafkaSettings, app: str, experiment: str, src: str, options: 
     one more group of records in `src`; returns seconds from its start to its first record: a
     restarted worker's start-up, with the recovery of its tables from their changelogs."""
     fill(kafka, src, 8, tokens, 8)
-    settings = EngineSettings(experiment, kafka, metrics_interval_s=5.0, group_id=f"af.{experiment}.{app}.exactly_once",
+    settings = EngineSettings(experiment, kafka, metrics_interval_s=5.0, group_id=Topics(experiment).group(f"{app}.exactly_once"),
                               compression=codec)  # type: ignore[arg-type]
     started = time.monotonic()
     worker = build_worker(app, settings, options)

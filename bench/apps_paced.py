@@ -35,11 +35,11 @@ from pathlib import Path
 
 import _common
 from _pipeline import _processes, create_experiment
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import TopicPartition
 
 from astraflow.config import AstraflowConfig
 from astraflow.demo.common import PY, role_env
-from astraflow.kafka.clients import RecordProducer, watermarks
+from astraflow.kafka.clients import RecordProducer, reader, watermarks
 from astraflow.kafka.topics import TopicAdmin, Topics
 
 GROUP = 8
@@ -52,8 +52,7 @@ class TrainCount:
     def __init__(self, cfg: AstraflowConfig, topic: str, partitions: int) -> None:
         self.n = 0
         self._stop = threading.Event()
-        self._c = Consumer({**cfg.kafka.client_config(), "group.id": f"count-{uuid.uuid4().hex}", "enable.auto.commit": False,
-                            "isolation.level": "read_committed"})
+        self._c = reader(cfg.kafka, f"count-{uuid.uuid4().hex}")
         self._c.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -107,7 +106,7 @@ def main() -> None:
              for app in ("reward", "curate")}
     spies: list[subprocess.Popen[bytes]] = []
     count = TrainCount(cfg, topics.train("policy"), parts)
-    rprobe = Consumer({**cfg.kafka.client_config(), "group.id": f"probe-{exp}", "enable.auto.commit": False})
+    rprobe = reader(cfg.kafka, f"probe-{exp}")
     producer = RecordProducer(cfg.kafka)
     trajs = _common.trajectories((args.steps + 1) * PER_STEP, args.tokens, GROUP)
     data = [(producer.serde.dumps(t), t.group_id) for t in trajs]
@@ -149,7 +148,7 @@ def main() -> None:
         scored_end = sum(watermarks(rprobe, topics.scored, p)[1] for p in range(parts))
         train_end = sum(watermarks(rprobe, topics.train("policy"), p)[1] for p in range(parts))
         samples = PER_STEP + n
-        changelogs = {t: sum(watermarks(rprobe, f"af.{exp}.curate-{t}-changelog", p)[1] for p in range(parts))
+        changelogs = {t: sum(watermarks(rprobe, topics.changelog("curate", t), p)[1] for p in range(parts))
                       for t in ("groups", "emitted")}
         result = {
             "steps": args.steps, "records": n, "step_s": args.step_s, "tokens": args.tokens, "wall_s": round(done - t0, 2),
@@ -181,7 +180,7 @@ def main() -> None:
                 p.kill()
         count.close()
         rprobe.close()
-        TopicAdmin(cfg.kafka).delete([*(s.name for s in specs), *(f"af.{exp}.curate-{t}-changelog" for t in ("groups", "emitted"))])
+        TopicAdmin(cfg.kafka).delete([*(s.name for s in specs), *(topics.changelog("curate", t) for t in ("groups", "emitted"))])
         sys.stdout.flush()
 
 

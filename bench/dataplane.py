@@ -33,7 +33,7 @@ import _common
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 
 from astraflow.config import KafkaSettings, TopicSettings
-from astraflow.kafka.clients import RecordProducer, producer_config
+from astraflow.kafka.clients import RecordProducer, producer_config, reader
 from astraflow.kafka.topics import TopicAdmin, Topics, TopicSpec, topic_specs
 from astraflow.records import Trajectory
 from astraflow.serde import AvroSerde
@@ -50,11 +50,7 @@ BATCH = 32
 
 def consumer(kafka: KafkaSettings, topic: str, serde: AvroSerde, joined: threading.Event | None = None) -> Consumer:
     """A bare consumer of `topic`; sets `joined` once the group gave it its partitions."""
-    c = Consumer({
-        **kafka.client_config(), "group.id": f"bench-raw-{uuid.uuid4().hex}", "enable.auto.commit": False,
-        "auto.offset.reset": "earliest", "isolation.level": "read_committed",
-        "fetch.message.max.bytes": serde.max_record_bytes + 64 * 1024,
-    })
+    c = reader(kafka, f"bench-raw-{uuid.uuid4().hex}", serde.max_record_bytes)
     c.subscribe([topic], on_assign=lambda cons, parts: joined.set() if joined is not None and parts else None)
     return c
 

@@ -151,7 +151,7 @@ def run_crash(kafka: Any, app: str, *, guarantee: str = "exactly_once", kills: i
         committed = read_topic(kafka, sink, "read_committed", 12.0, deadline, len(expected_ids))
         # The control: the same topics read_uncommitted (curate's state changelogs too: a kill often
         # interrupts a transaction that holds group members and no train sample yet).
-        seen = [sink, *([f"af.{experiment}.curate-{t}-changelog" for t in ("groups", "emitted")]
+        seen = [sink, *([topics.changelog("curate", t) for t in ("groups", "emitted")]
                         if app == "curate" else [])]
         both = [len(read_topic(kafka, seen, iso, 3.0, time.monotonic() + 60, 1, decode=False))
                 for iso in ("read_committed", "read_uncommitted")]

@@ -55,7 +55,11 @@ class ArchiveStats:
 def default_group(experiment: str | None, to: str) -> str:
     """One group per destination, so two archives of one experiment do not split its partitions."""
     digest = hashlib.sha1(to.encode()).hexdigest()[:8]
-    return f"af.{experiment}.archive.{digest}" if experiment else f"af-archive.{digest}"
+    if experiment:
+        from astraflow.kafka.topics import Topics
+
+        return Topics(experiment).archive_group(digest)
+    return f"af-archive.{digest}"
 
 
 def resolve_topics(experiment: str | None, names: list[str]) -> list[str]:
@@ -90,9 +94,8 @@ class ArchiveApp:
         instance_id: str | None = None,
         session_timeout_s: float = 10.0,
     ) -> None:
-        from confluent_kafka import Consumer
-
         from astraflow.archive.writer import ArchiveWriter
+        from astraflow.kafka.clients import group_member
 
         self.topics = topics
         self.start = start
@@ -100,19 +103,16 @@ class ArchiveApp:
         self._user_on_seal = on_seal
         self._to_commit: dict[tuple[str, int], int] = {}
         self.writer = ArchiveWriter(to, policy, catalog, on_seal=self._sealed)
-        self.consumer: Consumer = Consumer(
-            {
-                **kafka.client_config(),
-                "group.id": group,
-                "enable.auto.commit": False,
+        self.consumer: Consumer = group_member(
+            kafka, group, 16 * 1024 * 1024,
+            **{
                 "enable.auto.offset.store": False,
-                "auto.offset.reset": "earliest",
-                "isolation.level": "read_committed",
-                "fetch.message.max.bytes": 16 * 1024 * 1024 + 65536,
                 "max.poll.interval.ms": 600000,
                 "session.timeout.ms": int(session_timeout_s * 1000),
+                # eager rebalancing: the callbacks below assign and unassign whole assignments
+                "partition.assignment.strategy": "range,roundrobin",
                 **({"group.instance.id": instance_id} if instance_id else {}),
-            }
+            },
         )
         self.assigned = False
 

@@ -86,7 +86,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaException
+from confluent_kafka import KafkaException
 
 from astraflow.errors import AstraflowError, ConfigError
 from astraflow.kafka.backlog import pending_samples
@@ -196,7 +196,8 @@ class CuratorApp(AppHandler):
     def bind(self, worker: Any) -> None:
         from confluent_kafka.admin import AdminClient
 
-        from astraflow.kafka.clients import reader_config
+        from astraflow.kafka.clients import reader as new_reader
+        from astraflow.kafka.topics import reader_group
 
         super().bind(worker)
         self.slot = Slot(worker.control, self.name, "curator", "curator", self.defaults["curator"])
@@ -210,10 +211,10 @@ class CuratorApp(AppHandler):
         if given is not None and given.lower() == "none":
             self.trainer_groups: dict[str, str] = {}
         else:
-            self.trainer_groups = {p: given or f"af.{worker.settings.experiment}.{p}.trainer" for p in self.throttled}
+            self.trainer_groups = {p: given or worker.topics.trainer_group(p) for p in self.throttled}
         self.train_topics = {p: worker.topics.train(p) for p in self.throttled}
         # Never subscribes: only reads watermarks and each trainer group's committed offsets.
-        self._lag_consumer = Consumer(reader_config(worker.kafka, f"af-curator-{self._run}"))
+        self._lag_consumer = new_reader(worker.kafka, reader_group("curator_lag", self._run))
         self._admin = AdminClient(worker.kafka.client_config())
         marks = {t: self._watermarks(t) for t in self.task_shares}
         self.issued_to = {t: sum(high for _, high in m.values()) for t, m in marks.items()}
@@ -221,7 +222,7 @@ class CuratorApp(AppHandler):
         from astraflow.kafka.task_placer import TaskPlacer
 
         # Each task goes to the partition where it would wait least, so work follows node speed.
-        self.placer = TaskPlacer(worker.kafka, self.tasks_topic, f"af.{worker.settings.experiment}.raas", marks[self.tasks_topic])
+        self.placer = TaskPlacer(worker.kafka, self.tasks_topic, worker.topics.raas_group, marks[self.tasks_topic])
         log.info("curator: %d prompts, %d tasks issued so far", len(self.pool), self.issued)
 
     def on_recovered(self, table: str) -> None:
@@ -297,7 +298,7 @@ class CuratorApp(AppHandler):
         from confluent_kafka import IsolationLevel, TopicPartition
         from confluent_kafka.admin import OffsetSpec
 
-        from astraflow.kafka.clients import reader_config
+        from astraflow.kafka.clients import reader as new_reader
 
         topic = self.train_topics[policy]
         parts = self._partitions.get(topic)
@@ -315,7 +316,7 @@ class CuratorApp(AppHandler):
         # committed() reads the offsets of the consumer's own group: one reader per trainer group.
         reader = self._readers.get(group)
         if reader is None:
-            reader = self._readers[group] = Consumer(reader_config(self.worker.kafka, group))
+            reader = self._readers[group] = new_reader(self.worker.kafka, group)
         done = {tp.partition: tp for tp in reader.committed([TopicPartition(topic, p) for p in parts], timeout=10.0)}
         fresh = [p for p in parts if p not in done or done[p].offset < 0]  # never committed: from the partition's start
         start = self._starts.setdefault(topic, {})

@@ -164,7 +164,7 @@ class StreamEngine(EngineLifecycle):
         self.settings = settings
         self.kafka = settings.kafka
         self.topics = Topics(settings.experiment)
-        self.group_id = settings.group_id or f"af.{settings.experiment}.{handler.name}"
+        self.group_id = settings.group_id or self.topics.group(handler.name)
         self.instance_id = settings.instance_id or (
             f"{handler.name}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         )

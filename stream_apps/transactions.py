@@ -76,23 +76,22 @@ log = logging.getLogger(__name__)
 def _readable_ends(kafka: Any, serde: Any, stable: dict[Any, int]) -> dict[Any, int]:
     """For each partition, one past the last record below its last stable offset that a
     read_committed reader gets; its first offset when it has none (nothing to recover)."""
-    from confluent_kafka import Consumer
-
-    from astraflow.kafka.clients import reader_config, watermarks
+    from astraflow.kafka.clients import reader, watermarks
     from astraflow.kafka.read import last_readable
+    from astraflow.kafka.topics import reader_group
 
     # A fetch at the end waits at most 10 ms for data (librdkafka's default, 500 ms, is paid at
     # every partition's end: the reader stops there).
-    reader = Consumer(reader_config(kafka, "astraflow-changelog-ends", serde.max_record_bytes,
-                                    **{"enable.partition.eof": True, "fetch.wait.max.ms": 10}))
+    ends_reader = reader(kafka, reader_group("changelog_ends"), serde.max_record_bytes,
+                         **{"enable.partition.eof": True, "fetch.wait.max.ms": 10})
     try:
         ends = {}
         for tp, end in stable.items():
-            last = last_readable(reader, tp.topic, tp.partition, end) if end else None
-            ends[tp] = last + 1 if last is not None else watermarks(reader, tp.topic, tp.partition)[0]
+            last = last_readable(ends_reader, tp.topic, tp.partition, end) if end else None
+            ends[tp] = last + 1 if last is not None else watermarks(ends_reader, tp.topic, tp.partition)[0]
         return ends
     finally:
-        reader.close()
+        ends_reader.close()
 
 
 class ExactTransactionManager(TransactionManager):

@@ -21,14 +21,14 @@ from typing import Any
 
 import lightning as L
 import torch
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import TopicPartition
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from astraflow.config import KafkaSettings
 from astraflow.errors import KafkaLayerError, ProduceError, SerdeError
-from astraflow.kafka.clients import RecordProducer, reader_config, watermarks
-from astraflow.kafka.topics import Topics
+from astraflow.kafka.clients import RecordProducer, reader, watermarks
+from astraflow.kafka.topics import Topics, reader_group
 from astraflow.records import Control, Metric
 from astraflow.serde import AvroSerde
 from astraflow.weights.versions import CONTROL_APP
@@ -134,7 +134,7 @@ class SnapshotRequests:
     def __init__(self, kafka: KafkaSettings, topics: Topics, policy: str) -> None:
         self.key = f"{CONTROL_APP}/{policy}.snapshot"
         self.serde = AvroSerde()
-        self._consumer = Consumer(reader_config(kafka, "astraflow-trainer-control"))
+        self._consumer = reader(kafka, reader_group("trainer_control"))
         try:
             _, high = watermarks(self._consumer, topics.control, 0)
             self._consumer.assign([TopicPartition(topics.control, 0, high)])

@@ -46,7 +46,7 @@ from torch.utils.data import IterableDataset
 from astraflow.config import KafkaSettings
 from astraflow.errors import KafkaLayerError, SerdeError, TopicError
 from astraflow.kafka.backlog import commit_metadata
-from astraflow.kafka.clients import RecordProducer, consume_ready, data_messages, watermarks
+from astraflow.kafka.clients import RecordProducer, consume_ready, data_messages, reader, watermarks
 from astraflow.kafka.received import DeadLetterWriter, Received
 from astraflow.records import TrainSample
 from astraflow.rl.samples import (
@@ -165,16 +165,8 @@ class TrainStream(IterableDataset):
     def _open(self) -> Consumer:
         if self._consumer is not None:
             return self._consumer
-        c = Consumer(
-            {
-                **self.kafka.client_config(),
-                "group.id": self.group_id,
-                "enable.auto.commit": False,
-                "auto.offset.reset": "earliest",
-                "isolation.level": "read_committed",
-                "fetch.message.max.bytes": self.serde.max_record_bytes + 64 * 1024,
-            }
-        )
+        # assign() only: the offsets it commits to its group are informational (status, the curator)
+        c = reader(self.kafka, self.group_id, self.serde.max_record_bytes)
         waited = 0.0
         while True:  # Kafka may be away (outage, restart): wait for it rather than exit
             try:

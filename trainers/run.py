@@ -157,7 +157,7 @@ def run_training(config: TrainRunConfig) -> TrainSummary:
             "start": tc.start_offsets,
             "stop_when_idle_s": tc.stop_when_idle_s,
             "deadline": deadline,
-            "group_id": f"af.{config.experiment}.{tc.policy}.trainer",
+            "group_id": topics.trainer_group(tc.policy),
         },
         dlq_topic=topics.dlq,
         dedup_window=tc.dedup_window,

@@ -10,16 +10,16 @@ never commits: reading for replay or inspection leaves no trace in any consumer 
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from astraflow.archive.errors import ReplayError
 from astraflow.archive.format import ArchivedRecord
 from astraflow.config import KafkaSettings
-from astraflow.kafka.clients import reader_config
+from astraflow.kafka.clients import reader
+from astraflow.kafka.topics import reader_group
 
 
 class TopicSource:
@@ -41,8 +41,8 @@ class TopicSource:
         self.since_ms = since_ms
         self.until_ms = until_ms
         self.follow = follow
-        self.consumer = Consumer(reader_config(kafka, f"af-read-{uuid.uuid4().hex}", max_record_bytes,
-                                               **{"enable.auto.offset.store": False, "enable.partition.eof": True}))
+        self.consumer = reader(kafka, reader_group("archive_source"), max_record_bytes,
+                               **{"enable.auto.offset.store": False, "enable.partition.eof": True})
         try:
             self.ranges = self._plan(tail, timeout_s)
         except BaseException:

@@ -17,8 +17,8 @@ from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, TopicPartiti
 from confluent_kafka.admin import AdminClient
 
 from astraflow.config import KafkaSettings
-from astraflow.kafka.clients import reader_config
-from astraflow.kafka.topics import Topics
+from astraflow.kafka.clients import reader
+from astraflow.kafka.topics import Topics, reader_group
 from astraflow.records import DeadLetter, Metric, Trajectory
 from astraflow.serde import AvroSerde
 
@@ -83,7 +83,7 @@ class Monitor:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
-        c = Consumer(reader_config(self.kafka, f"af.{self.experiment}.monitor-{uuid.uuid4().hex[:6]}"))
+        c = reader(self.kafka, self.topics.group(f"monitor-{uuid.uuid4().hex[:6]}"))
         c.subscribe([self.topics.scored, self.topics.metrics, self.topics.dlq])
         last_lag = 0.0
         try:
@@ -138,7 +138,7 @@ class Monitor:
 
     def _lags(self) -> dict[str, int]:
         if self._probe is None:  # one watermark reader for the whole run; it never joins a group
-            self._probe = Consumer(reader_config(self.kafka, "af-lag-probe"))
+            self._probe = reader(self.kafka, reader_group("lag_probe"))
         out = {}
         for topic, group in self.groups.items():
             try:

@@ -36,6 +36,7 @@ from astraflow.demo.monitor import Monitor
 from astraflow.demo.report import write_csv, write_plot, write_summary
 from astraflow.demo.supervisor import Role, Supervisor
 from astraflow.demo.view import render
+from astraflow.kafka.topics import Topics
 
 
 @dataclass(frozen=True)
@@ -126,9 +127,10 @@ def run_demo(cfg: AstraflowConfig, s: DemoSettings, run_dir: Path, console: Cons
     train, heldout = write_datasets(s, run_dir / "data")
     console.print(f"Experiment [bold]{exp}[/]: {n_topics} topics on {cfg.kafka.bootstrap_servers}; logs in {run_dir / 'logs'}")
     sup = Supervisor(run_dir / "logs", die_with_parent=True)
+    t = Topics(exp)
     monitor = Monitor(cfg.kafka, exp, "policy", groups={
-        f"af.{exp}.tasks": f"af.{exp}.raas", f"af.{exp}.rollouts": f"af.{exp}.reward",
-        f"af.{exp}.scored": f"af.{exp}.curate", f"af.{exp}.policy.train": f"af.{exp}.policy.trainer"})
+        t.tasks: t.raas_group, t.rollouts: t.group("reward"), t.scored: t.group("curate"),
+        t.train("policy"): t.trainer_group("policy")})
     setup_s = time.monotonic() - t_setup
     live: list[Any] = []  # the rich Live view, once open
 

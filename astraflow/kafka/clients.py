@@ -110,6 +110,17 @@ def reader_config(kafka: KafkaSettings, group_id: str, max_record_bytes: int | N
     return conf
 
 
+def reader(kafka: KafkaSettings, group_id: str, max_record_bytes: int | None = None, **overrides: Any) -> Consumer:
+    """A librdkafka consumer that never commits (`reader_config`): the one way to make one."""
+    return Consumer(reader_config(kafka, group_id, max_record_bytes, **overrides))
+
+
+def group_member(kafka: KafkaSettings, group_id: str, max_record_bytes: int, **overrides: Any) -> Consumer:
+    """A librdkafka member of a consumer group (`consumer_config`) for a caller that handles raw
+    messages and its commits itself; `RecordConsumer` wraps one with decoding and dead letters."""
+    return Consumer(consumer_config(kafka, group_id, max_record_bytes, **overrides))
+
+
 def data_messages(msgs: Iterable[Message], where: str,
                   fatal: Callable[[str], Exception] = KafkaLayerError) -> Iterator[Message]:
     """The messages of a `consume()` that carry records. End-of-partition events are skipped;

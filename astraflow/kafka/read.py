@@ -17,10 +17,11 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 from astraflow.config import KafkaSettings
 from astraflow.errors import KafkaLayerError, SerdeError
 from astraflow.kafka.clients import reader_config, watermarks
+from astraflow.kafka.topics import READER_GROUPS
 from astraflow.serde import AvroSerde
 
 
-def assigned_consumer(kafka: KafkaSettings, serde: AvroSerde, group_id: str = "astraflow-weights-reader") -> Consumer:
+def assigned_consumer(kafka: KafkaSettings, serde: AvroSerde, group_id: str = READER_GROUPS["weights"]) -> Consumer:
     """A consumer for assign() only (`group_id` names it to the broker; it never joins or commits)
     that reports end-of-partition and reads committed records up to `serde`'s largest record."""
     # read_committed: a version is visible once its transaction commits

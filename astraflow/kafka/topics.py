@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from confluent_kafka import KafkaError, KafkaException
@@ -21,8 +22,24 @@ log = logging.getLogger("astraflow.kafka")
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 
+PREFIX = "af."  # of every AstraFlow topic and group; then the experiment, then the stream
 SHARED_STREAMS = ("tasks", "rollouts", "scored", "feedback", "control", "metrics", "dlq", "policies", "lineage")
 POLICY_STREAMS = ("train", "weights")
+
+# Group ids of the readers that never commit (assign-only readers, watermark and lag probes): one
+# per purpose, so that an ACL can grant exactly it (`astraflow.kafka.acl`). A name ending in '-' is
+# a prefix that `reader_group` completes with a fresh suffix, so two readers never share a group.
+READER_GROUPS = {
+    "control": "af-reader-",  # control and compacted-topic readers (astraflow/control.py)
+    "weights": "astraflow-weights-reader",  # weight readers (astraflow/kafka/read.py)
+    "status": "af-status-",  # `astraflow status` (astraflow/ops/cluster_offsets.py)
+    "archive_source": "af-read-",  # replay of a topic range (astraflow/archive/kafka_source.py)
+    "curator_lag": "af-curator-",  # the curator's offset reader (stream_apps/curator.py)
+    "trainer_control": "astraflow-trainer-control",  # snapshot requests (trainers/callbacks.py)
+    "changelog_ends": "astraflow-changelog-ends",  # ends of a stream app's changelogs (stream_apps/transactions.py)
+    "lag_probe": "af-lag-probe",  # the demo's lag probe (astraflow/demo/monitor.py)
+    "test": "af-test-read-",  # astraflow.testing's readers
+}
 
 
 def check_name(kind: str, name: str) -> str:
@@ -30,6 +47,13 @@ def check_name(kind: str, name: str) -> str:
     if not _NAME.match(name):
         raise ConfigError(f"{kind} name {name!r} may only use letters, digits, '_' and '-' (1-100 characters)")
     return name
+
+
+def reader_group(purpose: str, suffix: str | None = None) -> str:
+    """The group id of a reader that never commits, for one of `READER_GROUPS`' purposes; a
+    prefix gets `suffix`, or a fresh random one."""
+    name = READER_GROUPS[purpose]
+    return name + (suffix or uuid.uuid4().hex[:12]) if name.endswith("-") else name
 
 
 @dataclass(frozen=True)
@@ -42,7 +66,7 @@ class Topics:
         check_name("experiment", self.experiment)
 
     def _t(self, stream: str) -> str:
-        return f"af.{self.experiment}.{stream}"
+        return f"{PREFIX}{self.experiment}.{stream}"
 
     @property
     def tasks(self) -> str:
@@ -98,9 +122,42 @@ class Topics:
         one per policy, so a restarted trainer fences its predecessor (ACLs grant it by name)."""
         return self._t(f"{check_name('policy', policy)}.publisher")
 
+    @property
+    def prefix(self) -> str:
+        """What every topic and consumer group of this experiment starts with: `af.<experiment>.`."""
+        return self._t("")
+
+    def group(self, role: str) -> str:
+        """The consumer-group id of a role of this experiment: `af.<experiment>.<role>`. Stream
+        apps use it as their Faust app id too (`reward`, `curate`, `curator`, a processor's name),
+        so their tables' changelogs are `changelog(role, table)`."""
+        return self._t(role)
+
+    @property
+    def raas_group(self) -> str:
+        """The group the RaaS nodes share the tasks in."""
+        return self.group("raas")
+
+    def trainer_group(self, policy: str) -> str:
+        """The group whose committed offsets say how far the policy's trainer has read its train
+        topic (the curator throttles on it, `astraflow status` shows its lag)."""
+        return self.group(f"{check_name('policy', policy)}.trainer")
+
+    def archive_group(self, digest: str) -> str:
+        """One archive group per destination (`digest` of where it writes)."""
+        return self.group(f"archive.{digest}")
+
+    def changelog(self, role: str, table: str) -> str:
+        """The changelog topic of a stream app's table (Faust: `<app id>-<table>-changelog`)."""
+        return f"{self.group(role)}-{table}-changelog"
+
+    def of_experiment(self, name: str) -> bool:
+        """Whether a topic or group name belongs to this experiment."""
+        return name.startswith(self.prefix)
+
     def stream(self, name: str) -> str:
         """Resolves a stream name (`rollouts`, `solver.train`) or passes a full topic name through."""
-        if name.startswith("af."):
+        if name.startswith(PREFIX):
             return name
         return self._t(name)
 

@@ -9,17 +9,17 @@ handful of round trips, not hundreds.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import ConsumerGroupTopicPartitions, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from astraflow.config import KafkaSettings
 from astraflow.errors import KafkaLayerError
-from astraflow.kafka.clients import reader_config
+from astraflow.kafka.clients import reader
 from astraflow.kafka.offsets import TP
+from astraflow.kafka.topics import reader_group
 
 
 @dataclass
@@ -170,7 +170,7 @@ def read_ranges(kafka: KafkaSettings, ranges: dict[TP, tuple[int, int]], timeout
     if not todo:
         return []
     # assign() only: never joins, never commits
-    consumer = Consumer(reader_config(kafka, f"af-status-{uuid.uuid4().hex[:8]}", **{"enable.partition.eof": True}))
+    consumer = reader(kafka, reader_group("status"), **{"enable.partition.eof": True})
     out: list[tuple[TP, int, bytes | None]] = []
     try:
         consumer.assign([TopicPartition(t, p, start) for (t, p), (start, _end) in todo.items()])

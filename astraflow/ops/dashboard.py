@@ -27,6 +27,7 @@ from typing import Any
 
 from astraflow.config import KafkaSettings
 from astraflow.errors import AstraflowError, ConfigError
+from astraflow.kafka.topics import Topics
 from astraflow.ops.status import StatusReport, collect_status
 
 ROLES = ("curator", "raas", "reward", "curate", "trainer", "archive")
@@ -54,7 +55,7 @@ def graph(r: StatusReport) -> dict[str, Any]:
         rates[s] = rates.get(s, 0.0) + t.rate_per_s
         records[s] = records.get(s, 0) + t.end_offset
     lag: dict[tuple[str, str], int] = {}
-    pre = f"af.{r.experiment}."
+    pre = Topics(r.experiment).prefix
     for g in r.lags:
         suffix = g.group.removeprefix(pre)
         role = "trainer" if suffix.endswith(".trainer") else "archive" if suffix.startswith("archive") else suffix

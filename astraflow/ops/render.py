@@ -8,6 +8,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from astraflow.kafka.topics import Topics
 from astraflow.ops.status import StatusReport
 
 
@@ -32,7 +33,7 @@ def render_status(r: StatusReport) -> RenderableType:
         topics.add_row(t.stream, str(t.partitions), f"{t.records:,}", f"{t.end_offset:,}", f"{t.rate_per_s:.2f}")
 
     lags = Table("group", "topic", "lag", "partitions", "members", "state", title="consumer lag", title_justify="left")
-    prefix = f"af.{r.experiment}."
+    prefix = Topics(r.experiment).prefix
     for g in r.lags:
         style = "yellow" if g.lag > 0 and g.members == 0 else ""
         lags.add_row(g.group.removeprefix(prefix), g.topic.removeprefix(prefix), f"{g.lag:,}", str(g.partitions),

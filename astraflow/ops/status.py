@@ -262,7 +262,7 @@ def collect_status(
     """Measures the experiment now. `recent` scored trajectories feed reward and staleness; metric
     series older than `metrics_lookback_s` are left out (nodes that left)."""
     t = Topics(experiment)
-    prefix = f"af.{experiment}."
+    prefix = t.prefix
     reader = reader or OffsetReader(kafka, timeout_s)
     topics = reader.topics(prefix)
     if not topics:

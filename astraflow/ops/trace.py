@@ -103,7 +103,7 @@ class _Tracer:
         self.t = Topics(experiment)
         self.source = source
         self.serde = AvroSerde()
-        self.train_topics = sorted(x for x in topics if x.startswith(f"af.{experiment}.") and x.endswith(".train"))
+        self.train_topics = sorted(x for x in topics if self.t.of_experiment(x) and x.endswith(".train"))
         # the tasks of every region: region A's topic, then each region's own (Topics.tasks_of)
         self.task_topics = [self.t.tasks, *sorted(x for x in topics if x.startswith(f"{self.t.tasks}."))]
         self.topics = set(topics)

@@ -152,7 +152,7 @@ class RaasNode:
         # backends built, weights caught up), so the partitions it takes never wait on its start-up.
         log.info("joining the tasks group (ready to serve)")  # bench/regions.py splits joins at this line
         return RecordConsumer(
-            self.cfg.kafka, self.s.group_id or f"af.{self.s.experiment}.raas",
+            self.cfg.kafka, self.s.group_id or self.topics.raas_group,
             [self.topics.tasks_of(self.s.tasks_region) if self.s.tasks_region else self.topics.tasks],
             component="raas", dlq=self.dlq, expect=Task, on_assign=self._on_assign,
             on_revoke=self._on_revoke, on_commit=self._on_commit,

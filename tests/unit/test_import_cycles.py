@@ -1,4 +1,4 @@
-"""No import circle among the project's modules (astraflow/, stream_apps/, trainers/).
+"""No import circle among the project's modules (astraflow/, astraflow_cli/, stream_apps/, trainers/).
 
 Every import counts, at module level or inside a function (a lazy import only hides a circle),
 except those under `if TYPE_CHECKING:`, which never run. A circle is reported with its modules.
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("astraflow", "stream_apps", "trainers")
+PACKAGES = ("astraflow", "astraflow_cli", "stream_apps", "trainers")
 
 
 def _modules(root: Path) -> dict[str, Path]:
