@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("astraflow.stream")
 
 Guarantee = Literal["exactly_once", "at_least_once"]
-SEND_BATCH_BYTES = 1 << 20  # outputs kept per source partition before they go to its producer (`_send_unsent`)
+SEND_BATCH_BYTES = 1 << 20  # outputs kept per source partition before they go to its producer (`flush_partition`)
 SEND_LINGER_S = 0.025  # ...or this long after the first of them was kept (at full speed the 1 MiB comes first)
 Compression = Literal["snappy", "zstd", "lz4", "gzip", "none"]
 COMPRESSIONS: tuple[str, ...] = ("snappy", "zstd", "lz4", "gzip", "none")
@@ -266,7 +266,7 @@ class StreamEngine(EngineLifecycle):
 
     # ---- the agent -------------------------------------------------------------------------------
 
-    def _gate(self, partition: int) -> asyncio.Lock:
+    def gate(self, partition: int) -> asyncio.Lock:
         gate = self._gates.get(partition)
         if gate is None:
             gate = self._gates[partition] = asyncio.Lock()
@@ -276,7 +276,7 @@ class StreamEngine(EngineLifecycle):
         """Transactional id of the producer of a source partition (one source topic per app)."""
         return f"{self.app.conf.id}-{partition}"
 
-    async def _on_event(self, event: Any) -> None:
+    async def handle_event(self, event: Any) -> None:
         msg = event.message
         tp = (msg.topic, msg.partition)
         self._note_active()
@@ -298,7 +298,7 @@ class StreamEngine(EngineLifecycle):
         outbox: list[_Out] = []
         box_token, part_token = _OUTBOX.set(outbox), _PARTITION.set(msg.partition)
         try:
-            async with self._gate(msg.partition):
+            async with self.gate(msg.partition):
                 if not self._current(inc):
                     return  # revoked while it waited (its table writes would outlive the recovery): read again
                 pending = self._handle(inc)
@@ -341,13 +341,13 @@ class StreamEngine(EngineLifecycle):
         except Exception as exc:
             del outbox[:]  # a record either has its outputs or its dead letter
             self._failed(inc, exc)
-        async with self._gate(inc.partition):
+        async with self.gate(inc.partition):
             await self._finish(inc, outbox, msg)
 
     def _task_done(self, task: asyncio.Future[Any]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            self._crash(task.exception())
+            self.crash(task.exception())
 
     def _failed(self, inc: Received[Any], exc: BaseException) -> None:
         if not isinstance(exc, AstraflowError):
@@ -365,8 +365,8 @@ class StreamEngine(EngineLifecycle):
         msg.ack(self.app.consumer)
 
     def _current(self, inc: Received[Any]) -> bool:
-        state = self.tracker._parts.get(inc.tp)
-        return state is not None and state.epoch == inc.epoch
+        epoch = self.tracker.epoch(inc.tp)
+        return epoch is not None and epoch == inc.epoch
 
     async def _produce(self, outbox: list[_Out], partition: int | None) -> None:
         """Hands `outbox` to the producer: the transactional one of source `partition` (exactly-once;
@@ -374,14 +374,14 @@ class StreamEngine(EngineLifecycle):
         if not outbox:
             return
         if self.exactly_once and partition is not None:
-            # Kept for the partition's transaction and handed over in batches (`_send_unsent`).
+            # Kept for the partition's transaction and handed over in batches (`flush_partition`).
             unsent = self._unsent.setdefault(partition, [])
             unsent.extend(outbox)
             self._dirty.add(partition)
             self._unsent_bytes[partition] = size = self._unsent_bytes.get(partition, 0) + sum(
                 len(o.value or b"") + len(o.key or b"") for o in outbox)
             if size >= SEND_BATCH_BYTES:
-                await self._send_unsent(partition)
+                await self.flush_partition(partition)
             elif partition not in self._lingering:
                 loop = asyncio.get_running_loop()
                 self._lingering[partition] = loop.call_later(SEND_LINGER_S, self._send_lingered, partition)
@@ -391,7 +391,7 @@ class StreamEngine(EngineLifecycle):
             fut = await producer.send(out.topic, out.key, out.value, out.partition, None, None)
             fut.add_done_callback(self._delivered)
 
-    async def _send_unsent(self, partition: int) -> None:
+    async def flush_partition(self, partition: int) -> None:
         """Hands the outputs kept for source `partition`'s transaction to its producer, one batch
         per destination partition (the caller holds the partition's gate). Before every commit of
         the partition (`stream_apps.transactions`) and whenever `SEND_BATCH_BYTES` are kept."""
@@ -425,11 +425,11 @@ class StreamEngine(EngineLifecycle):
     def _send_lingered(self, partition: int) -> None:
         """`SEND_LINGER_S` after an output was kept: hands the partition's kept outputs over (under its gate)."""
         async def send() -> None:
-            async with self._gate(partition):
+            async with self.gate(partition):
                 if self.app.producer._transaction_producers.get(self.tid(partition)) is None:
                     self.forget_unsent(partition)  # revoked meanwhile: nothing of it commits
                 else:
-                    await self._send_unsent(partition)
+                    await self.flush_partition(partition)
 
         self._lingering.pop(partition, None)
         task = asyncio.ensure_future(send())
@@ -438,7 +438,7 @@ class StreamEngine(EngineLifecycle):
     def _background_done(self, task: asyncio.Future[Any]) -> None:
         """A lingered send or an idle commit ended: a failure crashes the app."""
         if not task.cancelled() and task.exception() is not None:
-            self._crash(task.exception())  # type: ignore[arg-type]
+            self.crash(task.exception())  # type: ignore[arg-type]
 
     def forget_unsent(self, partition: int) -> None:
         """Drops what was kept for a transaction that will not commit (its producer is gone or new)."""
@@ -449,9 +449,9 @@ class StreamEngine(EngineLifecycle):
 
     def _delivered(self, fut: asyncio.Future[Any]) -> None:
         if not fut.cancelled() and fut.exception() is not None:
-            self._crash(KafkaLayerError(f"{self.handler.name}: a record was not delivered: {fut.exception()!r}"))
+            self.crash(KafkaLayerError(f"{self.handler.name}: a record was not delivered: {fut.exception()!r}"))
 
-    def _crash(self, exc: BaseException) -> None:
+    def crash(self, exc: BaseException) -> None:
         self.log.error("%s worker crashes: %r", self.handler.name, exc)
         self.error = exc
         self._crashing = asyncio.ensure_future(self.app.crash(exc))
@@ -462,7 +462,7 @@ class StreamEngine(EngineLifecycle):
         outbox: list[_Out] = []
         box_token, part_token = _OUTBOX.set(outbox), _PARTITION.set(partition)
         try:
-            async with self._gate(partition):
+            async with self.gate(partition):
                 if partition not in self.assigned() or self.app.rebalancing:
                     return None
                 result = fn()
@@ -516,7 +516,7 @@ class StreamEngine(EngineLifecycle):
             return
         dirty, self._dirty = self._dirty, set()
         for p in sorted(dirty & self.assigned()):
-            async with self._gate(p):
+            async with self.gate(p):
                 await self.transactions.commit_partition(p)
 
     def _note_active(self) -> None:
@@ -551,7 +551,7 @@ class StreamEngine(EngineLifecycle):
         return {"inflight": float(len(self._tasks)), "pending_records": float(self.tracker.pending()),
                 **self.handler.gauges()}
 
-    async def _publish_metrics(self) -> None:
+    async def publish_metrics(self) -> None:
         """The role's own endpoint sees every metric first: a send that fails or stalls (a broker
         restart) must not leave /metrics without the series the topic did not get."""
         metrics = self._reporter.report(self.stats, self.gauges())

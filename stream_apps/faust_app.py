@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     import faust
 
     from astraflow.config import KafkaSettings
-    from stream_apps.engine import StreamEngine
+    from stream_apps.engine_api import EngineApi
 
 
 def broker_urls(kafka: KafkaSettings) -> list[str]:
@@ -91,7 +91,7 @@ def source_partitions(kafka: KafkaSettings, topic: str, wait_s: float = 10.0) ->
     return found
 
 
-def declare_changelogs(engine: StreamEngine, partitions: int) -> dict[str, str]:
+def declare_changelogs(engine: EngineApi, partitions: int) -> dict[str, str]:
     """Creates the changelog topics of the engine's tables (if missing) with the experiment's
     replication and min ISR; returns topic -> 'created' | 'exists'."""
     from mode.utils.times import want_seconds
@@ -113,7 +113,7 @@ def declare_changelogs(engine: StreamEngine, partitions: int) -> dict[str, str]:
     return TopicAdmin(engine.kafka).create(specs, topics.replication_factor) if specs else {}
 
 
-def build_app(engine: StreamEngine) -> faust.App:
+def build_app(engine: EngineApi) -> faust.App:
     """A Faust app running `engine.handler` (call inside the event loop that will run it)."""
     import faust
 
@@ -184,9 +184,9 @@ def build_app(engine: StreamEngine) -> faust.App:
         async def consume(stream: Any) -> None:
             async for event in stream.events():
                 try:
-                    await engine._on_event(event)
+                    await engine.handle_event(event)
                 except Exception as exc:  # a Kafka-layer failure: the record stays unacked, the app restarts
-                    engine._crash(exc)
+                    engine.crash(exc)
                     raise
 
         async def revoked(sender: Any, revoked: Any, **_: Any) -> None:
@@ -209,6 +209,6 @@ def build_app(engine: StreamEngine) -> faust.App:
     @app.timer(s.metrics_interval_s, name=f"{engine.group_id}.metrics")
     async def metrics() -> None:
         if engine.started.is_set():
-            await engine._publish_metrics()
+            await engine.publish_metrics()
 
     return app

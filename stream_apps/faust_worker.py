@@ -51,7 +51,7 @@ def build_from_env(env: dict[str, str] | None = None) -> StreamEngine:
 
 def _app() -> Any:
     engine = build_from_env()
-    engine._bind()
+    engine.bind()
     app = engine.build()
     app.conf.datadir = tempfile.mkdtemp(prefix=f"faust-{engine.handler.name}-")  # memory tables: nothing kept there
 

@@ -63,7 +63,7 @@ class EngineLifecycle:
     _bound: bool
     _rereader: Any
 
-    async def _publish_metrics(self) -> None:
+    async def publish_metrics(self) -> None:
         raise NotImplementedError
 
     async def commit(self) -> None:
@@ -132,7 +132,7 @@ class EngineLifecycle:
         app.conf.datadir = str(data_dir)
         app.in_worker = True  # what faust.Worker sets; Faust enables transactions only in a worker
         try:
-            self._bind()
+            self.bind()
             await app.start()
             self.started.set()
             self.log.info("%s worker %s started (Faust app %s, %s, source %s)", self.handler.name, self.instance_id,
@@ -149,7 +149,7 @@ class EngineLifecycle:
             if own_dir:  # tables live in memory: nothing there outlives the app
                 shutil.rmtree(data_dir, ignore_errors=True)
 
-    def _bind(self) -> None:
+    def bind(self) -> None:
         """Reads the control topic and binds the handler, once per engine (the app may be rebuilt)."""
         from astraflow.control import ControlReader
 
@@ -169,7 +169,7 @@ class EngineLifecycle:
                 await self.commit()  # what finished since the last commit interval (a graceful stop)
             if self.started.is_set() and app.producer is not None:
                 try:
-                    await self._publish_metrics()
+                    await self.publish_metrics()
                 except Exception as exc:
                     self.log.warning("last metrics not published: %r", exc)
             await app.stop()

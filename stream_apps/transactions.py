@@ -68,7 +68,7 @@ from astraflow.errors import KafkaLayerError
 from stream_apps.handover import buffer_dropped, drain_messages, wait_next_records
 
 if TYPE_CHECKING:
-    from stream_apps.engine import StreamEngine
+    from stream_apps.engine_api import EngineApi
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class ExactTransactionManager(TransactionManager):
     """Faust's TransactionManager with commits that match outputs (see the module doc)."""
 
     @property
-    def engine(self) -> StreamEngine:
+    def engine(self) -> EngineApi:
         return self.app.astraflow_engine  # type: ignore[attr-defined,no-any-return]
 
     async def send(self, topic: str, key: bytes | None, value: bytes | None, partition: int | None,
@@ -116,7 +116,7 @@ class ExactTransactionManager(TransactionManager):
     async def commit(self, offsets: Any, start_new_transaction: bool = True) -> bool:
         engine = self.engine
         for p in sorted({tp.partition for tp in offsets if tp.topic == engine.source}):
-            async with engine._gate(p):
+            async with engine.gate(p):
                 await self.commit_partition(p)
         return True
 
@@ -132,11 +132,11 @@ class ExactTransactionManager(TransactionManager):
             return  # not ours (any more)
         tp = (engine.source, partition)
         offset = engine.tracker.committable(tp)
-        state = engine.tracker._parts.get(tp)
-        if offset is not None and (state is None or offset <= state.committed):
+        committed = engine.tracker.committed(tp)  # None: the partition is not tracked (revoked)
+        if offset is not None and (committed is None or offset <= committed):
             offset = None
         try:
-            await engine._send_unsent(partition)  # the outputs of the records whose offset this commits
+            await engine.flush_partition(partition)  # the outputs of the records whose offset this commits
             async with self.producer._trn_locks[tid]:
                 if offset is not None:
                     await txp.send_offsets_to_transaction({TopicPartition(engine.source, partition): offset}, self.app.conf.id)
@@ -144,18 +144,18 @@ class ExactTransactionManager(TransactionManager):
                 await txp.begin_transaction()
         except Exception as exc:
             error = KafkaLayerError(f"transaction {tid} did not commit ({exc!r}); it is aborted and its records read again")
-            engine._crash(error)
+            engine.crash(error)
             raise error from exc
         if offset is not None:
             engine.tracker.mark_committed({tp: offset})
             self.app.monitor.on_tp_commit({TP(*tp): offset})
-        if offset is not None or (state is not None and engine.tracker.committable(tp) in (None, state.committed)):
+        if offset is not None or (committed is not None and engine.tracker.committable(tp) in (None, committed)):
             self.app.consumer._thread._commit_recorded(TP(*tp))  # nothing left uncommitted: Faust's check agrees
 
     async def on_partitions_revoked(self, revoked: Any) -> None:
         engine = self.engine
         for p in sorted({tp.partition for tp in revoked if tp.topic == engine.source}):
-            async with engine._gate(p):
+            async with engine.gate(p):
                 await self.commit_partition(p)
 
     async def on_rebalance(self, assigned: Any, revoked: Any, newly_assigned: Any) -> None:
@@ -182,7 +182,7 @@ class ExactTransactionManager(TransactionManager):
         for tid in tids:
             if tid in self.producer._transaction_producers:  # kept across the rebalance (module doc)
                 partition = int(tid.rsplit("-", 1)[1])
-                async with engine._gate(partition):
+                async with engine.gate(partition):
                     await self.commit_partition(partition)
                 continue
             engine.forget_unsent(int(tid.rsplit("-", 1)[1]))  # kept for a producer that is gone: those records are read again

@@ -99,3 +99,13 @@ class OffsetTracker:
 
     def owns(self, tp: TP) -> bool:
         return tp in self._parts
+
+    def committed(self, tp: TP) -> int | None:
+        """The offset last handed to commit for `tp` (-1: none yet; None: `tp` is not tracked)."""
+        st = self._parts.get(tp)
+        return None if st is None else st.committed
+
+    def epoch(self, tp: TP) -> int | None:
+        """Which assignment of `tp` is tracked now (None: none); `received` returns it per record."""
+        st = self._parts.get(tp)
+        return None if st is None else st.epoch

@@ -26,3 +26,17 @@ def test_partitions_are_independent_and_forgettable() -> None:
     assert t.to_commit() == {TP0: 1, TP1: 11}
     t.forget({TP0})
     assert t.to_commit() == {TP1: 11}
+
+
+def test_committed_and_epoch_describe_the_tracked_assignment() -> None:
+    t = OffsetTracker()
+    assert t.committed(TP0) is None and t.epoch(TP0) is None  # not tracked
+    first = t.received(TP0, 3)
+    assert t.committed(TP0) == -1 and t.epoch(TP0) == first
+    t.finished(TP0, 3, first)
+    t.mark_committed(t.to_commit())
+    assert t.committed(TP0) == 4
+    t.forget({TP0})
+    assert t.committed(TP0) is None and t.epoch(TP0) is None
+    second = t.received(TP0, 4)  # a new assignment of the partition, a new epoch
+    assert second != first and t.epoch(TP0) == second

@@ -96,3 +96,19 @@ def test_the_names_the_acls_grant_are_the_names_the_roles_use() -> None:
     a, b = reader_group("control"), reader_group("control")
     assert a != b and a.startswith("af-reader-") and reader_group("curator_lag", "run1") == "af-curator-run1"
     assert reader_group("weights") == "astraflow-weights-reader"
+
+
+def test_the_faust_layer_uses_the_engine_through_its_api_only() -> None:
+    from stream_apps.engine import StreamEngine
+    from stream_apps.engine_api import EngineApi
+
+    faust_layer = [ROOT / "stream_apps" / f for f in ("faust_app.py", "transactions.py", "faust_worker.py")]
+    wrong = [f"{_rel(f)}:{n}: {line.strip()}" for f in faust_layer
+             for n, line in enumerate(f.read_text().splitlines(), 1) if re.search(r"\bengine\._[a-z]", line)]
+    assert not wrong, "use stream_apps.engine_api.EngineApi, not the engine's own members:\n" + "\n".join(wrong)
+    members = {m for m in vars(EngineApi) if not m.startswith("_")} | set(EngineApi.__annotations__)
+    engine = StreamEngine.__new__(StreamEngine)  # methods on the class; attributes by their assignment
+    source = (ROOT / "stream_apps" / "engine.py").read_text() + (ROOT / "stream_apps" / "lifecycle.py").read_text()
+    missing = [m for m in sorted(members) if not hasattr(engine, m) and f"self.{m} =" not in source
+               and f"self.{m}:" not in source]
+    assert not missing, f"StreamEngine lacks {missing} of EngineApi"

@@ -262,7 +262,7 @@ def test_the_worker_writes_snappy_batches_that_read_back() -> None:
 
 
 class _Batch:
-    """aiokafka's BatchBuilder as `_send_unsent` uses it: full after `capacity` records."""
+    """aiokafka's BatchBuilder as `flush_partition` uses it: full after `capacity` records."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity, self.values = capacity, []  # type: list[bytes | None]

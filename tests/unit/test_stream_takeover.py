@@ -55,10 +55,10 @@ async def _no_unsent(partition: int) -> None:
 
 
 def test_a_kept_partition_commits_its_transaction_at_the_assignment() -> None:
-    engine = SimpleNamespace(tracker=SimpleNamespace(committable=lambda tp: None, _parts={}), source="src",
+    engine = SimpleNamespace(tracker=SimpleNamespace(committable=lambda tp: None, committed=lambda tp: None), source="src",
                              _gates={}, tid=lambda p: f"app-{p}")
-    engine._gate = lambda p: engine._gates.setdefault(p, asyncio.Lock())
-    engine._send_unsent, engine.forget_unsent = _no_unsent, lambda p: None
+    engine.gate = lambda p: engine._gates.setdefault(p, asyncio.Lock())
+    engine.flush_partition, engine.forget_unsent = _no_unsent, lambda p: None
     manager = ExactTransactionManager.__new__(ExactTransactionManager)
     manager.app = SimpleNamespace(astraflow_engine=engine, conf=SimpleNamespace(id="app"))  # type: ignore[assignment]
     manager.producer = Producer(kept="app-1")  # type: ignore[assignment]
@@ -71,10 +71,10 @@ def test_a_kept_partition_commits_its_transaction_at_the_assignment() -> None:
 def test_an_assigned_partition_forgets_the_read_offset_recorded_after_the_revocation() -> None:
     from faust.types import TP
 
-    engine = SimpleNamespace(tracker=SimpleNamespace(committable=lambda tp: None, _parts={}), source="src",
+    engine = SimpleNamespace(tracker=SimpleNamespace(committable=lambda tp: None, committed=lambda tp: None), source="src",
                              _gates={}, tid=lambda p: f"app-{p}")
-    engine._gate = lambda p: engine._gates.setdefault(p, asyncio.Lock())
-    engine._send_unsent, engine.forget_unsent = _no_unsent, lambda p: None
+    engine.gate = lambda p: engine._gates.setdefault(p, asyncio.Lock())
+    engine.flush_partition, engine.forget_unsent = _no_unsent, lambda p: None
     read_offsets = {TP("src", 1): 57, TP("other", 1): 3}
     manager = ExactTransactionManager.__new__(ExactTransactionManager)
     manager.app = SimpleNamespace(astraflow_engine=engine, conf=SimpleNamespace(id="app"),  # type: ignore[assignment]
@@ -115,9 +115,9 @@ def test_a_record_revoked_while_it_waited_for_its_gate_is_not_handled() -> None:
                               ack=lambda consumer: pytest.fail("a revoked record must not be acked"))
 
     async def run() -> None:
-        gate = engine._gate(0)
+        gate = engine.gate(0)
         await gate.acquire()  # e.g. the revocation's commit holds it
-        task = asyncio.ensure_future(engine._on_event(SimpleNamespace(message=message)))
+        task = asyncio.ensure_future(engine.handle_event(SimpleNamespace(message=message)))
         await asyncio.sleep(0.01)
         engine.on_revoked({0})  # the rebalance forgets the partition
         gate.release()
