@@ -150,6 +150,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(init_tiny(tmp_path_factory.mktemp("tiny-shared"), seed=0))
 
 
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A smaller tiny model (2 layers of width 64, vocabulary 512) for the trainer's and the
+    backend's numerics: built once per session; tests only read it."""
+    from astraflow.models.tiny import init_tiny
+
+    return Path(init_tiny(tmp_path_factory.mktemp("tiny-small"), vocab_size=512, hidden=64, layers=2, heads=4, kv_heads=2,
+                          intermediate=128))
+
+
 @pytest.fixture(autouse=True)
 def _no_leaks() -> Iterator[None]:
     """Fails a test that leaves threads running or environment variables changed."""

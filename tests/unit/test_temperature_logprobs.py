@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 
-from astraflow.models.tiny import init_tiny
 from astraflow.raas.backends.base import GenerateRequest
 from astraflow.raas.backends.torch_backend import TorchBackend, sample_tokens
 from astraflow.records import TrainSample
@@ -29,10 +28,6 @@ from trainers.module import PolicyTrainer
 
 pytestmark = pytest.mark.unit
 
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_tiny(tmp_path_factory.mktemp("tiny"), vocab_size=512, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
 
 
 def _rollout(tiny: Path, temperature: float, top_p: float = 1.0) -> TrainSample:

@@ -19,7 +19,6 @@ import yaml
 from torch.utils.data import DataLoader, IterableDataset
 
 from astraflow.config import load_config
-from astraflow.models.tiny import init_tiny
 from astraflow.records import TrainSample
 from trainers.batching import BatchLimits, collate
 from trainers.config import LossSettings, TrainRunConfig
@@ -32,10 +31,6 @@ warnings.filterwarnings("ignore", module="lightning")
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "training.md"
 
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_tiny(tmp_path_factory.mktemp("tiny"), vocab_size=512, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
 
 
 def _sample(n: int, gen: int, adv: float = 1.0, version: int = 0) -> TrainSample:

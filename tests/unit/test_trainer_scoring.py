@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 
-from astraflow.models.tiny import init_tiny
 from astraflow.records import TrainSample
 from astraflow.rl import (
     entropy_from_logits,
@@ -32,10 +31,6 @@ from trainers.module import PolicyTrainer
 
 pytestmark = pytest.mark.unit
 
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_tiny(tmp_path_factory.mktemp("tiny"), vocab_size=300, hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64)
 
 
 def _sample(i: int) -> TrainSample:

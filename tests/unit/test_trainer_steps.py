@@ -19,7 +19,6 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from astraflow.models.tiny import init_tiny
 from astraflow.records import TrainSample
 from astraflow.rl import sequence_logprobs
 from trainers.batching import collate
@@ -29,10 +28,6 @@ from trainers.module import PolicyTrainer, mean_metrics, rows
 pytestmark = pytest.mark.unit
 warnings.filterwarnings("ignore", module="lightning")
 
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_tiny(tmp_path_factory.mktemp("tiny"), vocab_size=512, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64)
 
 
 

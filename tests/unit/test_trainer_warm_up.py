@@ -14,7 +14,6 @@ import torch
 from torch.utils.data import DataLoader
 
 from astraflow.config import KafkaSettings
-from astraflow.models.tiny import init_tiny
 from astraflow.records import TrainSample
 from trainers.batching import BatchLimits, collate
 from trainers.config import LossSettings
@@ -65,10 +64,6 @@ def test_a_batch_complete_at_once_is_not_handed_over() -> None:
     stream = Scripted([[_sample(i) for i in range(4)]], batch_size=4)
     assert len(stream.next_batch()) == 4 and stream.partial == []
 
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_tiny(tmp_path_factory.mktemp("tiny"), vocab_size=512, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
 
 
 def _trained(tiny: Path, warm: bool) -> tuple[dict[str, torch.Tensor], PolicyTrainer]:
