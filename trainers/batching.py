@@ -62,6 +62,32 @@ def collate(samples: Sequence[TrainSample], pad_id: int = 0) -> dict[str, torch.
     }
 
 
+def minibatch_rows(n: int, minibatches: int) -> list[list[int]]:
+    """The rows of each optimizer step of a batch of `n` samples: `minibatches` consecutive runs
+    whose sizes differ by at most one (fewer when n < minibatches: no empty step)."""
+    if minibatches < 1:
+        raise ValueError(f"minibatches must be >= 1, got {minibatches}")
+    base, extra = divmod(n, minibatches)
+    out, start = [], 0
+    for k in range(minibatches):
+        size = base + (1 if k < extra else 0)
+        if size:
+            out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+def rank_rows(n: int, minibatches: int, world: int, rank: int) -> list[list[int]]:
+    """The rows of a batch of `n` samples that data-parallel `rank` of `world` trains, per
+    optimizer step: each step's rows (`minibatch_rows`, the same at any world size) dealt round
+    robin over the ranks. So every step trains the same samples whatever the number of ranks;
+    with n >= world x minibatches every rank has a row in every step (the stream waits for that
+    many samples), which keeps the ranks' collectives in step."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in a world of {world}")
+    return [part[rank::world] for part in minibatch_rows(n, minibatches)]
+
+
 def length_chunks(lengths: Sequence[int], max_chunks: int = 4, chunk_cost: int = 32) -> list[list[int]]:
     """The rows of a batch in at most `max_chunks` groups of similar length, each run through the
     model padded only to its own longest row: the split of the rows sorted by length that costs the

@@ -151,6 +151,13 @@ class TrainerSettings(FrozenSettings):
     """Lightning strategy; ddp / fsdp for several GPUs."""
     precision: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"] = "32-true"
     """Lightning precision; the master weights stay fp32 except with bf16-true."""
+    collective_timeout_s: float = 600.0
+    """With several ranks: how long a rank waits in a collective (gradient all-reduce, the batch
+    plan, a checkpoint barrier) before the job ends with an error; a rank that died ends the job
+    within this long (at once on CPU/gloo, whose peers see the closed connection). Rank 0
+    broadcasts a heartbeat every few seconds while it waits for samples, so an idle topic never
+    trips it; a Kafka outage longer than this while rank 0 publishes or dead-letters does (the
+    job then resumes from its checkpoint when restarted)."""
 
     @model_validator(mode="after")
     def _check(self) -> TrainerSettings:
@@ -174,6 +181,8 @@ class TrainerSettings(FrozenSettings):
             raise ValueError("trainer.max_abs_advantage must be > 0 and trainer.min_behaviour_logprob < 0")
         if self.dedup_window < 1:
             raise ValueError("trainer.dedup_window must be >= 1")
+        if not self.collective_timeout_s >= 10:
+            raise ValueError("trainer.collective_timeout_s must be >= 10 (seconds)")
         if self.chunk_bytes < 1024:
             raise ValueError("trainer.chunk_bytes must be at least 1024")
         return self

@@ -26,7 +26,11 @@ trained, waiting for Kafka as long as it takes (a broker outage never stops the 
 
 Several ranks (DDP / FSDP): rank 0 reads and decides each batch, broadcasts its plan
 (partition, offset and verdict of every record); every rank reads those exact records and
-trains its share, so all ranks hold the same offsets and rank 0's checkpoint is complete.
+trains its share (`trainers.batching.rank_rows`: each optimizer step's rows dealt round robin),
+so all ranks hold the same offsets, sample ids and counters, and rank 0's checkpoint is
+complete. Only rank 0 dead-letters and commits the group's offsets. While rank 0 waits for
+samples it broadcasts "wait" every `heartbeat_s`, so the other ranks never sit in a collective
+longer than that and a collective timeout only fires when a rank is really gone.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -57,7 +61,7 @@ from astraflow.rl.samples import (
     sample_problem,
 )
 from astraflow.serde import AvroSerde
-from trainers.batching import BatchLimits, collate
+from trainers.batching import BatchLimits, collate, rank_rows
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +100,21 @@ class _Item:
     msg: Message | None = None  # the raw record, for dead-lettering (kept while its batch is in flight)
 
 
+WAIT = "wait"  # rank 0's plan while no batch is ready yet (a heartbeat for the other ranks)
+
+
+@dataclass
+class _Filling:
+    """The batch being filled; kept across `next_batch` calls that return WAIT."""
+
+    items: list[_Item] = field(default_factory=list)  # taken so far, dead-lettered ones included
+    ids: set[str] = field(default_factory=set)  # sample ids admitted into it
+    n: int = 0  # samples (not dead-lettered)
+    longest: int = 0  # tokens of the longest sample
+    first_at: float | None = None  # when its first sample was taken
+    idle_since: float = field(default_factory=time.monotonic)  # when a record last arrived
+
+
 class TrainStream(IterableDataset):
     """Batches of one policy's train topic; see the module docstring."""
 
@@ -117,6 +136,8 @@ class TrainStream(IterableDataset):
         should_stop: Callable[[], bool] | None = None,
         window: SampleWindow | None = None,
         report_s: float = 0.02,
+        minibatches: int = 1,
+        heartbeat_s: float = 5.0,
     ) -> None:
         super().__init__()
         self.should_stop = should_stop  # polled while waiting for samples (e.g. "SIGTERM received")
@@ -142,7 +163,11 @@ class TrainStream(IterableDataset):
         self._taken: dict[int, int] = collections.Counter()  # records taken per partition (merge tie-break)
         self.max_buffered = max(1000, 4 * limits.batch_size)  # decoded records held ahead of training
         self._stop = False
-        self.min_samples = 1  # samples a batch needs (the number of ranks: each trains its share)
+        self.minibatches = minibatches  # optimizer steps per batch pass (the module's): rows are dealt per step
+        self.min_samples = 1  # samples a batch needs (ranks x minibatches: each rank trains a share of each step)
+        self.heartbeat_s = heartbeat_s  # rank 0 broadcasts WAIT this often while no batch is ready
+        self.reports = True  # group commits of trained offsets (rank 0 only)
+        self._filling: _Filling | None = None
         # The backlog report (see `commit`): a background reader keeps the group commit's metadata
         # current while the trainer trains, every `report_s` (0: only when the trainer reads).
         self.report_s = report_s
@@ -229,7 +254,7 @@ class TrainStream(IterableDataset):
         current: the stream commits the same offsets again with new metadata whenever it reads
         more, and while the trainer trains (nothing reads then) a background reader polls every
         `report_s` and does so (it only fetches; records are decoded when the trainer next reads)."""
-        if not offsets:
+        if not offsets or not self.reports:
             return
         with self._lock:
             for p, o in offsets.items():
@@ -387,45 +412,53 @@ class TrainStream(IterableDataset):
         low, _ = self._consumer.get_watermark_offsets(TopicPartition(self.topic, partition), cached=True)
         return 0 <= expected < low
 
-    def next_batch(self) -> list[_Item] | None:
-        """The next batch's items (dead-lettered ones included), or None when the stream ends."""
+    def next_batch(self, heartbeat_s: float | None = None) -> list[_Item] | str | None:
+        """The next batch's items (dead-lettered ones included), or None when the stream ends; with
+        `heartbeat_s`, WAIT once that long passed without a batch (the batch keeps filling at
+        the next call)."""
         with self._lock:
-            return self._next_batch()
+            return self._next_batch(heartbeat_s)
 
-    def _next_batch(self) -> list[_Item] | None:
-        items: list[_Item] = []
-        batch_ids: set[str] = set()
-        n = longest = 0
-        first_at: float | None = None
-        idle_since = time.monotonic()
+    def _next_batch(self, heartbeat_s: float | None = None) -> list[_Item] | str | None:
+        f = self._filling = self._filling or _Filling()
+        started = time.monotonic()
+
+        def done(result: list[_Item] | None) -> list[_Item] | None:
+            self._filling = None
+            return result
+
         while True:
             if self._buffered < self.max_buffered:
                 self._fill(0)  # whatever the client already fetched, from every partition
             while (it := self._head()) is not None:
-                if it.sample is not None and n >= self.min_samples and not self.limits.fits(n, longest, it.size):
-                    return items
+                if it.sample is not None and f.n >= self.min_samples and not self.limits.fits(f.n, f.longest, it.size):
+                    return done(f.items)
                 self._take(it)
-                self._admit(it, batch_ids)
-                items.append(it)
+                self._admit(it, f.ids)
+                f.items.append(it)
                 if it.sample is not None:
-                    n, longest = n + 1, max(longest, it.size)
-                    first_at = first_at or time.monotonic()
-                    if n >= self.limits.batch_size:  # full: train it now, not when the next sample shows up
-                        return items
+                    f.n, f.longest = f.n + 1, max(f.longest, it.size)
+                    f.first_at = f.first_at or time.monotonic()
+                    if f.n >= self.limits.batch_size and f.n >= self.min_samples:  # full: train it now
+                        return done(f.items)
             now = time.monotonic()
-            if n >= self.min_samples and (self.stopping or now - (first_at or now) >= self.max_wait_s):
-                return items
+            if f.n >= self.min_samples and (self.stopping or now - (f.first_at or now) >= self.max_wait_s):
+                return done(f.items)
             if self.stopping or (self.deadline is not None and now >= self.deadline):
-                return items if n >= self.min_samples else None
-            if self.stop_when_idle_s is not None and not n and now - idle_since >= self.stop_when_idle_s:
-                return None
-            if n and self.on_partial is not None and not self._partial_done:
+                return done(f.items if f.n >= self.min_samples else None)
+            if self.stop_when_idle_s is not None and not f.n and now - f.idle_since >= self.stop_when_idle_s:
+                return done(None)
+            if heartbeat_s is not None and now - started >= heartbeat_s:
+                return WAIT
+            if f.n and self.on_partial is not None and not self._partial_done:
                 self._partial_done = True  # once per stream: the one-time costs are paid once
-                self.on_partial(dict(collate([i.sample for i in items if i.sample is not None], self.pad_id)))
+                self.on_partial(dict(collate([i.sample for i in f.items if i.sample is not None], self.pad_id)))
                 continue  # samples may have arrived meanwhile
-            wait = self.max_wait_s - (now - first_at) if first_at else 0.5
+            wait = self.max_wait_s - (now - f.first_at) if f.first_at else 0.5
+            if heartbeat_s is not None:
+                wait = min(wait, heartbeat_s)
             if self._fill(max(0.05, min(wait, 0.5))):
-                idle_since = time.monotonic()
+                f.idle_since = time.monotonic()
 
     def _fetch_planned(self, plan: list[tuple[int, int, bool]]) -> list[_Item]:
         """Non-zero ranks: read exactly the records rank 0 planned, with its verdicts."""
@@ -467,28 +500,37 @@ class TrainStream(IterableDataset):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         dist = _distributed()
-        self.min_samples = 1 if dist is None else dist[1]
+        rank, world = dist if dist is not None else (0, 1)
+        self.min_samples = world * self.minibatches
+        if rank != 0:  # rank 0 dead-letters and reports; the others only train their share
+            self.dlq, self.reports = None, False
         while True:
             t0 = time.perf_counter()
             if dist is None:
                 items = self.next_batch()
             else:
-                rank = dist[0]
-                items = self.next_batch() if rank == 0 else None
-                plan = _broadcast(None if items is None else [(i.partition, i.offset, i.sample is not None) for i in items])
+                got = self.next_batch(self.heartbeat_s) if rank == 0 else None
+                plan = _broadcast(got if got is None or isinstance(got, str)
+                                  else [(i.partition, i.offset, i.sample is not None) for i in got])
+                if plan == WAIT:
+                    continue
                 if plan is None:
                     items = None
                 elif rank != 0:
                     items = self._fetch_planned(plan)
+                else:
+                    assert isinstance(got, list)
+                    items = got
             if items is None:
                 return
             if self.dlq is not None and self.dlq.count:
                 # dead letters are durable before their offsets count as consumed
                 flush_patiently(self.dlq.producer, "dead letters", lambda: self.stopping)
             kept = [i for i in items if i.sample is not None]
-            samples = kept if dist is None else kept[dist[0] :: dist[1]]
-            if not samples:
+            if not kept:
                 continue  # only dead letters: their offsets ride along with the next batch
+            parts = rank_rows(len(kept), self.minibatches, world, rank)
+            samples = [kept[r] for part in parts for r in part]
             self._seq += 1
             self._inflight[self._seq] = kept
             self._inflight_ids.update(i.sample.sample_id for i in kept)  # type: ignore[union-attr]
@@ -504,6 +546,7 @@ class TrainStream(IterableDataset):
                 # every sample of the batch over all ranks: [partition, offset, sample_id]
                 "samples": [[i.partition, i.offset, i.sample.sample_id] for i in kept],  # type: ignore[union-attr]
                 "batch_samples": len(kept),
+                "parts": [len(part) for part in parts],  # this rank's rows per optimizer step, in order
             }
             yield batch
 
@@ -523,7 +566,7 @@ def _distributed() -> tuple[int, int] | None:
     return None
 
 
-def _broadcast(plan: list[tuple[int, int]] | None) -> list[tuple[int, int]] | None:
+def _broadcast(plan: list[tuple[int, int, bool]] | str | None) -> list[tuple[int, int, bool]] | str | None:
     box = [plan]
     torch.distributed.broadcast_object_list(box, src=0)  # in-cluster control message, never on the wire
     return box[0]

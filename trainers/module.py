@@ -37,12 +37,14 @@ import torch
 from astraflow.errors import ModelError, RLError
 from astraflow.rl import (
     PolicyLossConfig,
+    aggregation_count,
+    data_parallel_normaliser,
     policy_loss,
     scale_logits,
     token_logprobs,
     token_logprobs_and_entropy,
 )
-from trainers.batching import length_chunks
+from trainers.batching import length_chunks, minibatch_rows
 from trainers.config import LossSettings
 
 log = logging.getLogger(__name__)
@@ -237,6 +239,7 @@ class PolicyTrainer(L.LightningModule):
             ref_logprobs=ref_logprobs,
             entropy=ent,
             token_lags=lags,
+            normaliser=self.data_parallel_normaliser(mask),
         )
         metrics = dict(out.metrics)
         metrics["reward"] = batch["rewards"].float().mean().item()
@@ -248,6 +251,21 @@ class PolicyTrainer(L.LightningModule):
             metrics["token_staleness_mean"] = token_lags.mean().item()
             metrics["token_staleness_max"] = token_lags.max().item()
         return out.loss, metrics
+
+    @property
+    def world_size(self) -> int:
+        return int(self.trainer.world_size) if self._trainer is not None else 1
+
+    def data_parallel_normaliser(self, mask: torch.Tensor) -> torch.Tensor | None:
+        """With several ranks, what this step's loss divides by: the count of the whole step over
+        every rank (one all-reduce), so the averaged gradients are one rank's on the same samples
+        (`astraflow.rl.data_parallel_normaliser`); None on one rank (the batch's own count)."""
+        world = self.world_size
+        if world < 2:
+            return None
+        count = aggregation_count(mask, self.loss_config.aggregation).to(self.device)
+        total = self.trainer.strategy.reduce(count, reduce_op="sum")
+        return data_parallel_normaliser(total, world)
 
     def token_lags(self, batch: dict[str, Any]) -> torch.Tensor | None:
         """Versions behind the trainer of each trained token, at this step (0 where not trained)."""
@@ -273,7 +291,7 @@ class PolicyTrainer(L.LightningModule):
             t = time.perf_counter()
             dm.mark_trained(meta)
             self._times["commit_s"] += time.perf_counter() - t
-        parts = [p for p in torch.arange(n).chunk(self.minibatches) if len(p)]
+        parts = [torch.tensor(p, dtype=torch.long) for p in split_rows(n, self.minibatches, meta)]
         seen: list[dict[str, float]] = []
         loss = torch.zeros(())
         for _ in range(self.ppo_epochs):
@@ -289,6 +307,11 @@ class PolicyTrainer(L.LightningModule):
             if self.skipped_reason is not None:
                 break
         metrics = mean_metrics(seen)
+        if self.world_size > 1:  # each rank's loss terms are its share of the whole batch's: summed
+            names = [k for k in ("loss", "pg_loss", "kl_ref", "entropy") if k in metrics]
+            shares = torch.tensor([metrics[k] for k in names], dtype=torch.float64, device=self.device)
+            totals = self.trainer.strategy.reduce(shares, reduce_op="sum") / self.world_size
+            metrics.update(zip(names, (float(v) for v in totals.tolist()), strict=True))
         attn, mask = batch["attention_mask"], batch["loss_mask"]
         metrics.update(samples=float(n), optimizer_steps=float(len(seen)), tokens=float(mask.sum().item()),
                        reward=batch["rewards"].float().mean().item(), advantage_abs=batch["advantages"].abs().mean().item(),
@@ -342,7 +365,10 @@ class PolicyTrainer(L.LightningModule):
         t1 = time.perf_counter()
         self._times["backward_s"] += t1 - t
         if self.grad_clip is not None:
-            self.clip_gradients(opt, gradient_clip_val=self.grad_clip, gradient_clip_algorithm="norm")
+            if hasattr(self.model, "clip_grad_norm_"):  # FSDP (trainers.distributed): the norm over every shard
+                self.model.clip_grad_norm_(self.grad_clip)
+            else:
+                self.clip_gradients(opt, gradient_clip_val=self.grad_clip, gradient_clip_algorithm="norm")
         opt.step()
         sched = self.lr_schedulers()
         if sched is not None:
@@ -374,10 +400,15 @@ class PolicyTrainer(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["astraflow"] = {"policy_version": self.policy_version, "steps_skipped": self.steps_skipped}
+        checkpoint["astraflow"] = {"policy_version": self.policy_version, "steps_skipped": self.steps_skipped,
+                                   "world_size": self.world_size}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get("astraflow", {})
+        saved_world = int(saved.get("world_size", 1))
+        if saved_world != self.world_size:  # full (unsharded) state: every rank loads all of it
+            log.info("resuming a checkpoint of %d rank(s) on %d: its weights and optimizer state are whole, "
+                     "so they are re-sharded on load", saved_world, self.world_size)
         self.policy_version = int(saved.get("policy_version", 0))
         self.steps_skipped = int(saved.get("steps_skipped", 0))
 
@@ -391,6 +422,21 @@ def _takes_logits_to_keep(model_type: type) -> bool:
         return forward is not None and "logits_to_keep" in inspect.signature(forward).parameters
     except (TypeError, ValueError):
         return False
+
+
+def split_rows(n: int, minibatches: int, meta: dict[str, Any] | None = None) -> list[list[int]]:
+    """Row indices of a batch of `n` rows per optimizer step: the stream's `meta["parts"]` (this
+    rank's rows of each step, `trainers.batching.rank_rows`) when given, else `minibatch_rows`."""
+    sizes = None if meta is None else meta.get("parts")
+    if sizes is None:
+        return minibatch_rows(n, minibatches)
+    out, start = [], 0
+    for size in sizes:
+        out.append(list(range(start, start + int(size))))
+        start += int(size)
+    if start != n:
+        raise ModelError(f"the batch has {n} rows but its plan covers {start}")
+    return [p for p in out if p]
 
 
 def rows(batch: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:

@@ -304,9 +304,9 @@ class DurablePublication(L.Callback):
     def reconcile(self, trainer: L.Trainer, module: L.LightningModule, resumed: bool) -> None:
         """What the restored state means for the weights topic; see the module docstring."""
         version = None
+        weights = self._weights(trainer)  # on every rank: FSDP gathers the shards, the finite check is broadcast
         if trainer.is_global_zero:
             last = self.publisher.start()
-            weights = self._weights(trainer)
             assert weights is not None
             committed = self.publisher.committed
             same = committed is not None and committed.version == last and (

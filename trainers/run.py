@@ -40,6 +40,7 @@ from trainers.config import TrainRunConfig
 from trainers.crash import CrashPoints
 from trainers.data import TRAINER_PRODUCER
 from trainers.datamodule import KafkaTrainData
+from trainers.distributed import is_collective_failure, rank_lost, strategy
 from trainers.loss_control import LossControl
 from trainers.module import PolicyTrainer
 from trainers.publishing import DurablePublication, TrainedSampleLog
@@ -82,19 +83,6 @@ def sample_limits(config: TrainRunConfig, model: torch.nn.Module) -> SampleLimit
     max_len = tc.max_seq_len or int(getattr(getattr(model, "config", None), "max_position_embeddings", 0) or 32768)
     return SampleLimits(tc.policy, vocab, max_len, tc.max_abs_advantage, tc.min_behaviour_logprob,
                         max_staleness=tc.max_staleness)
-
-
-def _strategy(name: str, model: torch.nn.Module) -> Any:
-    if name == "fsdp":
-        from lightning.pytorch.strategies import FSDPStrategy
-
-        layers = {type(m) for m in model.modules() if type(m).__name__ in set(getattr(model, "_no_split_modules", None) or [])}
-        return FSDPStrategy(auto_wrap_policy=layers or None, state_dict_type="full")
-    if name == "ddp":
-        from lightning.pytorch.strategies import DDPStrategy
-
-        return DDPStrategy(find_unused_parameters=False)
-    return "auto"
 
 
 def _logger(kind: str, log_dir: Path) -> Any:
@@ -158,6 +146,8 @@ def run_training(config: TrainRunConfig) -> TrainSummary:
             "stop_when_idle_s": tc.stop_when_idle_s,
             "deadline": deadline,
             "group_id": topics.trainer_group(tc.policy),
+            "minibatches": tc.minibatches,
+            "heartbeat_s": min(5.0, tc.collective_timeout_s / 4),
         },
         dlq_topic=topics.dlq,
         dedup_window=tc.dedup_window,
@@ -189,7 +179,7 @@ def run_training(config: TrainRunConfig) -> TrainSummary:
     trainer = L.Trainer(
         accelerator=tc.accelerator,
         devices=tc.devices,
-        strategy=_strategy(tc.strategy, module.model),
+        strategy=strategy(tc.strategy, module.model, tc.collective_timeout_s),
         precision=tc.precision,
         max_steps=tc.max_steps,
         max_epochs=1,  # one pass over an endless stream; it ends on idle / time / stop
@@ -219,6 +209,10 @@ def run_training(config: TrainRunConfig) -> TrainSummary:
         trainer.fit(module, datamodule=data, ckpt_path=str(resume) if resume else None)
     except SIGTERMException:
         stopped_by["value"] = "sigterm"
+    except Exception as exc:
+        if trainer.world_size > 1 and is_collective_failure(exc):
+            raise rank_lost(exc, trainer.global_rank, trainer.world_size, tc.collective_timeout_s) from exc
+        raise
     finally:
         signal.signal(signal.SIGINT, previous)
         if endpoint is not None:

@@ -23,7 +23,9 @@ if TYPE_CHECKING:
     from astraflow.rl.losses import (
         PolicyLossOutput,
         aggregate,
+        aggregation_count,
         broadcast_advantages,
+        data_parallel_normaliser,
         grpo_loss,
         kl_penalty,
         policy_loss,
@@ -34,7 +36,8 @@ if TYPE_CHECKING:
 _TORCH = {
     "astraflow.rl.logprobs": ("entropy_from_logits", "masked_mean", "scale_logits", "sequence_logprobs",
                               "token_logprobs", "token_logprobs_and_entropy"),
-    "astraflow.rl.losses": ("PolicyLossOutput", "aggregate", "broadcast_advantages", "grpo_loss", "kl_penalty",
+    "astraflow.rl.losses": ("PolicyLossOutput", "aggregate", "aggregation_count", "broadcast_advantages",
+                            "data_parallel_normaliser", "grpo_loss", "kl_penalty",
                             "policy_loss", "ppo_clip_token_loss", "truncated_is_weights"),
 }
 _WHERE = {name: module for module, names in _TORCH.items() for name in names}
@@ -55,7 +58,9 @@ __all__ = [
     "PolicyLossConfig",
     "PolicyLossOutput",
     "aggregate",
+    "aggregation_count",
     "broadcast_advantages",
+    "data_parallel_normaliser",
     "entropy_from_logits",
     "grpo_loss",
     "kl_penalty",

@@ -72,32 +72,65 @@ def broadcast_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.
     raise RLError(f"advantages {tuple(advantages.shape)} fit neither [B] nor [B, T] = {tuple(mask.shape)}")
 
 
+def aggregation_count(mask: torch.Tensor, mode: Aggregation) -> torch.Tensor:
+    """What `aggregate` divides by for `mask` [B, T] (float 0-dim): the trained tokens
+    (``token_mean``), the sequences with a trained token (``seq_mean_token_mean``) or all B
+    sequences (``seq_mean_token_sum_norm``). Summed over data-parallel ranks, it is the
+    normaliser of the whole batch (`data_parallel_normaliser`)."""
+    keep = mask.bool()
+    if mode == "token_mean":
+        return keep.sum().to(torch.float32)
+    if mode == "seq_mean_token_mean":
+        return keep.any(dim=-1).sum().to(torch.float32)
+    if mode == "seq_mean_token_sum_norm":
+        return torch.tensor(float(keep.shape[0]))
+    raise RLError(f"unknown aggregation {mode!r}")
+
+
+def data_parallel_normaliser(global_count: torch.Tensor | float, world_size: int) -> torch.Tensor:
+    """The `normaliser` each of `world_size` data-parallel ranks passes to `aggregate` so that
+    their losses, once the gradients are averaged over ranks (DDP's all-reduce, FSDP's
+    reduce-scatter), give the gradient of the loss of the whole batch on one rank:
+    ``mean_r(sum_r / (N / W)) = sum / N`` with N the `aggregation_count` summed over ranks
+    (clamped at 1, as one rank's empty mask is)."""
+    if world_size < 1:
+        raise RLError(f"world_size must be >= 1, got {world_size}")
+    count = torch.as_tensor(global_count, dtype=torch.float32).clamp(min=1.0)
+    return count / float(world_size)
+
+
 def aggregate(
-    token_losses: torch.Tensor, mask: torch.Tensor, mode: Aggregation, max_tokens: int | None = None
+    token_losses: torch.Tensor, mask: torch.Tensor, mode: Aggregation, max_tokens: int | None = None,
+    normaliser: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
     """Reduces token losses [B, T] under `mask` to a scalar (see the module docstring).
 
     ``seq_mean_token_mean`` averages over sequences that have at least one token;
     ``seq_mean_token_sum_norm`` averages over all B sequences, dividing each sum by the constant
     `max_tokens` (required), so a token weighs the same whatever the length of its sequence and
-    however the batch is padded.
+    however the batch is padded. `normaliser` replaces the count divided by (this batch's
+    `aggregation_count`): a data-parallel rank passes `data_parallel_normaliser` so the mean is
+    over the whole batch of every rank, not over its own share.
     """
     keep = mask.bool()
     m = keep.to(token_losses.dtype)
     # where(), not a product: a NaN or inf at a masked position must not leak into the sum.
     kept = torch.where(keep, token_losses, torch.zeros_like(token_losses))
     if mode == "token_mean":
+        if normaliser is not None:
+            return kept.sum() / normaliser
         return masked_mean(token_losses, keep)
     per_seq_sum = kept.sum(dim=-1)
     if mode == "seq_mean_token_mean":
         counts = m.sum(dim=-1)
         present = counts > 0
         per_seq = per_seq_sum / counts.clamp(min=1.0)
-        return per_seq[present].sum() / present.sum().clamp(min=1)
+        return per_seq[present].sum() / (present.sum().clamp(min=1) if normaliser is None else normaliser)
     if mode == "seq_mean_token_sum_norm":
         if max_tokens is None:
             raise RLError("seq_mean_token_sum_norm needs max_tokens (a constant, not the padded length)")
-        return (per_seq_sum / float(max_tokens)).mean()
+        per_seq = per_seq_sum / float(max_tokens)
+        return per_seq.mean() if normaliser is None else per_seq.sum() / normaliser
     raise RLError(f"unknown aggregation {mode!r}")
 
 
@@ -145,13 +178,16 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     token_lags: torch.Tensor | None = None,
+    normaliser: torch.Tensor | float | None = None,
 ) -> PolicyLossOutput:
     """The policy loss of `config.mode` with optional staleness weights, KL and entropy terms.
 
     logprobs: [B, T] current policy, differentiable. behaviour_logprobs: [B, T] recorded at
     rollout. advantages: [B] (per sequence, GRPO) or [B, T]. mask: [B, T] bool or 0/1.
     proximal_logprobs, ref_logprobs, entropy: optional [B, T]; token_lags: optional int [B, T]
-    (versions behind the trainer; needed by staleness_weight / max_staleness). Returns the
+    (versions behind the trainer; needed by staleness_weight / max_staleness); normaliser: what
+    every aggregated term is divided by instead of this batch's count (`aggregate`; a
+    data-parallel rank's `data_parallel_normaliser`, so its metrics are its share). Returns the
     aggregated loss ``pg + kl_coef * kl - entropy_coef * entropy`` and metrics, among them the
     spread of the importance weights (``is_weight_*``, of the correction's weight) and of
     ``log mu - log pi`` (``log_mu_pi_*``) over the trained tokens of the batch.
@@ -215,7 +251,7 @@ def policy_loss(
                                   max_staleness=config.max_staleness)
         weights = weights * stale
         metrics["stale_dropped_frac"] = masked_mean((stale == 0).float(), keep).item()
-    pg = aggregate(weights * token_pg, keep, config.aggregation, config.max_tokens)
+    pg = aggregate(weights * token_pg, keep, config.aggregation, config.max_tokens, normaliser)
     loss = pg
     metrics.update(_clip_metrics(ratio.detach(), lr.detach(), adv, clipped, keep))
     metrics.update(_spread_metrics(is_weights, log_ratio(behaviour, current), keep))
@@ -236,6 +272,7 @@ def policy_loss(
             keep,
             config.aggregation,
             config.max_tokens,
+            normaliser,
         )
         loss = loss + config.kl_coef * kl
         metrics["kl_ref"] = kl.item()
@@ -244,7 +281,7 @@ def policy_loss(
             "entropy_coef > 0 needs entropy: pass entropy_from_logits(logits) or set entropy_coef=0"
         )
     if entropy is not None:
-        ent = aggregate(kept(entropy), keep, config.aggregation, config.max_tokens)
+        ent = aggregate(kept(entropy), keep, config.aggregation, config.max_tokens, normaliser)
         metrics["entropy"] = ent.item()
         if config.entropy_coef > 0.0:
             loss = loss - config.entropy_coef * ent

@@ -1,0 +1,83 @@
+"""Several trainer ranks: the Lightning strategy of `trainer.strategy`, and the error a rank
+that lost its peers ends with.
+
+`astraflow train --devices N --strategy ddp|fsdp` starts N ranks on this machine (Lightning's
+launcher re-runs the command for ranks 1..N-1). The backend is the accelerator's default:
+NCCL on GPUs, gloo on CPUs; nothing else in the trainer depends on which. How samples reach
+the ranks is in `trainers.data`, the loss across ranks in `astraflow.rl.losses`
+(`data_parallel_normaliser`), publishing from a sharded model in `trainers.publishing`.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+
+from astraflow.errors import AstraflowError
+
+
+class RankLostError(AstraflowError):
+    """Raised when a collective fails or times out: another rank died or stopped answering."""
+
+
+def strategy(name: str, model: torch.nn.Module, timeout_s: float) -> Any:
+    """Lightning's strategy: DDP or FSDP (`_fsdp_strategy`) with `timeout_s` on every collective;
+    "auto" otherwise."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if name == "fsdp":
+        layers = {type(m) for m in model.modules() if type(m).__name__ in set(getattr(model, "_no_split_modules", None) or [])}
+        return _fsdp_strategy()(auto_wrap_policy=layers or None, state_dict_type="full", timeout=timeout)
+    if name == "ddp":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy(find_unused_parameters=False, timeout=timeout)
+    return "auto"
+
+
+def _fsdp_strategy() -> type:
+    """Lightning's FSDPStrategy, wrapping the policy model (`PolicyTrainer.model`) rather than the
+    whole LightningModule: each decoder layer is sharded (`_no_split_modules`) and the model is
+    the FSDP root. The module optimizes manually (several backward passes per batch), and a
+    backward inside the root's forward, which wrapping the LightningModule would make of
+    `training_step`, breaks FSDP's state machine. Checkpoints stay whole (`state_dict_type="full"`),
+    so they resume at any world size. The same class on GPUs (NCCL) and CPUs (gloo: Lightning
+    refuses the class FSDPStrategy itself with accelerator="cpu", and torch's FSDP needs
+    `device_id=cpu` said explicitly there)."""
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    class PolicyFSDPStrategy(FSDPStrategy):
+        def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+            inner = getattr(model, "model", None)
+            if not isinstance(inner, torch.nn.Module) or isinstance(inner, FullyShardedDataParallel):
+                return super()._setup_model(model)
+            device = self.root_device if self.root_device.type != "cpu" else torch.device("cpu")
+            model.model = FullyShardedDataParallel(
+                module=inner, cpu_offload=self.cpu_offload, mixed_precision=self.mixed_precision_config,
+                sharding_strategy=self.sharding_strategy, device_id=device, **self.kwargs,
+            )
+            return model
+
+    return PolicyFSDPStrategy
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether `exc` is torch.distributed saying a peer is gone or a collective timed out."""
+    dist_error = getattr(torch.distributed, "DistError", ())
+    text = str(exc)
+    return isinstance(exc, dist_error) or (
+        isinstance(exc, RuntimeError)
+        and any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out",
+                                    "gloo", "NCCL", "Broken pipe"))
+    )
+
+
+def rank_lost(exc: BaseException, rank: int, world: int, timeout_s: float) -> RankLostError:
+    """The error this rank ends the job with when a collective failed (`is_collective_failure`)."""
+    return RankLostError(
+        f"rank {rank} of {world} lost the other ranks ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}): "
+        f"a rank died or did not answer within trainer.collective_timeout_s={timeout_s:g}. The job stops; run the "
+        "same command again to resume from the last checkpoint and its offsets (nothing trained after it is published)."
+    )
