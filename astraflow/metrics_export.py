@@ -28,6 +28,7 @@ import re
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily
@@ -96,13 +97,13 @@ def report_families(r: StatusReport) -> list[GaugeMetricFamily]:
     e = r.experiment
     st, rw = r.staleness, r.reward
     return [
-        _gauge("astraflow_topic_records", "records stored in the topic", ["experiment", "stream"],
+        _gauge("astraflow_topic_records", "committed records stored in the topic (what a consumer reads)", ["experiment", "stream"],
                (([e, t.stream], t.records) for t in r.topics)),
-        _gauge("astraflow_topic_end_offset", "records ever written (high watermarks summed)", ["experiment", "stream"],
+        _gauge("astraflow_topic_end_offset", "high watermarks summed: offsets, transaction markers included (not a record count)", ["experiment", "stream"],
                (([e, t.stream], t.end_offset) for t in r.topics)),
         _gauge("astraflow_topic_rate_per_second", "records written per second over the status window",
                ["experiment", "stream"], (([e, t.stream], t.rate_per_s) for t in r.topics)),
-        _gauge("astraflow_consumer_lag", "records not yet committed by the group", ["experiment", "group", "topic"],
+        _gauge("astraflow_consumer_lag", "records not yet committed by the group (transaction markers left out)", ["experiment", "group", "topic"],
                (([e, g.group, g.topic], g.lag) for g in r.lags)),
         _gauge("astraflow_consumer_group_members", "consumers in the group", ["experiment", "group"],
                (([e, g], m) for g, m in {g.group: g.members for g in r.lags}.items())),
@@ -248,6 +249,7 @@ class MetricsBridge(Collector):
 
     def __init__(self, kafka: KafkaSettings, experiment: str, interval_s: float = 15.0, **status_kw: object) -> None:
         self.kafka, self.experiment, self.interval_s, self.status_kw = kafka, experiment, interval_s, status_kw
+        self._reader: Any = None
         self.report: StatusReport | None = None
         self.refreshes = 0
         self.last_error: str | None = None
@@ -256,7 +258,12 @@ class MetricsBridge(Collector):
 
     def refresh(self) -> StatusReport | None:
         try:
-            self.report = collect_status(self.kafka, self.experiment, **self.status_kw)  # type: ignore[arg-type]
+            if self._reader is None:  # kept: its record counts grow with the topics (astraflow.kafka.counts)
+                from astraflow.ops.cluster_offsets import OffsetReader
+
+                self._reader = OffsetReader(self.kafka)
+            self.report = collect_status(self.kafka, self.experiment, reader=self._reader,  # type: ignore[arg-type]
+                                         **self.status_kw)
             self.last_error = None
         except AstraflowError as exc:  # Kafka away or topics not created yet: keep serving, say why
             self.last_error = str(exc)

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from astraflow.errors import AstraflowError
 
@@ -31,14 +32,16 @@ def load(ctx: typer.Context, *extra_overrides: str) -> Any:
 
 
 def handle_errors(fn: F) -> F:
-    """Turns AstraflowError into a one-paragraph message and exit code 1 (no traceback)."""
+    """Turns AstraflowError into one line, `error: <what is wrong and what to do>`, and exit code 1:
+    no traceback, no internal exception name (the message says what is missing and how to list
+    what exists)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except AstraflowError as exc:
-            err_console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}")
+            err_console.print(Text.assemble(("error: ", "bold red"), str(exc)), soft_wrap=True)
             raise typer.Exit(1) from None
 
     return wrapper  # type: ignore[return-value]

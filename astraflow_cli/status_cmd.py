@@ -30,7 +30,8 @@ def status(
     window: float = WINDOW,
     recent: int = RECENT,
 ) -> None:
-    """Topics with rates, consumer lag per group, RaaS nodes, policy versions and trainers,
+    """Topics (records a consumer reads, and rates), consumer lag per group, stream apps and user
+    processors (records in, out, dead-lettered), RaaS nodes, policy versions and trainers,
     staleness, recent reward and the DLQ of one experiment, read from its topics."""
     from astraflow.ops.cluster_offsets import OffsetReader
     from astraflow.ops.render import render_status
@@ -59,14 +60,23 @@ def status(
                 started = time.monotonic()
                 emit_json(take())
                 time.sleep(max(0.0, interval - (time.monotonic() - started)))
+        if not console.is_terminal:  # a pipe or a file: one full report per refresh, flushed
+            while True:
+                started = time.monotonic()
+                console.print(render_status(take()))
+                console.rule()
+                console.file.flush()
+                time.sleep(max(0.0, interval - (time.monotonic() - started)))
         from rich.live import Live
 
         with Live(render_status(take()), console=console, refresh_per_second=2) as live:
             while True:
                 time.sleep(interval)
                 live.update(render_status(take()))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, BrokenPipeError):
         pass
+    finally:
+        reader.close()
 
 
 @metrics_app.command("serve")

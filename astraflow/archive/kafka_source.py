@@ -41,6 +41,8 @@ class TopicSource:
         self.since_ms = since_ms
         self.until_ms = until_ms
         self.follow = follow
+        self.timeout_s = timeout_s
+        self._total: int | None = None
         self.consumer = reader(kafka, reader_group("archive_source"), max_record_bytes,
                                **{"enable.auto.offset.store": False, "enable.partition.eof": True})
         try:
@@ -113,8 +115,11 @@ class TopicSource:
 
     @property
     def total(self) -> int:
-        """Offsets in range (an upper bound on records: compaction and markers leave gaps)."""
-        return sum(end - start for start, end in self.ranges.values())
+        """Records a read_committed reader gets from the ranges (counted once, before reading them:
+        a transactional topic spends an offset on every commit marker, so offsets overcount)."""
+        if self._total is None:
+            self._total = sum(self._count(p, s, e, self.timeout_s) for p, (s, e) in self.ranges.items() if e > s)
+        return self._total
 
     @property
     def partitions(self) -> int:

@@ -212,11 +212,33 @@ def create_command(experiment: str, policies: list[str]) -> str:
     return " ".join(["astraflow topics create -e", experiment, *(f"-p {p}" for p in policies)])
 
 
+def missing_experiment(experiment: str, where: str) -> str:
+    """The one line every command prints for an experiment that has no topics on a cluster."""
+    return (f"no experiment {experiment!r} on {where} (it has no topics): `astraflow experiments list` lists "
+            f"the experiments there; `astraflow topics create -e {experiment} -p POLICY` makes this one")
+
+
+def experiment_of(topic: str) -> str | None:
+    """`af.<experiment>.<stream>` -> the experiment; None for a topic AstraFlow did not name."""
+    parts = topic.split(".")
+    if len(parts) < 3 or parts[0] != "af" or not _NAME.match(parts[1]):
+        return None
+    return parts[1]
+
+
 class TopicAdmin:
     """Creates, lists and describes topics on any cluster."""
 
     def __init__(self, kafka: KafkaSettings) -> None:
+        self.kafka = kafka
         self.admin = AdminClient(kafka.client_config())
+
+    def experiment(self, experiment: str) -> dict[str, int]:
+        """The experiment's topics (name -> partitions); TopicError naming it when it has none."""
+        topics = self.list(f"af.{Topics(experiment).experiment}.")
+        if not topics:
+            raise TopicError(missing_experiment(experiment, self.kafka.bootstrap_servers))
+        return topics
 
     def create(self, specs: list[TopicSpec], replication_factor: int | None = None, timeout_s: float = 30.0) -> dict[str, str]:
         """Creates the missing topics; returns name -> 'created' | 'exists'.

@@ -18,6 +18,7 @@ from confluent_kafka.admin import AdminClient, OffsetSpec
 from astraflow.config import KafkaSettings
 from astraflow.errors import KafkaLayerError
 from astraflow.kafka.clients import reader
+from astraflow.kafka.counts import RecordCounter
 from astraflow.kafka.offsets import TP
 from astraflow.kafka.topics import reader_group
 
@@ -67,6 +68,19 @@ class OffsetReader:
         self.kafka = kafka
         self.timeout_s = timeout_s
         self.admin = AdminClient(kafka.client_config())
+        self._counter: RecordCounter | None = None
+
+    @property
+    def counter(self) -> RecordCounter:
+        """Committed-record counts (`astraflow.kafka.counts`), kept across calls: a reader used
+        again (`status --watch`, the live page) reads only the records written since."""
+        if self._counter is None:
+            self._counter = RecordCounter(self.kafka)
+        return self._counter
+
+    def close(self) -> None:
+        if self._counter is not None:
+            self._counter.close()
 
     def topics(self, prefix: str) -> dict[str, int]:
         """Topic name -> partition count, for names starting with `prefix`."""
@@ -143,10 +157,12 @@ class OffsetReader:
 
 
 def group_lags(groups: dict[str, GroupInfo], committed: dict[str, dict[TP, int]],
-               offsets: dict[TP, PartitionOffsets], topics: dict[str, int]) -> list[GroupLag]:
+               offsets: dict[TP, PartitionOffsets], topics: dict[str, int],
+               counter: RecordCounter | None = None) -> list[GroupLag]:
     """Lag per (group, topic) over every partition of each topic the group has committed on or is
     assigned: a group reads whole topics, so a partition without a commit yet still waits for it,
-    from the log start (where `auto.offset.reset=earliest` reads)."""
+    from the log start (where `auto.offset.reset=earliest` reads). With a `counter` that has read
+    the partitions, the lag is in records (transaction markers left out), else in offsets."""
     out: list[GroupLag] = []
     for gid, info in groups.items():
         commits = committed.get(gid, {})
@@ -154,8 +170,13 @@ def group_lags(groups: dict[str, GroupInfo], committed: dict[str, dict[TP, int]]
             lag = 0
             for p in range(topics[topic]):
                 po = offsets.get((topic, p))
-                if po is not None:
-                    lag += max(0, po.high - max(commits.get((topic, p), po.low), po.low))
+                if po is None:
+                    continue
+                start = max(commits.get((topic, p), po.low), po.low)
+                if counter is not None:
+                    lag += counter.after((topic, p), start, po.high)
+                else:
+                    lag += max(0, po.high - start)
             out.append(GroupLag(gid, topic, lag, topics[topic], info.state, info.members))
     return out
 

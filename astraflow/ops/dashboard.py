@@ -28,6 +28,7 @@ from typing import Any
 from astraflow.config import KafkaSettings
 from astraflow.errors import AstraflowError, ConfigError
 from astraflow.kafka.topics import Topics
+from astraflow.ops.cluster_offsets import OffsetReader
 from astraflow.ops.status import StatusReport, collect_status
 
 ROLES = ("curator", "raas", "reward", "curate", "trainer", "archive")
@@ -53,7 +54,7 @@ def graph(r: StatusReport) -> dict[str, Any]:
     for t in r.topics:
         s = _stream_of(t.stream)
         rates[s] = rates.get(s, 0.0) + t.rate_per_s
-        records[s] = records.get(s, 0) + t.end_offset
+        records[s] = records.get(s, 0) + t.records
     lag: dict[tuple[str, str], int] = {}
     pre = Topics(r.experiment).prefix
     for g in r.lags:
@@ -87,10 +88,13 @@ class DashboardState:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._reader: OffsetReader | None = None
 
     def refresh(self) -> dict[str, Any]:
         try:
-            r = collect_status(self.kafka, self.experiment, **self.status_kw)
+            if self._reader is None:  # kept: its record counts grow with the topics (astraflow.kafka.counts)
+                self._reader = OffsetReader(self.kafka)
+            r = collect_status(self.kafka, self.experiment, reader=self._reader, **self.status_kw)
         except AstraflowError as exc:  # Kafka away or no topics yet: the page says so and keeps polling
             with self._lock:
                 self._snapshot = {**self._snapshot, "ok": False, "error": str(exc)}

@@ -1,10 +1,13 @@
 """What a running experiment is doing, measured from its topics: `collect_status` -> `StatusReport`.
 
 Sources, all read without joining a consumer group:
-- topics: record counts and rates from watermarks and offsets-by-time (records written in the
-  last `window_s`, divided by it: a rate from one sample, no waiting);
-- consumer lag of every group named `af.<experiment>.*` (RaaS, reward, curate, trainer, archive);
-- the `metrics` topic: the latest value of every series; RaaS nodes and trainers are built from it;
+- topics: committed records (`astraflow.kafka.counts`: what a consumer reads, transaction markers
+  left out) and rates (records written in the last `window_s`, divided by it: a rate from one
+  sample, no waiting);
+- consumer lag of every group named `af.<experiment>.*` (RaaS, reward, curate, trainer, archive,
+  user processors), in records;
+- the `metrics` topic: the latest value of every series; RaaS nodes, trainers, stream apps and
+  user processors (records in, out, dead-lettered) are built from it;
 - the `policies` topic: the latest PolicyVersion per policy;
 - the last `recent` trajectories of `scored`: reward, and staleness (latest published version of
   the policy minus the oldest version among the tokens the policy generated);
@@ -21,7 +24,7 @@ from typing import Any
 from astraflow.config import KafkaSettings
 from astraflow.errors import SerdeError, TopicError
 from astraflow.kafka.offsets import TP
-from astraflow.kafka.topics import Topics
+from astraflow.kafka.topics import Topics, missing_experiment
 from astraflow.ops.cluster_offsets import GroupLag, OffsetReader, PartitionOffsets, group_lags, read_ranges
 from astraflow.ops.scaling import AutoscaleSignal, RegionStatus, autoscale_of, regions_of
 from astraflow.records import DeadLetter, Metric, PolicyVersion, Trajectory, now_ms
@@ -29,6 +32,8 @@ from astraflow.serde import AvroSerde
 
 # Labels that change with every record; a series is identified without them.
 VOLATILE_LABELS = frozenset({"step"})
+STREAM_APPS = ("curator", "reward", "curate")  # built-in apps; user processors report as `proc.<name>`
+RUNNING_WITHIN_S = 60.0  # an experiment none of whose roles reported for this long is not running
 
 
 @dataclass
@@ -38,9 +43,11 @@ class TopicStatus:
     name: str
     stream: str  # the name without the af.<experiment>. prefix
     partitions: int
-    records: int  # stored now (high - low watermarks, summed)
-    end_offset: int  # high watermarks summed: everything ever written
+    records: int  # committed records stored now: what a consumer reads (transaction markers left out)
+    offsets: int  # offsets they span (high - low, summed): records + markers + aborted records
     rate_per_s: float  # records written in the last window, per second
+    exact: bool = True  # False: part of the topic could not be read in time; `records` is then an upper bound
+    end_offset: int = 0  # high watermarks summed (offsets, markers included: for rate() in Prometheus, not a count)
 
 
 @dataclass
@@ -104,6 +111,20 @@ class DlqStatus:
 
 
 @dataclass
+class AppStatus:
+    """A stream app (reward, curate, curator) or a user processor (`proc.<name>`), from its workers' metrics."""
+
+    component: str
+    workers: int  # instances that reported within the metrics lookback
+    records_in: int
+    records_out: int
+    dead_lettered: int
+    dropped: int
+    in_per_s: float  # over the last report of each worker
+    last_seen_s: float
+
+
+@dataclass
 class MetricSeries:
     """The latest value of one metric series (component, instance, name, labels)."""
 
@@ -133,7 +154,9 @@ class StatusReport:
     metrics: list[MetricSeries]
     undecodable: int  # records status could not decode (they are the DLQ's business, not ours)
     regions: list[RegionStatus] = field(default_factory=list)  # RaaS nodes per region (astraflow.ops.scaling)
-    autoscale: AutoscaleSignal | None = None  # the RaaS autoscaling signal and its rule's answer
+    autoscale: AutoscaleSignal | None = None  # the RaaS autoscaling signal and its rule's answer (None: not running)
+    apps: list[AppStatus] = field(default_factory=list)  # stream apps and user processors
+    running: bool = True  # some role reported a metric within `RUNNING_WITHIN_S`
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -237,6 +260,26 @@ def policies_of(series: list[MetricSeries], versions: list[PolicyVersion], now: 
     return out
 
 
+def apps_of(series: list[MetricSeries], now: int) -> list[AppStatus]:
+    """Per stream app and user processor: their workers' counters, summed (each worker counts the
+    records of its own partitions)."""
+    by: dict[str, dict[str, list[MetricSeries]]] = {}
+    for s in series:
+        if (s.component in STREAM_APPS or s.component.startswith("proc.")) and "reason" not in s.labels:
+            by.setdefault(s.component, {}).setdefault(s.instance, []).append(s)
+    out = []
+    for comp, workers in sorted(by.items()):
+        total = Counter[str]()
+        for items in workers.values():
+            for s in items:
+                total[s.name] += s.value
+        newest = max(s.ts for items in workers.values() for s in items)
+        out.append(AppStatus(comp, len(workers), int(total["records_in_total"]), int(total["records_out_total"]),
+                             int(total["dead_lettered_total"]), int(total["dropped_total"]),
+                             round(total["records_in_per_s"], 3), max(0.0, (now - newest) / 1000)))
+    return out
+
+
 def _tail(offsets: dict[TP, PartitionOffsets], topic: str, partitions: int, n: int) -> dict[TP, tuple[int, int]]:
     """The last `n` records of a topic, spread over its partitions."""
     per = max(1, math.ceil(n / max(partitions, 1)))
@@ -266,12 +309,13 @@ def collect_status(
     reader = reader or OffsetReader(kafka, timeout_s)
     topics = reader.topics(prefix)
     if not topics:
-        raise TopicError(f"experiment {experiment!r} has no topics on {kafka.bootstrap_servers} "
-                         f"(create them with `astraflow topics create -e {experiment} -p POLICY`)")
+        raise TopicError(missing_experiment(experiment, kafka.bootstrap_servers))
     offsets = reader.partition_offsets(topics, window_s)
+    counter = reader.counter
+    counter.update({tp: (po.low, po.high) for tp, po in offsets.items()})
     groups = reader.groups(prefix)
     committed = {g: reader.committed(g) for g in groups}
-    lags = group_lags(groups, committed, offsets, topics)
+    lags = group_lags(groups, committed, offsets, topics, counter)
 
     now = now_ms()
     ranges: dict[TP, tuple[int, int]] = {}
@@ -311,10 +355,14 @@ def collect_status(
     latest_versions = {p.policy: p.version for p in policies if p.version is not None}
     trajectories = [tr for _ts, tr in sorted(scored, key=lambda x: x[0])][-recent:]
     topic_rows = []
+    since_ms = now - int(window_s * 1000)
     for name, parts in topics.items():
-        pos = [offsets[(name, p)] for p in range(parts) if (name, p) in offsets]
-        topic_rows.append(TopicStatus(name, name.removeprefix(prefix), parts, sum(po.records for po in pos),
-                                      sum(po.high for po in pos), sum(po.in_window for po in pos) / window_s))
+        tps = [(name, p) for p in range(parts) if (name, p) in offsets]
+        behind = sum(counter.behind(tp, offsets[tp].high) for tp in tps)
+        topic_rows.append(TopicStatus(
+            name, name.removeprefix(prefix), parts, sum(counter.records(tp) for tp in tps) + behind,
+            sum(offsets[tp].records for tp in tps), sum(counter.since(tp, since_ms) for tp in tps) / window_s,
+            exact=behind == 0, end_offset=sum(offsets[tp].high for tp in tps)))
     dlq_row = next((r for r in topic_rows if r.name == t.dlq), None)
     recent_dead = [
         {"component": d.component, "error_class": d.error_class, "error": d.error[:200], "topic": d.topic,
@@ -322,6 +370,7 @@ def collect_status(
         for _ts, d in sorted(dead, key=lambda x: x[0], reverse=True)
     ]
     node_rows = nodes_of(series, now)
+    running = any(now - s.ts <= RUNNING_WITHIN_S * 1000 for s in series)
     raas_lag = next((g.lag for g in lags if g.group == f"{prefix}raas" and g.topic == t.tasks), 0)
     tasks_row = next((r for r in topic_rows if r.name == t.tasks), None)
     return StatusReport(
@@ -339,5 +388,7 @@ def collect_status(
         metrics=sorted(series, key=lambda s: (s.component, s.instance, s.name)),
         undecodable=undecodable,
         regions=regions_of(node_rows, latest_versions),
-        autoscale=autoscale_of(raas_lag, tasks_row.rate_per_s if tasks_row else 0.0, node_rows),
+        autoscale=autoscale_of(raas_lag, tasks_row.rate_per_s if tasks_row else 0.0, node_rows) if running else None,
+        apps=apps_of(series, now),
+        running=running,
     )

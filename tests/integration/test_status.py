@@ -173,7 +173,8 @@ def test_status_of_a_missing_experiment_says_how_to_create_it(kafka: KafkaSettin
     res = CliRunner().invoke(app, ["--set", f"kafka.bootstrap_servers={kafka.bootstrap_servers}", "status", "-e",
                                    f"missing-{uuid.uuid4().hex[:8]}"])
     assert res.exit_code == 1
-    assert "astraflow topics create" in res.output
+    assert "astraflow topics create" in res.output and "astraflow experiments list" in res.output
+    assert "Error" not in res.output and len(res.output.strip().splitlines()) == 1
 
 
 def _scrape(port: int) -> str:
