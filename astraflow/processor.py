@@ -38,6 +38,12 @@ from typing import Any
 from astraflow.errors import ConfigError
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,120}$")
+COMPONENT_PREFIX = "proc."  # a processor's component (metrics, dead letters, consumer group): proc.<name>
+
+
+def component_of(name: str) -> str:
+    """The component a processor named `name` reports as (metrics) and dead-letters as (DLQ)."""
+    return f"{COMPONENT_PREFIX}{name}"
 
 
 @dataclass(frozen=True, slots=True)

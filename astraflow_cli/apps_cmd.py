@@ -15,8 +15,9 @@ from typing import Any
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
-from astraflow_cli.common import console, handle_errors, load
+from astraflow_cli.common import console, err_console, handle_errors, load
 
 app_app = typer.Typer(help="Run the stream apps (Faust workers): reward, curate, curator.", no_args_is_help=True)
 control_app = typer.Typer(help="Select the strategies of running apps (hot swap, no restart).", no_args_is_help=True)
@@ -263,18 +264,29 @@ def process_run(
     guarantee: str = typer.Option("exactly_once", help="exactly_once (Kafka transactions) | at_least_once."),
     compression: str = typer.Option("snappy", help="Codec of the batches the worker writes: snappy | zstd | lz4 | gzip | "
                                     "none (snappy costs the worker least; see docs/processors.md)."),
-    region_share: list[str] = typer.Option([], "--region-share", help="curator: REGION=FRACTION of the tasks to "
-                                           "af.<exp>.tasks.REGION, for a region fed by MirrorMaker 2 (repeatable)."),
+    max_consecutive_failures: int = typer.Option(1000, "--max-consecutive-failures", help="Stop (exit status 1) after "
+                                                 "this many records in a row raised (0: never stop)."),
+    progress_interval: float = typer.Option(10.0, "--progress-interval", help="Seconds between progress lines "
+                                            "(in, out, dead-lettered, rate)."),
     log_level: str = typer.Option("info", help="debug | info | warning"),
 ) -> None:
-    """Run one worker of a user processor until SIGTERM / Ctrl-C; start more to split partitions."""
+    """Run one worker of a user processor until SIGTERM / Ctrl-C; start more to split partitions.
+    It logs its progress every 10 s, an error when more than half of its last 100 records
+    failed, and stops after --max-consecutive-failures failures in a row."""
+    from astraflow.kafka.topics import TopicAdmin
     from stream_apps.launch import build_processor_worker
 
     if os.getcwd() not in sys.path:  # console scripts do not put the working directory on sys.path
         sys.path.insert(0, os.getcwd())
     _logging(log_level)
-    worker = build_processor_worker(spec, _settings(ctx, experiment, group, instance_id, 16, metrics_interval, guarantee,
-                                                    compression=compression))
+    settings: Any = _settings(ctx, experiment, group, instance_id, 16, metrics_interval, guarantee, compression=compression)
+    TopicAdmin(settings.kafka).experiment(experiment)  # a typo in -e: one line naming it, before Kafka clients start
+    worker = build_processor_worker(spec, settings, max_consecutive_failures, progress_interval)
     proc = worker.handler.proc  # type: ignore[attr-defined]
-    console.print(f"processor {proc.name}: {proc.source} -> {proc.sink or '(Emit topics)'} (group {worker.group_id})")
+    console.print(f"processor {proc.name}: {proc.source} -> {proc.sink or '(Emit topics)'} (group {worker.group_id}); "
+                  f"dead letters go to {worker.topics.dlq} as component {worker.handler.name}")
     _run(worker)
+    gave_up = worker.handler.gave_up  # type: ignore[attr-defined]
+    if gave_up:
+        err_console.print(Text.assemble(("error: ", "bold red"), gave_up), soft_wrap=True)
+        raise typer.Exit(1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -31,6 +32,8 @@ def demo(
     tool_fraction: float | None = typer.Option(None, help="Share of warm-start demonstrations that call the tool "
                                                "(arith: the calculator, default 0.3; db/os: sql/bash, default "
                                                "0.3)."),
+    experiment: str | None = typer.Option(None, "--experiment", "-e", help="Name of the run's experiment (its topics "
+                                          "are af.<experiment>.*; a new one; default demo-<time>)."),
     scenario: str = typer.Option("arith", help="arith (the calculator agent), solver-verifier (two policies trained "
                                  "together), or an AgentBench-style environment through the OpenAI endpoint: db (SQL), "
                                  "os (sandboxed shell), code (hidden tests)."),
@@ -56,6 +59,8 @@ def demo(
         console.print(f"No --bootstrap given: using the local Apache Kafka at {local.bootstrap} (astraflow kafka up)")
         local.up(echo=console.print)
         cfg = load(ctx, f"kafka.bootstrap_servers={local.bootstrap}")
+    if experiment is not None:
+        _check_new(cfg, experiment)
     run_dir = Path(out) if out else Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     if scenario == "solver-verifier":
         from astraflow.demo.pair import PairSettings, run_pair
@@ -63,7 +68,7 @@ def demo(
         steps = {"sft_steps": sft_steps, "verifier_sft_steps": max(1, sft_steps * 2 // 3)} if sft_steps else {}
         pair = PairSettings(minutes=minutes, versions=versions, n_samples=n_samples or PairSettings.n_samples, lr=lr,
                             batch_size=batch_size or PairSettings.batch_size, **steps)
-        raise typer.Exit(run_pair(cfg, pair, run_dir, console))
+        raise typer.Exit(run_pair(cfg, pair, run_dir, console, experiment=experiment))
     if scenario != "arith":
         from astraflow.demo.scenarios import ScenarioSettings, run_scenario
 
@@ -73,13 +78,26 @@ def demo(
         env = ScenarioSettings(scenario, minutes=minutes, versions=versions, n_samples=n_samples or ScenarioSettings.n_samples,
                                lr=lr, batch_size=batch_size or ScenarioSettings.batch_size,
                                n_heldout=ScenarioSettings.n_heldout if heldout is None else heldout, **steps)
-        raise typer.Exit(run_scenario(cfg, env, run_dir, console))
+        raise typer.Exit(run_scenario(cfg, env, run_dir, console, experiment=experiment))
     settings = DemoSettings(minutes=minutes, target_success=target, versions=versions, nodes=nodes,
                             n_samples=n_samples or DemoSettings.n_samples, lr=lr,
                             batch_size=batch_size or DemoSettings.batch_size, sft_steps=sft_steps or DemoSettings.sft_steps,
                             tool_fraction=DemoSettings.tool_fraction if tool_fraction is None else tool_fraction)
-    code = run_demo(cfg, settings, run_dir, console)
+    code = run_demo(cfg, settings, run_dir, console, experiment=experiment)
     raise typer.Exit(code)
+
+
+def _check_new(cfg: object, experiment: str) -> None:
+    """A demo starts a fresh experiment: a name already in use would mix two runs' records."""
+    from astraflow.errors import ConfigError
+    from astraflow.kafka.topics import TopicAdmin, Topics
+
+    c: Any = cfg
+    existing = TopicAdmin(c.kafka).list(f"af.{Topics(experiment).experiment}.")
+    if existing:
+        raise ConfigError(f"experiment {experiment!r} already exists on {c.kafka.bootstrap_servers} ({len(existing)} "
+                          f"topics): choose another --experiment, or delete it first with "
+                          f"`astraflow experiments delete {experiment}`")
 
 
 @handle_errors

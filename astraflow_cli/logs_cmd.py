@@ -62,6 +62,14 @@ def show(
 
         if not experiment and not name.startswith(PREFIX):
             raise ArchiveError(f"pass --experiment to read its {topic!r} stream, or a full topic name, or --archive DIR")
+        from astraflow.kafka.topics import TopicAdmin, experiment_of
+
+        exp = experiment or experiment_of(name)
+        existing = TopicAdmin(cfg.kafka).experiment(exp) if exp else {}  # one line naming a missing experiment
+        if exp and name not in existing:
+            streams = ", ".join(t.removeprefix(f"af.{exp}.") for t in existing if not t.endswith("-changelog"))
+            raise ArchiveError(f"experiment {exp} has no stream {name.removeprefix(f'af.{exp}.')!r}; its streams: "
+                               f"{streams} (`astraflow topics list -e {exp}`)")
         from astraflow.archive.kafka_source import TopicSource
 
         tail = limit if limit and ident is None and rfilter is None else None

@@ -9,6 +9,7 @@ from astraflow_cli import (
     archive_cmd,
     dashboard_cmd,
     demo_cmd,
+    experiments_cmd,
     kafka_cmd,
     logs_cmd,
     model_cmd,
@@ -31,6 +32,7 @@ app = typer.Typer(
 app.add_typer(kafka_cmd.app, name="kafka")
 app.add_typer(wan_cmd.app, name="wan")
 app.add_typer(topics_cmd.app, name="topics")
+app.add_typer(experiments_cmd.app, name="experiments")
 app.add_typer(apps_cmd.app_app, name="app")
 app.add_typer(apps_cmd.control_app, name="control")
 app.add_typer(apps_cmd.process_app, name="process")

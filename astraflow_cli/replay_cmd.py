@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 
 from astraflow_cli.common import console, err_console, handle_errors, load
@@ -24,8 +26,11 @@ def replay(
     keep_timestamps: bool = typer.Option(False, "--keep-timestamps", help="Publish with the original timestamps (mind retention)."),
     no_provenance: bool = typer.Option(False, "--no-provenance", help="Do not add the af-replay-from header."),
     skip_corrupt: bool = typer.Option(False, "--skip-corrupt", help="Skip and report corrupted archive blocks instead of stopping."),
+    create_target: bool = typer.Option(False, "--create-target", help="Create the target topic if it does not exist "
+                                       "(as many partitions as the source; a built-in stream as `topics create` makes it)."),
 ) -> None:
-    """Re-publish records in their original per-partition order, filtered and paced."""
+    """Re-publish records in their original per-partition order, filtered and paced. The target
+    topic must exist, or be made with --create-target."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -58,6 +63,8 @@ def replay(
                       skip_corrupt=skip_corrupt, on_corrupt=on_corrupt, resolve_topic=resolve)
     target_topic = resolve(target)
     try:
+        if create_target:
+            _create_target(cfg, target_topic, src.partitions)
         replayer = Replayer(cfg.kafka, target_topic, options)
         total = src.total if options.limit is None or src.total is None else min(src.total, options.limit)
         columns = (
@@ -84,3 +91,24 @@ def replay(
         f"undecodable {stats.undecodable:,} · re-encoded {stats.reencoded:,} · corrupt blocks {len(corrupt)} · "
         f"{stats.elapsed_s:.1f} s · {stats.rate:,.1f} records/s"
     )
+
+
+def _create_target(cfg: object, topic: str, partitions: int | None) -> None:
+    """Creates `topic` if it is missing: an experiment's stream as `astraflow topics create --stream`
+    makes it, with the source's partition count."""
+    from astraflow.archive.errors import ReplayError
+    from astraflow.kafka.topics import TopicAdmin, TopicSpec, experiment_of, stream_spec
+
+    c: Any = cfg
+    admin = TopicAdmin(c.kafka)
+    if topic in admin.list(topic):
+        return
+    exp = experiment_of(topic)
+    if exp is not None:
+        spec = stream_spec(exp, topic.removeprefix(f"af.{exp}."), c.topics, partitions)
+    elif partitions is None:
+        raise ReplayError(f"cannot tell how many partitions {topic} needs; create it first")
+    else:
+        spec = TopicSpec(topic, partitions, {"cleanup.policy": "delete"})
+    admin.create([spec], c.topics.replication_factor)
+    err_console.print(f"created {topic} ({spec.partitions} partitions)")

@@ -17,12 +17,25 @@ POLICY = typer.Option([], "--policy", "-p", help="Policy name; repeat for severa
 
 @app.command()
 @handle_errors
-def create(ctx: typer.Context, experiment: str = EXPERIMENT, policy: list[str] = POLICY) -> None:
-    """Create every topic the experiment needs (existing ones are left alone)."""
-    from astraflow.kafka.topics import TopicAdmin, topic_specs
+def create(
+    ctx: typer.Context,
+    experiment: str = EXPERIMENT,
+    policy: list[str] = POLICY,
+    stream: list[str] = typer.Option([], "--stream", "-s", help="Only this stream of the experiment (a custom one, "
+                                     "e.g. a processor's sink: af.<experiment>.<stream>); repeatable."),
+    partitions: int | None = typer.Option(None, "--partitions", min=1, help="Partitions of the --stream topics "
+                                          "(default: topics.partitions of the config)."),
+) -> None:
+    """Create every topic the experiment needs, or only the --stream ones (existing ones are left alone)."""
+    from astraflow.errors import ConfigError
+    from astraflow.kafka.topics import TopicAdmin, stream_spec, topic_specs
 
     cfg = load(ctx)
-    specs = topic_specs(experiment, policy, cfg.topics)
+    if partitions is not None and not stream:
+        raise ConfigError("--partitions applies to --stream topics; the experiment's own take topics.partitions "
+                          "(--set topics.partitions=N)")
+    specs = ([stream_spec(experiment, s, cfg.topics, partitions) for s in stream] if stream
+             else topic_specs(experiment, policy, cfg.topics))
     result = TopicAdmin(cfg.kafka).create(specs, cfg.topics.replication_factor)
     table = Table("topic", "partitions", "state", "config")
     for s in specs:

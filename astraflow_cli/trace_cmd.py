@@ -17,13 +17,15 @@ EXPERIMENT = typer.Option(..., "--experiment", "-e", help="Experiment name (topi
 @handle_errors
 def trace(
     ctx: typer.Context,
-    ident: str = typer.Argument(..., help="A task, group, trajectory or sample id."),
+    ident: str = typer.Argument(..., help="A task, group, trajectory or sample id (`astraflow logs show -e EXP -t "
+                                "POLICY.train` prints sample ids, `-t rollouts` trajectory ids)."),
     experiment: str = EXPERIMENT,
     archive: str | None = typer.Option(None, "--archive", help="Read this archive (directory or URI) instead of Kafka."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object: the id's kind, its group and every hop."),
 ) -> None:
     """Print every hop of ID in order, with times: curated, rolled out, scored, turned into samples
-    or dropped (filter, reason), trained (step, version), or dead-lettered (who, why)."""
+    or dropped (filter, reason), trained (step, version), processed by a user processor (its
+    output topic), or dead-lettered (who, why)."""
     from astraflow.archive.format import ArchivedRecord
     from astraflow.ops.trace import trace as run_trace
 
@@ -37,10 +39,10 @@ def trace(
             yield from reader.read_topic(topic)
     else:
         from astraflow.archive.kafka_source import TopicSource
-        from astraflow.kafka.topics import TopicAdmin, Topics
+        from astraflow.kafka.topics import TopicAdmin
 
         cfg = load(ctx)
-        topics = list(TopicAdmin(cfg.kafka).list(Topics(experiment).prefix))
+        topics = list(TopicAdmin(cfg.kafka).experiment(experiment))  # one line naming it when it has no topics
 
         def source(topic: str) -> Iterator[ArchivedRecord]:
             with TopicSource(cfg.kafka, topic) as src:
@@ -85,8 +87,11 @@ def summary(stage: str, d: dict[str, Any]) -> str:
     if stage == "trained":
         return f"policy {d['policy']}: trainer step {d['step']}, first in version {d['version']} " \
                f"(published at step {d['published_at_step']}, trainer {d['trainer']})"
+    if stage == "processed":
+        return f"by processor {d['processor']} (v{d['version']}, {d['function']}) into {d['stream']}"
     if stage == "dead_lettered":
-        return f"{d['error_class']}: {d['error']}" + (f" (strategy {d['strategy']})" if d["strategy"] else "") + f"; from {d['from']}"
+        error = d["error"].split("\n\n")[0]  # the traceback that may follow is for `--json` / `logs show`
+        return f"{d['error_class']}: {error}" + (f" (strategy {d['strategy']})" if d["strategy"] else "") + f"; from {d['from']}"
     return json.dumps(d)
 
 

@@ -224,9 +224,10 @@ class StreamEngine(EngineLifecycle):
 
     def dead_letter(self, inc: Received[Any], error: BaseException | str, strategy: str | None = None) -> None:
         """Queues `inc`'s original bytes to the DLQ with the reason (and the strategy that failed)."""
+        detail = None
         if isinstance(error, StrategyFailed):  # the DLQ names the strategy and shows what it raised
-            strategy, error = strategy or error.strategy, error.cause
-        dl, data = dead_letter_bytes(self._dlq_serde, inc, error, self.handler.name, strategy)
+            strategy, error, detail = strategy or error.strategy, error.cause, error.detail
+        dl, data = dead_letter_bytes(self._dlq_serde, inc, error, self.handler.name, strategy, detail)
         self._outbox().append(_Out(self.topics.dlq, inc.key, data))
         self.stats.dead_lettered[dl.error_class] += 1
 

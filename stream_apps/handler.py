@@ -23,9 +23,10 @@ if TYPE_CHECKING:
 class StrategyFailed(AstraflowError):
     """Raised by an app when a strategy raised on a record; the DLQ entry names the strategy."""
 
-    def __init__(self, strategy: str, cause: BaseException | str) -> None:
+    def __init__(self, strategy: str, cause: BaseException | str, detail: str | None = None) -> None:
         self.strategy = strategy
         self.cause = cause
+        self.detail = detail  # more for the dead letter's `error` (a user processor's traceback)
         super().__init__(f"{strategy}: {type(cause).__name__ + ': ' if isinstance(cause, BaseException) else ''}{cause}")
 
 

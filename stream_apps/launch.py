@@ -61,14 +61,17 @@ def build_worker(app: str, settings: EngineSettings, options: AppOptions | None 
     return StreamEngine(build_handler(app, options), settings)
 
 
-def build_processor_worker(spec: str | object, settings: EngineSettings) -> StreamEngine:
-    """A worker for a user processor, given as `module:function` or as the Processor itself."""
+def build_processor_worker(spec: str | object, settings: EngineSettings, max_consecutive_failures: int | None = None,
+                           progress_interval_s: float = 10.0) -> StreamEngine:
+    """A worker for a user processor, given as `module:function` or as the Processor itself
+    (`stream_apps.process`: it stops after `max_consecutive_failures` failures in a row, 0 = never)."""
     from astraflow.processor import Processor, load_processor
-    from stream_apps.process import ProcessorApp
+    from stream_apps.process import DEFAULT_MAX_CONSECUTIVE_FAILURES, ProcessorApp
 
     proc = spec if isinstance(spec, Processor) else load_processor(str(spec))
     settings.max_inflight = proc.concurrency
-    return StreamEngine(ProcessorApp(proc), settings)
+    limit = DEFAULT_MAX_CONSECUTIVE_FAILURES if max_consecutive_failures is None else max_consecutive_failures
+    return StreamEngine(ProcessorApp(proc, limit, progress_interval_s), settings)
 
 
 def app_command(app: str, experiment: str, *args: str, python: str | None = None) -> list[str]:

@@ -93,8 +93,9 @@ class ReplaySource:
 
     description: str
     records: Iterator[ArchivedRecord]
-    total: int | None  # records expected (upper bound), None if unknown
+    total: int | None  # records expected, None if unknown
     close: Callable[[], None] = lambda: None
+    partitions: int | None = None  # partitions of the source (a target made for it gets as many)
 
 
 def open_source(
@@ -122,12 +123,12 @@ def open_source(
                 raise
             name = reader.resolve_topic(resolve_topic(in_topic))
         return ReplaySource(f"archive {root} ({name})", reader.read_topic(name, since_ms, until_ms),
-                            reader.count(name, since_ms, until_ms))
+                            reader.count(name, since_ms, until_ms), partitions=len(reader.partitions(name)) or None)
     if "/" in spec or spec.startswith("."):  # Kafka topic names never hold a slash
         raise ReplayError(f"no archive at {spec}: the path does not exist (a topic name has no '/')")
     name = resolve_topic(spec)
     src = TopicSource(kafka, name, since_ms=since_ms, until_ms=until_ms)
-    return ReplaySource(f"topic {name}", iter(src), src.total, src.close)
+    return ReplaySource(f"topic {name}", iter(src), src.total, src.close, partitions=src.partitions)
 
 
 class Replayer:
@@ -153,8 +154,9 @@ class Replayer:
         t = md.topics.get(self.target)
         if t is None or t.error is not None or not t.partitions:
             raise ReplayError(
-                f"target topic {self.target} does not exist; create it first (`astraflow topics create` for an "
-                "experiment's topics) so that it has the partitions and retention you want"
+                f"target topic {self.target} does not exist: add --create-target to make it (as many partitions as "
+                "the source, delete policy), or create it first with `astraflow topics create -e EXPERIMENT` "
+                "(--stream NAME for one stream) to choose its partitions and retention"
             )
         return len(t.partitions)
 

@@ -19,6 +19,7 @@ from confluent_kafka.admin import AdminClient
 from astraflow.config import KafkaSettings
 from astraflow.kafka.clients import reader
 from astraflow.kafka.topics import Topics, reader_group
+from astraflow.processor import COMPONENT_PREFIX
 from astraflow.records import DeadLetter, Metric, Trajectory
 from astraflow.serde import AvroSerde
 
@@ -66,7 +67,8 @@ class Monitor:
         self.trainer_metrics: dict[str, float] = {}
         self._greedy: dict[int, float] = {}  # version -> greedy held-out success (arrives just before the sampled one)
         self.trained_samples = 0  # samples the trainer reports having trained on
-        self.dlq: list[DeadLetter] = []
+        self.dlq: list[DeadLetter] = []  # dead letters of the run's own roles
+        self.processor_dlq: dict[str, int] = {}  # component proc.<name> -> dead letters of that user processor
         self._recent = deque(maxlen=64)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -133,8 +135,11 @@ class Monitor:
                     self.trainer_version = int(rec.value)
                 elif name == "samples":
                     self.trained_samples += int(rec.value)
-        elif isinstance(rec, DeadLetter):
-            self.dlq.append(rec)
+        elif isinstance(rec, DeadLetter):  # a user processor's dead letters are its own, not the run's
+            if rec.component.startswith(COMPONENT_PREFIX):
+                self.processor_dlq[rec.component] = self.processor_dlq.get(rec.component, 0) + 1
+            else:
+                self.dlq.append(rec)
 
     def _lags(self) -> dict[str, int]:
         if self._probe is None:  # one watermark reader for the whole run; it never joins a group

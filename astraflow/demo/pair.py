@@ -140,10 +140,10 @@ def roles(cfg: AstraflowConfig, s: PairSettings, exp: str, models: dict[str, Pat
     return out
 
 
-def run_pair(cfg: AstraflowConfig, s: PairSettings, run_dir: Path, console: Console) -> int:
+def run_pair(cfg: AstraflowConfig, s: PairSettings, run_dir: Path, console: Console, experiment: str | None = None) -> int:
     """Runs the scenario; returns the process exit code."""
     t_setup = time.monotonic()
-    exp = f"demo-sv-{time.strftime('%Y%m%d-%H%M%S')}"
+    exp = experiment or f"demo-sv-{time.strftime('%Y%m%d-%H%M%S')}"
     n_topics = start_run(cfg, run_dir, exp, POLICIES, {"scenario": "solver-verifier", **asdict(s)})
     solver = solver_model(s, console)
     models = {"solver": solver, "verifier": verifier_model(s, solver, console)}

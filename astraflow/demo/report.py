@@ -85,7 +85,8 @@ def write_summary(monitor: Monitor, run_dir: Path, extra: dict[str, Any]) -> dic
         "versions_published": monitor.trainer_version,
         "trajectories": len(monitor.rows),
         "samples_trained": monitor.trained_samples,
-        "dead_letters": len(monitor.dlq),
+        "dead_letters": len(monitor.dlq),  # of the run's roles (DeadLetter.component), not of user processors
+        "dead_letters_of_processors": dict(sorted(monitor.processor_dlq.items())),
         **extra,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

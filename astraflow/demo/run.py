@@ -118,10 +118,10 @@ def roles(cfg: AstraflowConfig, s: DemoSettings, exp: str, model: Path, train: P
     return out
 
 
-def run_demo(cfg: AstraflowConfig, s: DemoSettings, run_dir: Path, console: Console) -> int:
+def run_demo(cfg: AstraflowConfig, s: DemoSettings, run_dir: Path, console: Console, experiment: str | None = None) -> int:
     """Runs the demo; returns the process exit code."""
     t_setup = time.monotonic()
-    exp = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    exp = experiment or f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     n_topics = start_run(cfg, run_dir, exp, ["policy"], asdict(s))
     model = warm_model(s, console)
     train, heldout = write_datasets(s, run_dir / "data")

@@ -145,11 +145,11 @@ def roles(s: ScenarioSettings, bootstrap: str, exp: str, model: Path, train: Pat
     ]
 
 
-def run_scenario(cfg: AstraflowConfig, s: ScenarioSettings, run_dir: Path, console: Console) -> int:
+def run_scenario(cfg: AstraflowConfig, s: ScenarioSettings, run_dir: Path, console: Console, experiment: str | None = None) -> int:
     """Runs the scenario; returns the process exit code."""
     from astraflow.envs.datasets import write_dataset
 
-    exp = f"demo-{s.scenario}-{time.strftime('%Y%m%d-%H%M%S')}"
+    exp = experiment or f"demo-{s.scenario}-{time.strftime('%Y%m%d-%H%M%S')}"
     start_run(cfg, run_dir, exp, ["policy"], asdict(s))
     model = warm_model(s, console)
     train = write_dataset(s.scenario, s.n_train, run_dir / "data" / "train.jsonl", seed=s.seed)

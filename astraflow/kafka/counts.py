@@ -59,7 +59,7 @@ class RecordCounter:
         if self._consumer is None:
             # assign() only: never joins a group, never commits
             self._consumer = reader(self.kafka, reader_group("status"), 1 << 20, **{
-                "enable.partition.eof": True, "fetch.max.bytes": 64 << 20}))
+                "enable.partition.eof": True, "fetch.max.bytes": 64 << 20})
         return self._consumer
 
     def update(self, bounds: dict[TP, tuple[int, int]]) -> None:

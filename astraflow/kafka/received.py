@@ -65,8 +65,9 @@ class Received(Generic[R]):
 
 
 def dead_letter_bytes(serde: AvroSerde, received: Received[Any], error: BaseException | str, component: str,
-                      strategy: str | None = None) -> tuple[DeadLetter, bytes]:
-    """The DLQ record for `received` (original bytes untouched) and its encoding.
+                      strategy: str | None = None, detail: str | None = None) -> tuple[DeadLetter, bytes]:
+    """The DLQ record for `received` (original bytes untouched) and its encoding; `detail` (a
+    traceback) follows the reason in `error`, after a blank line.
 
     An original too large for the DLQ is left out; the entry keeps its coordinates and reason (the
     original stays in its topic).
@@ -78,7 +79,7 @@ def dead_letter_bytes(serde: AvroSerde, received: Received[Any], error: BaseExce
         partition=received.partition,
         offset=received.offset,
         error_class=type(error).__name__ if isinstance(error, BaseException) else "Error",
-        error=str(error),
+        error=str(error) + (f"\n\n{detail}" if detail else ""),
         component=component,
         strategy=strategy,
         headers=dict(received.headers),

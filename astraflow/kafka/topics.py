@@ -207,6 +207,28 @@ def topic_specs(experiment: str, policies: list[str], settings: TopicSettings) -
     return specs
 
 
+_STREAM = re.compile(r"^[A-Za-z0-9_-]{1,100}(\.[A-Za-z0-9_-]{1,100}){0,3}$")
+
+
+def stream_spec(experiment: str, stream: str, settings: TopicSettings, partitions: int | None = None) -> TopicSpec:
+    """The spec of one stream of an experiment: a built-in one as `topic_specs` makes it, any other
+    (a processor's sink, a replay's target) a work topic (delete, the work retention) with
+    `partitions` (default: the experiment's)."""
+    if not _STREAM.match(stream):
+        raise ConfigError(f"stream name {stream!r} may only use letters, digits, '_', '-' and '.' "
+                          "(e.g. tool-errors, or solver.train)")
+    t = Topics(experiment)
+    policy, _, kind = stream.rpartition(".")
+    builtin = topic_specs(experiment, [policy] if kind in POLICY_STREAMS and policy else [], settings)
+    for spec in builtin:
+        if spec.name == t.stream(stream):
+            return spec if partitions is None else TopicSpec(spec.name, partitions, spec.config)
+    config = {"cleanup.policy": "delete", "retention.ms": str(settings.work_retention_ms)}
+    if settings.min_insync_replicas is not None:
+        config["min.insync.replicas"] = str(settings.min_insync_replicas)
+    return TopicSpec(t.stream(stream), partitions or settings.partitions, config)
+
+
 def create_command(experiment: str, policies: list[str]) -> str:
     """The command line that creates an experiment's topics (for error messages)."""
     return " ".join(["astraflow topics create -e", experiment, *(f"-p {p}" for p in policies)])
@@ -329,6 +351,28 @@ class TopicAdmin:
             if todo:
                 time.sleep(0.2)
         return out
+
+    def groups(self, prefix: str, timeout_s: float = 10.0) -> list[str]:
+        """Consumer group ids starting with `prefix`."""
+        try:
+            listed = self.admin.list_consumer_groups(request_timeout=timeout_s).result(timeout=timeout_s)
+        except KafkaException as exc:
+            raise TopicError(f"cannot list consumer groups (is Kafka reachable?): {exc}") from exc
+        return sorted(g.group_id for g in listed.valid if g.group_id.startswith(prefix))
+
+    def delete_groups(self, ids: list[str], timeout_s: float = 30.0) -> list[str]:
+        """Deletes consumer groups; returns those that could not be (a member is still connected)."""
+        if not ids:
+            return []
+        kept = []
+        for gid, fut in self.admin.delete_consumer_groups(ids, request_timeout=timeout_s).items():
+            try:
+                fut.result(timeout=timeout_s)
+            except KafkaException as exc:
+                err = exc.args[0]
+                if getattr(err, "name", lambda: "")() != "GROUP_ID_NOT_FOUND":
+                    kept.append(f"{gid} ({err})")
+        return kept
 
     def delete(self, names: list[str], timeout_s: float = 30.0) -> None:
         for name, fut in self.admin.delete_topics(names, operation_timeout=timeout_s).items():

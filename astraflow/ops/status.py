@@ -27,6 +27,7 @@ from astraflow.kafka.offsets import TP
 from astraflow.kafka.topics import Topics, missing_experiment
 from astraflow.ops.cluster_offsets import GroupLag, OffsetReader, PartitionOffsets, group_lags, read_ranges
 from astraflow.ops.scaling import AutoscaleSignal, RegionStatus, autoscale_of, regions_of
+from astraflow.processor import COMPONENT_PREFIX
 from astraflow.records import DeadLetter, Metric, PolicyVersion, Trajectory, now_ms
 from astraflow.serde import AvroSerde
 
@@ -265,7 +266,7 @@ def apps_of(series: list[MetricSeries], now: int) -> list[AppStatus]:
     records of its own partitions)."""
     by: dict[str, dict[str, list[MetricSeries]]] = {}
     for s in series:
-        if (s.component in STREAM_APPS or s.component.startswith("proc.")) and "reason" not in s.labels:
+        if (s.component in STREAM_APPS or s.component.startswith(COMPONENT_PREFIX)) and "reason" not in s.labels:
             by.setdefault(s.component, {}).setdefault(s.instance, []).append(s)
     out = []
     for comp, workers in sorted(by.items()):

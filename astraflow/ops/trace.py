@@ -13,7 +13,9 @@ them), never from logs or counters:
    **dropped**: a `GroupDropped` on `lineage` (the filter slot, its strategy and its reason);
 5. **trained**: the `TrainedSamples` on `lineage` that the trainer committed with the version
    that first carries the sample (its trainer step, the version);
-6. **dead_lettered**: any `DeadLetter` on `dlq` whose original record belongs to the group (who,
+6. **processed**: a record of the group on any other stream of the experiment (a user processor's
+   sink, `@astraflow.processor`): the processor its lineage names, and that stream;
+7. **dead_lettered**: any `DeadLetter` on `dlq` whose original record belongs to the group (who,
    why, from which topic).
 
 Hops are ordered by the time Kafka stored each record. Records of a group share its key on the
@@ -29,7 +31,7 @@ from typing import Any
 
 from astraflow.archive.format import ArchivedRecord
 from astraflow.errors import AstraflowError, SerdeError
-from astraflow.kafka.topics import Topics
+from astraflow.kafka.topics import SHARED_STREAMS, Topics
 from astraflow.records import DeadLetter, GroupDropped, Task, TrainedSamples, TrainSample, Trajectory
 from astraflow.serde import AvroSerde
 
@@ -107,6 +109,11 @@ class _Tracer:
         # the tasks of every region: region A's topic, then each region's own (Topics.tasks_of)
         self.task_topics = [self.t.tasks, *sorted(x for x in topics if x.startswith(f"{self.t.tasks}."))]
         self.topics = set(topics)
+        # Other streams (processors' sinks): not a built-in stream, a region's tasks, or Faust's own topics.
+        pre = f"af.{experiment}."
+        self.other_topics = sorted(
+            x for x in topics if x.startswith(pre) and (s := x.removeprefix(pre)) not in SHARED_STREAMS
+            and not s.endswith((".train", ".weights", "-changelog")) and not s.startswith("tasks.") and "__" not in s)
 
     def records(self, topic: str) -> Iterator[ArchivedRecord]:
         if topic in self.topics:
@@ -133,15 +140,19 @@ class _Tracer:
             task = self.decode(r, Task)
             if task is not None and task.task_id == ident:
                 return "task", task.group_id
-        for topic, kinds in ((self.t.rollouts, ("trajectory_id", "task_id")),
+        for topic, kinds in ((self.t.rollouts, ("trajectory_id", "task_id")), (self.t.scored, ("trajectory_id",)),
                              *((tr, ("sample_id", "trajectory_id")) for tr in self.train_topics)):
             for r in self.records(topic):
                 rec = self.decode(r)
                 for k in kinds:
                     if rec is not None and getattr(rec, k, None) == ident:
                         return k.removesuffix("_id"), rec.group_id
-        raise TraceNotFoundError(f"no task, group, trajectory or sample {ident!r} on the topics of experiment "
-                                 f"{self.t.experiment}; check the id (astraflow logs show -e {self.t.experiment} --id ...)")
+        exp = self.t.experiment
+        policy = self.train_topics[0].removeprefix(f"af.{exp}.").removesuffix(".train") if self.train_topics else "POLICY"
+        raise TraceNotFoundError(
+            f"no task, group, trajectory or sample {ident!r} on the topics of experiment {exp}: sample ids are "
+            f"printed by `astraflow logs show -e {exp} -t {policy}.train`, trajectory ids by `... -t rollouts`, "
+            f"group ids by `... -t tasks`")
 
     def hop(self, r: ArchivedRecord, stage: str, component: str, rec: Any, detail: dict[str, Any]) -> Hop:
         return Hop(r.timestamp_ms, stage, component, r.topic, r.partition, r.offset, _ids(rec), detail)
@@ -184,6 +195,15 @@ class _Tracer:
                                         {"group_id": group, "sample_id": sid}, {
                                             "policy": rec.policy, "step": step, "version": rec.version,
                                             "published_at_step": rec.trainer_step, "trainer": rec.instance}))
+        for topic in self.other_topics:
+            for r in self.records(topic):
+                rec = self.decode(r) if r.key == key else None
+                if rec is None or getattr(rec, "group_id", None) != group:
+                    continue
+                ref = next((x for x in reversed(getattr(rec, "lineage", None) or []) if x.slot == "process"), None)
+                hops.append(self.hop(r, "processed", ref.app if ref else "?", rec, {
+                    "processor": ref.app if ref else "?", "function": ref.name if ref else "?",
+                    "version": ref.version if ref else 0, "stream": topic.removeprefix(f"af.{self.t.experiment}.")}))
         for r in self.records(self.t.dlq):
             dl = self.decode(r, DeadLetter)
             if dl is None:
@@ -205,7 +225,8 @@ class _Tracer:
             return None
 
 
-_ORDER = {s: i for i, s in enumerate(("curated", "rolled_out", "scored", "sample", "dropped", "trained", "dead_lettered"))}
+_ORDER = {s: i for i, s in enumerate(("curated", "rolled_out", "scored", "processed", "sample", "dropped", "trained",
+                                       "dead_lettered"))}
 
 
 def _keep(h: Hop, kind: str, ident: str, trajectories: set[str], samples: set[str]) -> bool:

@@ -5,7 +5,7 @@ from the topics and from an archive of them, checked against what the test reads
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -128,3 +128,58 @@ def test_trace_follows_samples_drops_and_dead_letters_hop_by_hop(kafka: KafkaSet
     code, out = _trace(kafka, exp, sample.sample_id, "--json", "--archive", str(tmp_path / "arch"))
     assert code == 0, out
     assert json.loads(out)["hops"] == live["hops"]
+
+
+@pytest.fixture
+def copied_exp(exp: str, kafka: KafkaSettings) -> Iterator[str]:
+    """`exp`, and afterwards the topics a processor made in it deleted too."""
+    from astraflow.kafka.topics import TopicAdmin
+
+    yield exp
+    admin = TopicAdmin(kafka)
+    extra = [t for t in admin.list(f"af.{exp}.") if t.endswith(".copies")]
+    if extra:
+        admin.delete(extra)
+
+
+def test_trace_follows_lineage_into_a_processor_output(kafka: KafkaSettings, copied_exp: str) -> None:
+    import astraflow
+    from stream_apps.launch import build_processor_worker
+
+    exp = copied_exp
+    topics = Topics(exp)
+
+    @astraflow.processor(source="scored", sink="copies", name="copier", expect=Trajectory)
+    def copier(t: Trajectory) -> Trajectory:
+        return t
+
+    producer = RecordProducer(kafka)
+    trajs = group("cp", ["4", "5"])
+    producer.send(topics.tasks, Task("cp", "cp", "p-cp", "synthetic", "tool_use", "Q: 2+2?", [POLICY], 2), key="cp")
+    for t in trajs:
+        t.reward = 1.0
+        producer.send(topics.scored, t, key=t.group_id)
+    producer.flush()
+    worker = build_processor_worker(copier, EngineSettings(exp, kafka, commit_interval_s=0.5))
+    thread = worker.start_thread()
+    try:
+        copies = read_records(kafka, [topics.stream("copies")], lambda out: len(out) >= 2, timeout_s=60)
+    finally:
+        worker.stop()
+        thread.join(30)
+    assert len(copies) == 2 and all(c.lineage[-1].app == "copier" for c in copies)
+
+    code, out = _trace(kafka, exp, "cp/1", "--json")
+    assert code == 0, out
+    hops = json.loads(out)["hops"]
+    assert [h["stage"] for h in hops] == ["curated", "scored", "processed"], hops
+    assert hops[-1]["component"] == "copier" and hops[-1]["topic"] == topics.stream("copies")
+    assert hops[-1]["detail"]["stream"] == "copies" and hops[-1]["detail"]["processor"] == "copier"
+    code, out = _trace(kafka, exp, "cp/1")
+    assert "by processor copier" in out and "into copies" in out
+
+    code, out = _trace(kafka, exp, "no-such-id")  # where to find ids
+    assert code == 1 and f"astraflow logs show -e {exp} -t {POLICY}.train" in out
+    code, out = _trace(kafka, f"nosuch{exp[-6:]}", "cp/1")  # the experiment is what is missing, not the id
+    assert code == 1 and f"no experiment 'nosuch{exp[-6:]}'" in out and "astraflow experiments list" in out
+    assert "Error" not in out
