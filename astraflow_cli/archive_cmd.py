@@ -125,7 +125,11 @@ def ls(
             f"{_short_ts(r['min_timestamp_ms'])} → {_short_ts(r['max_timestamp_ms'])}", f"{r['bytes'] / 2**20:.2f}",
             ", ".join(f"{k.removeprefix('astraflow.')}: {v:,}" for k, v in sorted(r["schemas"].items())),
         )
-    for table in tables.values():
+    for topic, table in tables.items():
+        mine = [r for r in rows if r["topic"] == topic]
+        table.caption = (f"{topic}: {sum(r['records'] for r in mine):,} records in {len(mine)} partitions, "
+                         f"{sum(r['files'] for r in mine)} files, {sum(r['bytes'] for r in mine) / 2**20:.2f} MiB")
+        table.caption_justify = "left"
         console.print(table)
     if not tables:
         console.print(f"[dim]{location} holds no archived topics[/]")

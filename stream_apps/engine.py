@@ -186,7 +186,8 @@ class StreamEngine(EngineLifecycle):
         self._tasks: set[asyncio.Future[Any]] = set()
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._reporter = MetricsReporter(handler.name, self.instance_id, {"experiment": settings.experiment})
+        self._reporter = MetricsReporter(handler.name, self.instance_id,
+                                         {**handler.metric_labels, "experiment": settings.experiment})
         self.metric_observers: list[Callable[[Metric], None]] = []  # e.g. the role's /metrics endpoint
         self._dirty: set[int] = set()  # partitions with records produced since their last commit
         self._unsent: dict[int, list[_Out]] = {}  # source partition -> outputs of its transaction not handed over yet

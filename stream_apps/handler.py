@@ -38,6 +38,7 @@ class AppHandler:
     sources: tuple[str, ...] = ()  # stream name read (at most one; empty: a source app driven by `tick`)
     tick_interval_s: float = 0.5  # how often `tick` runs
     tables: tuple[str, ...] = ()  # Faust tables (bytes -> bytes, changelog-backed) the app keeps state in
+    metric_labels: dict[str, str] = {}  # labels on every metric of the app (a processor's source and sink)
     worker: StreamEngine
 
     def bind(self, worker: StreamEngine) -> None:

@@ -92,6 +92,8 @@ class ProcessorApp(AppHandler):
         self.expect = proc.expect
         self.sources = (proc.source,)
         self.ref = StrategyRef(proc.name, "process", f"{proc.fn.__module__}.{proc.fn.__qualname__}", proc.version)
+        # status and the live page draw the processor between these streams (stream names or full topic names)
+        self.metric_labels = {"source": proc.source, "sink": proc.sink or ""}
         self.watch = FailureWatch(max_consecutive_failures)
         self.progress_interval_s = progress_interval_s
         self.gave_up: str | None = None  # why the processor stopped itself (too many failures in a row)

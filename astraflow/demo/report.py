@@ -10,6 +10,10 @@ from typing import Any
 from astraflow.demo.monitor import Monitor
 
 
+# Under the axes, never over the curves (they span the whole 0..1 range as a run learns).
+LEGEND_BELOW = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.16), "fontsize": "small", "frameon": False}
+
+
 def write_csv(monitor: Monitor, run_dir: Path) -> tuple[Path, Path]:
     traj = run_dir / "trajectories.csv"
     with traj.open("w", newline="") as f:
@@ -31,7 +35,7 @@ def write_plot(monitor: Monitor, run_dir: Path) -> Path:
     import matplotlib.pyplot as plt
 
     rows, evals = monitor.rows, monitor.evals
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 5))
     if rows:
         bin_s = 10.0
         bins: dict[int, list[float]] = {}
@@ -46,7 +50,7 @@ def write_plot(monitor: Monitor, run_dir: Path) -> Path:
     a.set_xlabel("wall time (s)")
     a.set_ylabel("reward / success")
     a.set_ylim(-0.02, 1.02)
-    a.legend(loc="upper left")
+    a.legend(**LEGEND_BELOW)
     a.set_title("against wall time")
     by_version = monitor.by_version()
     if by_version:
@@ -56,7 +60,7 @@ def write_plot(monitor: Monitor, run_dir: Path) -> Path:
         b.plot([e["version"] for e in evals], [e["greedy"] for e in evals], "s--", label="held-out success (greedy)")
     b.set_xlabel("policy version")
     b.set_ylim(-0.02, 1.02)
-    b.legend(loc="upper left")
+    b.legend(**LEGEND_BELOW)
     b.set_title("against policy version")
     fig.suptitle(f"AstraFlow demo — experiment {monitor.experiment}")
     fig.tight_layout()

@@ -3,12 +3,14 @@
 `DashboardState` refreshes an `astraflow status` report every `interval_s` and turns it into the
 page's model (`snapshot()`):
 
-- **graph**: roles and topics as nodes; an edge role -> topic for what a role writes (the topic's
-  write rate) and topic -> role for what it reads (the rate, and the lag of its consumer group);
+- **graph**: roles, user processors and topics as nodes; an edge role -> topic for what a role
+  writes (the topic's write rate) and topic -> role for what it reads (the rate, and the lag of
+  its consumer group), drawn only where it exists (`graph`); counts are records, not offsets;
 - **nodes**: every RaaS node with the version of each policy it serves;
 - **policies**: published version, trainer step, loss;
 - **curves**: mean reward of recent scored trajectories per refresh, and held-out success per
   evaluated version (the evaluator's `eval_success` metric);
+- **apps**: stream apps and user processors: records in, out, dead-lettered, their streams;
 - **dlq**: records and the latest reasons.
 
 The page (`astraflow/ops/dashboard.html`) polls `/api/state` and redraws; the server
@@ -30,6 +32,7 @@ from astraflow.errors import AstraflowError, ConfigError
 from astraflow.kafka.topics import Topics
 from astraflow.ops.cluster_offsets import OffsetReader
 from astraflow.ops.status import StatusReport, collect_status
+from astraflow.processor import COMPONENT_PREFIX
 
 ROLES = ("curator", "raas", "reward", "curate", "trainer", "archive")
 # (role, stream, direction, consumer group suffix): direction "w" = role writes, "r" = role reads.
@@ -40,6 +43,7 @@ FLOWS = (
     ("archive", "rollouts", "r", "archive"), ("archive", "scored", "r", "archive"),
 )
 SIDE_STREAMS = ("dlq", "lineage", "metrics")
+BUILTIN_STREAMS = frozenset({s for _, s, _, _ in FLOWS} | set(SIDE_STREAMS) | {"feedback", "control", "weights"})
 
 
 def _stream_of(stream: str) -> str:
@@ -47,32 +51,63 @@ def _stream_of(stream: str) -> str:
     return stream.rsplit(".", 1)[-1] if stream.endswith((".train", ".weights")) else stream
 
 
+def _role_of(group_suffix: str) -> str:
+    """The role a consumer group `af.<experiment>.<suffix>` belongs to."""
+    if group_suffix.endswith(".trainer"):
+        return "trainer"
+    return "archive" if group_suffix.startswith("archive") else group_suffix
+
+
 def graph(r: StatusReport) -> dict[str, Any]:
-    """Nodes and edges with rates (records/s) and lags (records)."""
+    """Nodes and edges with rates (records/s) and lags (records): only what exists. A read edge is a
+    consumer group of the experiment on the topic; a write edge a role that reported metrics (or
+    whose topic holds records); user processors (`proc.<name>`) are drawn between their source
+    (their group) and their sink (their metrics' labels), with the topics they made."""
+    pre = Topics(r.experiment).prefix
     rates: dict[str, float] = {}
     records: dict[str, int] = {}
     for t in r.topics:
+        if t.stream.endswith("-changelog") or "__" in t.stream or t.stream.startswith("tasks."):
+            continue  # Faust's own topics and a region's tasks are not streams of the graph
         s = _stream_of(t.stream)
         rates[s] = rates.get(s, 0.0) + t.rate_per_s
         records[s] = records.get(s, 0) + t.records
     lag: dict[tuple[str, str], int] = {}
-    pre = Topics(r.experiment).prefix
     for g in r.lags:
-        suffix = g.group.removeprefix(pre)
-        role = "trainer" if suffix.endswith(".trainer") else "archive" if suffix.startswith("archive") else suffix
-        stream = _stream_of(g.topic.removeprefix(pre))
+        role, stream = _role_of(g.group.removeprefix(pre)), _stream_of(g.topic.removeprefix(pre))
         lag[(role, stream)] = lag.get((role, stream), 0) + g.lag
-    streams = sorted({s for _, s, _, _ in FLOWS} | set(SIDE_STREAMS))
-    nodes = [{"id": f"role:{x}", "kind": "role", "label": x} for x in ROLES]
-    nodes += [{"id": f"topic:{s}", "kind": "topic", "label": s, "records": records.get(s, 0),
-               "rate": round(rates.get(s, 0.0), 3)} for s in streams]
-    edges = []
+    reporting = {s.component for s in r.metrics} | ({"raas"} if r.nodes else set())
+    edges: list[dict[str, Any]] = []
     for role, stream, direction, _ in FLOWS:
+        if direction == "r" and (role, stream) not in lag:
+            continue
+        if direction == "w" and role not in reporting and not records.get(stream):
+            continue
         src, dst = (f"role:{role}", f"topic:{stream}") if direction == "w" else (f"topic:{stream}", f"role:{role}")
-        edge = {"from": src, "to": dst, "rate": round(rates.get(stream, 0.0), 3)}
+        edge: dict[str, Any] = {"from": src, "to": dst, "rate": round(rates.get(stream, 0.0), 3)}
         if direction == "r":
-            edge["lag"] = lag.get((role, stream))
+            edge["lag"] = lag[(role, stream)]
         edges.append(edge)
+    processors = sorted({a.component for a in r.apps if a.component.startswith(COMPONENT_PREFIX)}
+                        | {role for role, _ in lag if role.startswith(COMPONENT_PREFIX)})
+    by_name = {a.component: a for a in r.apps}
+    for proc in processors:
+        for (role, stream), n in sorted(lag.items()):
+            if role == proc:
+                edges.append({"from": f"topic:{stream}", "to": f"role:{proc}", "rate": round(rates.get(stream, 0.0), 3),
+                              "lag": n})
+        sink = by_name[proc].sink.removeprefix(pre) if proc in by_name else ""
+        if sink and sink in records:
+            edges.append({"from": f"role:{proc}", "to": f"topic:{sink}", "rate": round(rates.get(sink, 0.0), 3)})
+    used = {e["from"] for e in edges} | {e["to"] for e in edges}
+    nodes = [{"id": f"role:{x}", "kind": "role", "label": x} for x in (*ROLES, *processors) if f"role:{x}" in used]
+    for proc in processors:
+        if f"role:{proc}" not in used:  # reported, but neither its group nor its sink is known yet
+            nodes.append({"id": f"role:{proc}", "kind": "role", "label": proc})
+    custom = sorted(s for s in records if s not in BUILTIN_STREAMS)
+    streams = [s for s in sorted(BUILTIN_STREAMS) if f"topic:{s}" in used or s in SIDE_STREAMS] + custom
+    nodes += [{"id": f"topic:{s}", "kind": "topic", "label": s, "records": records.get(s, 0),
+               "rate": round(rates.get(s, 0.0), 3), "custom": s in custom} for s in streams if s in records]
     return {"nodes": nodes, "edges": edges}
 
 
@@ -115,6 +150,9 @@ class DashboardState:
             "staleness": {"mean": r.staleness.mean, "max": r.staleness.max},
             "curves": {"reward": list(self.reward), "heldout": sorted(self.heldout.items())},
             "dlq": {"records": r.dlq.records, "recent": r.dlq.recent[:10]},
+            "apps": [{"component": a.component, "workers": a.workers, "in": a.records_in, "out": a.records_out,
+                      "dead_lettered": a.dead_lettered, "dropped": a.dropped, "in_per_s": a.in_per_s,
+                      "source": a.source, "sink": a.sink, "last_seen_s": round(a.last_seen_s, 1)} for a in r.apps],
         }
         with self._lock:
             self._snapshot = snap

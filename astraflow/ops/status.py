@@ -123,6 +123,8 @@ class AppStatus:
     dropped: int
     in_per_s: float  # over the last report of each worker
     last_seen_s: float
+    source: str = ""  # a processor's source and sink streams (its metrics' labels); "" for the built-in apps
+    sink: str = ""
 
 
 @dataclass
@@ -274,10 +276,11 @@ def apps_of(series: list[MetricSeries], now: int) -> list[AppStatus]:
         for items in workers.values():
             for s in items:
                 total[s.name] += s.value
-        newest = max(s.ts for items in workers.values() for s in items)
+        latest = max((s for items in workers.values() for s in items), key=lambda s: s.ts)
         out.append(AppStatus(comp, len(workers), int(total["records_in_total"]), int(total["records_out_total"]),
                              int(total["dead_lettered_total"]), int(total["dropped_total"]),
-                             round(total["records_in_per_s"], 3), max(0.0, (now - newest) / 1000)))
+                             round(total["records_in_per_s"], 3), max(0.0, (now - latest.ts) / 1000),
+                             latest.labels.get("source", ""), latest.labels.get("sink", "")))
     return out
 
 

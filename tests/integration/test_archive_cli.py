@@ -45,6 +45,10 @@ def test_archive_logs_and_replay_commands(kafka: KafkaSettings, experiment: str,
     code, out = _cli(kafka, "archive", "ls", str(archive), "--json")
     parts = [json.loads(line) for line in out.splitlines()]
     assert code == 0 and sum(p["records"] for p in parts) == 12 and {p["topic"] for p in parts} == {t.rollouts}
+    code, out = _cli(kafka, "archive", "ls", str(archive))
+    assert code == 0 and f"{t.rollouts}: 12 records in" in out, out  # per-topic totals under each table
+    code, out = _cli(kafka, "archive", "ls", str(tmp_path / "nowhere"))
+    assert code == 1 and "does not exist" in out and "Error" not in out and len(out.strip().splitlines()) == 1
     code, out = _cli(kafka, "archive", "verify", str(archive))
     assert code == 0 and "12 readable records, 0 problems" in out, out
 
