@@ -140,3 +140,18 @@ def supervise(console: Console, sup: Supervisor, monitor: Any, roles: Iterable[R
         sup.stop_all()
         monitor.stop()
     return Supervised(stopped_by, failed, time.monotonic() - t0)
+
+
+def print_next_steps(console: Console, exp: str, policy: str, run_dir: Path) -> None:
+    """What to run next, with this run's names: the `astraflow` command (the virtualenv's), a sample
+    id and its path, the run's status, its curves, and how to remove its topics."""
+    venv_bin = Path(sys.executable).parent
+    console.print(f"The astraflow command is in {venv_bin}: export PATH=\"{venv_bin}:$PATH\"", soft_wrap=True)
+    steps = [(f"astraflow status -e {exp}", "what the run did, counted in records"),
+             (f"astraflow logs show -e {exp} -t {policy}.train -n 1", "a sample: its id is a SAMPLE_ID"),
+             (f"astraflow trace SAMPLE_ID -e {exp}", "that sample's path, hop by hop"),
+             (f"tensorboard --logdir {run_dir}", "training curves"),
+             (f"astraflow experiments delete {exp}", "remove its topics when done")]
+    width = max(len(cmd) for cmd, _ in steps)
+    for cmd, what in steps:
+        console.print(f"  {cmd:<{width}}  {what}", soft_wrap=True, highlight=False, markup=False)

@@ -9,7 +9,6 @@ from typing import Any
 
 from astraflow.demo.monitor import Monitor
 
-
 # Under the axes, never over the curves (they span the whole 0..1 range as a run learns).
 LEGEND_BELOW = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.16), "fontsize": "small", "frameon": False}
 

@@ -27,6 +27,7 @@ from astraflow.demo.common import (
     node_role,
     pct,
     print_failure,
+    print_next_steps,
     role_env,
     start_run,
     supervise,
@@ -176,7 +177,7 @@ def run_demo(cfg: AstraflowConfig, s: DemoSettings, run_dir: Path, console: Cons
     )
     console.print(f"Run directory: {run_dir} (summary.json, learning.png, trajectories.csv, eval.csv, logs/)")
     console.print(f"Plot: {plot}")
-    console.print(f"Training curves: tensorboard --logdir {run_dir}; one sample's path: astraflow trace SAMPLE_ID -e {exp}")
+    print_next_steps(console, exp, "policy", run_dir)
     return 0
 
 
