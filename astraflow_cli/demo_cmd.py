@@ -93,7 +93,7 @@ def _check_new(cfg: object, experiment: str) -> None:
     from astraflow.kafka.topics import TopicAdmin, Topics
 
     c: Any = cfg
-    existing = TopicAdmin(c.kafka).list(f"af.{Topics(experiment).experiment}.")
+    existing = TopicAdmin(c.kafka).list(Topics(experiment).prefix)
     if existing:
         raise ConfigError(f"experiment {experiment!r} already exists on {c.kafka.bootstrap_servers} ({len(existing)} "
                           f"topics): choose another --experiment, or delete it first with "

@@ -23,16 +23,23 @@ app = typer.Typer(help="List the experiments on the cluster, or delete one (its 
 def list_(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="One JSON object per experiment.")) -> None:
     """Every experiment that has topics: its policies, its other streams (processors' sinks, replay
     targets) and how many topics and consumer groups it has."""
-    from astraflow.kafka.topics import POLICY_STREAMS, SHARED_STREAMS, TopicAdmin, experiment_of
+    from astraflow.kafka.topics import (
+        POLICY_STREAMS,
+        PREFIX,
+        SHARED_STREAMS,
+        TopicAdmin,
+        Topics,
+        experiment_of,
+    )
 
     cfg = load(ctx)
     admin = TopicAdmin(cfg.kafka)
     by: dict[str, list[str]] = {}
-    for name in admin.list("af."):
+    for name in admin.list(PREFIX):
         exp = experiment_of(name)
         if exp is not None:
-            by.setdefault(exp, []).append(name.removeprefix(f"af.{exp}."))
-    groups = admin.groups("af.")
+            by.setdefault(exp, []).append(name.removeprefix(Topics(exp).prefix))
+    groups = admin.groups(PREFIX)
     rows = []
     for exp, streams in sorted(by.items()):
         policies = sorted({s.rsplit(".", 1)[0] for s in streams if s.count(".") == 1 and s.rsplit(".", 1)[1] in POLICY_STREAMS})
@@ -40,7 +47,7 @@ def list_(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help
         other = sorted(s for s in streams if s not in builtin and not s.endswith("-changelog")
                        and not s.startswith("tasks."))
         rows.append({"experiment": exp, "topics": len(streams), "policies": policies, "streams": other,
-                     "groups": sum(1 for g in groups if g.startswith(f"af.{exp}."))})
+                     "groups": sum(1 for g in groups if Topics(exp).of_experiment(g))})
     if as_json:
         for r in rows:
             typer.echo(json.dumps(r))
@@ -71,9 +78,9 @@ def delete(
     cfg = load(ctx)
     admin = TopicAdmin(cfg.kafka)
     topics = admin.experiment(name)  # one line naming it, and how to list what exists, when it has none
-    groups = admin.groups(f"af.{Topics(name).experiment}.")
+    groups = admin.groups(Topics(name).prefix)
     console.print(f"experiment {name} on {cfg.kafka.bootstrap_servers}: {len(topics)} topics "
-                  f"({', '.join(t.removeprefix(f'af.{name}.') for t in topics)}) and {len(groups)} consumer groups")
+                  f"({', '.join(t.removeprefix(Topics(name).prefix) for t in topics)}) and {len(groups)} consumer groups")
     if not yes and not typer.confirm("Delete them and every record they hold? This cannot be undone", default=False):
         console.print("nothing deleted")
         raise typer.Exit(1)

@@ -67,8 +67,8 @@ def show(
         exp = experiment or experiment_of(name)
         existing = TopicAdmin(cfg.kafka).experiment(exp) if exp else {}  # one line naming a missing experiment
         if exp and name not in existing:
-            streams = ", ".join(t.removeprefix(f"af.{exp}.") for t in existing if not t.endswith("-changelog"))
-            raise ArchiveError(f"experiment {exp} has no stream {name.removeprefix(f'af.{exp}.')!r}; its streams: "
+            streams = ", ".join(t.removeprefix(Topics(exp).prefix) for t in existing if not t.endswith("-changelog"))
+            raise ArchiveError(f"experiment {exp} has no stream {name.removeprefix(Topics(exp).prefix)!r}; its streams: "
                                f"{streams} (`astraflow topics list -e {exp}`)")
         from astraflow.archive.kafka_source import TopicSource
 

@@ -97,7 +97,7 @@ def _create_target(cfg: object, topic: str, partitions: int | None) -> None:
     """Creates `topic` if it is missing: an experiment's stream as `astraflow topics create --stream`
     makes it, with the source's partition count."""
     from astraflow.archive.errors import ReplayError
-    from astraflow.kafka.topics import TopicAdmin, TopicSpec, experiment_of, stream_spec
+    from astraflow.kafka.topics import TopicAdmin, Topics, TopicSpec, experiment_of, stream_spec
 
     c: Any = cfg
     admin = TopicAdmin(c.kafka)
@@ -105,7 +105,7 @@ def _create_target(cfg: object, topic: str, partitions: int | None) -> None:
         return
     exp = experiment_of(topic)
     if exp is not None:
-        spec = stream_spec(exp, topic.removeprefix(f"af.{exp}."), c.topics, partitions)
+        spec = stream_spec(exp, topic.removeprefix(Topics(exp).prefix), c.topics, partitions)
     elif partitions is None:
         raise ReplayError(f"cannot tell how many partitions {topic} needs; create it first")
     else:

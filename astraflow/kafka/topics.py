@@ -243,7 +243,7 @@ def missing_experiment(experiment: str, where: str) -> str:
 def experiment_of(topic: str) -> str | None:
     """`af.<experiment>.<stream>` -> the experiment; None for a topic AstraFlow did not name."""
     parts = topic.split(".")
-    if len(parts) < 3 or parts[0] != "af" or not _NAME.match(parts[1]):
+    if len(parts) < 3 or f"{parts[0]}." != PREFIX or not _NAME.match(parts[1]):
         return None
     return parts[1]
 
@@ -257,7 +257,7 @@ class TopicAdmin:
 
     def experiment(self, experiment: str) -> dict[str, int]:
         """The experiment's topics (name -> partitions); TopicError naming it when it has none."""
-        topics = self.list(f"af.{Topics(experiment).experiment}.")
+        topics = self.list(Topics(experiment).prefix)
         if not topics:
             raise TopicError(missing_experiment(experiment, self.kafka.bootstrap_servers))
         return topics

@@ -110,7 +110,7 @@ class _Tracer:
         self.task_topics = [self.t.tasks, *sorted(x for x in topics if x.startswith(f"{self.t.tasks}."))]
         self.topics = set(topics)
         # Other streams (processors' sinks): not a built-in stream, a region's tasks, or Faust's own topics.
-        pre = f"af.{experiment}."
+        pre = self.t.prefix
         self.other_topics = sorted(
             x for x in topics if x.startswith(pre) and (s := x.removeprefix(pre)) not in SHARED_STREAMS
             and not s.endswith((".train", ".weights", "-changelog")) and not s.startswith("tasks.") and "__" not in s)
@@ -148,7 +148,7 @@ class _Tracer:
                     if rec is not None and getattr(rec, k, None) == ident:
                         return k.removesuffix("_id"), rec.group_id
         exp = self.t.experiment
-        policy = self.train_topics[0].removeprefix(f"af.{exp}.").removesuffix(".train") if self.train_topics else "POLICY"
+        policy = self.train_topics[0].removeprefix(self.t.prefix).removesuffix(".train") if self.train_topics else "POLICY"
         raise TraceNotFoundError(
             f"no task, group, trajectory or sample {ident!r} on the topics of experiment {exp}: sample ids are "
             f"printed by `astraflow logs show -e {exp} -t {policy}.train`, trajectory ids by `... -t rollouts`, "
@@ -203,7 +203,7 @@ class _Tracer:
                 ref = next((x for x in reversed(getattr(rec, "lineage", None) or []) if x.slot == "process"), None)
                 hops.append(self.hop(r, "processed", ref.app if ref else "?", rec, {
                     "processor": ref.app if ref else "?", "function": ref.name if ref else "?",
-                    "version": ref.version if ref else 0, "stream": topic.removeprefix(f"af.{self.t.experiment}.")}))
+                    "version": ref.version if ref else 0, "stream": topic.removeprefix(self.t.prefix)}))
         for r in self.records(self.t.dlq):
             dl = self.decode(r, DeadLetter)
             if dl is None:
