@@ -118,9 +118,9 @@ class LocalKafkaSettings(FrozenSettings):
     """Nodes, each broker and controller at once. 3 gives replication factor 3 with
     min.insync.replicas 2 (topics and the offsets / transaction-state topics): one node may die."""
     secure: bool = False
-    """SASL/SCRAM-SHA-512 on the client listener and ACLs (StandardAuthorizer): see docs/deploy.md."""
+    """SASL/SCRAM-SHA-512 on the client listener and ACLs (StandardAuthorizer): see docs/deploy-secure.md."""
     wan_proxy_port: int | None = None
-    """Region B (docs/deploy.md, "Across regions"): node i also advertises a second listener at
+    """Region B (docs/deploy-regions.md): node i also advertises a second listener at
     `wan_proxy_port + 2*(i-1)` on 127.0.0.1, where `astraflow wan up` runs a proxy with the WAN's
     latency and bandwidth; the broker itself listens for it on `wan_port` (+2*(i-1)). Clients
     bootstrapped at the proxy get only proxy addresses back, so they never bypass it. Unset: no

@@ -54,10 +54,10 @@ def _local(ctx: typer.Context, data_dir: str | None, port: int | None, brokers: 
 DATA_DIR = typer.Option(None, "--data-dir", help="Where storage, logs, pid files (and credentials) live.")
 PORT = typer.Option(None, "--port", help="Client port of node 1 on 127.0.0.1 (its controller: port+1; node i: +2*(i-1)).")
 BROKERS = typer.Option(None, "--brokers", help="Nodes (broker+controller each); 3 survives the loss of any one.")
-SECURE = typer.Option(False, "--secure", help="SASL/SCRAM-SHA-512 and ACLs (see docs/deploy.md).")
+SECURE = typer.Option(False, "--secure", help="SASL/SCRAM-SHA-512 and ACLs (see docs/deploy-secure.md).")
 NODE = typer.Argument(..., help="Node id (1..brokers).")
 WAN = typer.Option(None, "--wan-proxy-port", help="Also advertise a WAN listener through `astraflow wan up`'s proxy "
-                   "at this port (node i: +2*(i-1); the broker listens on port+1); see docs/deploy.md.")
+                   "at this port (node i: +2*(i-1); the broker listens on port+1); see docs/deploy-regions.md.")
 
 
 def _on_cluster(secure: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -239,7 +239,7 @@ def acls(
 
 
 mirror_app = typer.Typer(help="MirrorMaker 2 between region A's cluster and region B's, for one experiment "
-                              "(docs/deploy.md, \"Across regions and hardware\").", no_args_is_help=True)
+                              "(docs/deploy-regions.md).", no_args_is_help=True)
 app.add_typer(mirror_app, name="mirror")
 MIRROR_DIR = typer.Option(None, "--data-dir", help="Where mm2.properties, the pid file and the log live "
                           "(default: ~/.cache/astraflow/mirror/EXP-REGION).")

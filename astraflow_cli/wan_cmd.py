@@ -1,5 +1,5 @@
 """`astraflow wan up | down | status`: the simulated WAN (Toxiproxy) in front of the local Kafka's
-second listener, for region-B clients (docs/deploy.md, "Across regions and hardware")."""
+second listener, for region-B clients (docs/deploy-regions.md)."""
 
 from __future__ import annotations
 

@@ -287,7 +287,7 @@ class TopicAdmin:
                 elif getattr(err, "name", lambda: "")() == "TOPIC_AUTHORIZATION_FAILED":
                     raise TopicError(
                         f"not allowed to create topic {name} (or to see that it exists): on a cluster with ACLs "
-                        "the operator creates an experiment's topics (`astraflow topics create`, see docs/deploy.md)"
+                        "the operator creates an experiment's topics (`astraflow topics create`, see docs/deploy-secure.md)"
                     ) from exc
                 else:
                     raise TopicError(f"cannot create topic {name}: {err}") from exc
@@ -315,7 +315,7 @@ class TopicAdmin:
                 raise TopicError(
                     f"topic{'s' if len(missing) > 1 else ''} {', '.join(missing)} not found: the operator creates the "
                     f"experiment's topics before the roles start: `{create_cmd}` (on a cluster with ACLs, with the "
-                    "operator's credentials; see docs/deploy.md)"
+                    "operator's credentials; see docs/deploy-secure.md)"
                 )
             time.sleep(0.5)
 

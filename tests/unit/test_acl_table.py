@@ -1,4 +1,4 @@
-"""The per-role ACL table: its shape, and docs/deploy.md showing exactly it."""
+"""The per-role ACL table: its shape, and docs/deploy-secure.md showing exactly it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 from astraflow.kafka.acl import kafka_acls_commands, principal_of, role_grants, role_topics
 from astraflow.kafka.topics import Topics
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "deploy-secure.md"
 
 
 def test_docs_show_the_table_the_code_applies() -> None:
