@@ -55,7 +55,18 @@ class KafkaSettings(FrozenSettings):
     ssl_key_location: str | None = None
     """Client key for mutual TLS."""
     schema_registry_url: str | None = None
-    """Confluent Schema Registry; when unset, records use Avro single-object encoding."""
+    """A Confluent-API schema registry (`astraflow registry up` runs Apicurio's at
+    http://127.0.0.1:18081/apis/ccompat/v7). When set, every role registers its schema versions
+    there on start and reads writers' schemas it does not ship from it (docs/schemas.md)."""
+    schema_registry_config: dict[str, str] = Field(default_factory=dict)
+    """Extra SchemaRegistryClient settings (`basic.auth.user.info`, `ssl.ca.location`, ...)."""
+    schema_registry_wait_s: float = Field(default=120.0, ge=0.0)
+    """How long a role's start-up waits for the registry to answer before it fails."""
+    record_framing: Literal["single_object", "confluent"] | None = None
+    """How records are framed on this experiment's topics: `single_object` (`C3 01` + the
+    schema's fingerprint; no registry needed) or `confluent` (`00` + the registry's schema id,
+    which registry-aware tools read). Unset: confluent when a registry is set, else
+    single_object. Every role reads both, whatever this says."""
     client_extra: dict[str, str] = Field(default_factory=dict)
     """Extra librdkafka properties passed verbatim to every client."""
     group_session_timeout_s: float = Field(default=6.0, ge=1.0, le=1800.0)
@@ -74,6 +85,8 @@ class KafkaSettings(FrozenSettings):
 
     @model_validator(mode="after")
     def _check_sasl(self) -> KafkaSettings:
+        if self.record_framing == "confluent" and not self.schema_registry_url:
+            raise ValueError("kafka.record_framing=confluent needs kafka.schema_registry_url (e.g. `astraflow registry up`)")
         if self.security_protocol.startswith("SASL") and not self.sasl_mechanism:
             raise ValueError(f"security_protocol={self.security_protocol} needs kafka.sasl_mechanism (e.g. PLAIN)")
         if self.sasl_mechanism and not self.security_protocol.startswith("SASL"):

@@ -110,7 +110,7 @@ class CompactedReader:
         from astraflow.serde import AvroSerde
 
         self.topic = topic
-        self.serde = serde or AvroSerde()
+        self.serde = serde or AvroSerde.for_kafka(kafka)
         self.expect = expect
         self.on_record = on_record
         self.latest: dict[str, Any] = {}  # key -> decoded record

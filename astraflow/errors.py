@@ -54,6 +54,17 @@ class UnknownSchemaError(SerdeError):
     """Raised when a record's schema fingerprint or registry id matches no known schema."""
 
 
+class IncompatibleSchemaError(UnknownSchemaError):
+    """Raised when a record's writer schema is known (shipped, or served by the registry) but Avro
+    schema resolution cannot turn it into the reader's version: the writer broke the record's
+    compatibility rule. The message names the writer's and the reader's schema."""
+
+
+class SchemaRegistryError(SerdeError):
+    """Raised when the schema registry does not answer in time, or refuses to register a schema
+    (its compatibility rule rejects it)."""
+
+
 class SchemaValidationError(SerdeError):
     """Raised when a record does not conform to its schema (missing field, wrong type)."""
 

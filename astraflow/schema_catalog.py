@@ -62,7 +62,8 @@ class SchemaVersion:
 class SchemaCatalog:
     """All schema versions, indexed by full name and by fingerprint."""
 
-    def __init__(self, versions: list[SchemaVersion]) -> None:
+    def __init__(self, versions: list[SchemaVersion], directory: Path | None = None) -> None:
+        self.directory = directory  # where the versions were read from (compatibility.json lives there)
         self._by_fp: dict[bytes, SchemaVersion] = {}
         self._by_name: dict[str, list[SchemaVersion]] = {}
         for v in versions:
@@ -87,7 +88,7 @@ class SchemaCatalog:
             versions.append(parse_version_file(path, int(m.group(1))))
         if not versions:
             raise ConfigError(f"no schemas (*/v<N>.avsc) found under {directory}")
-        return cls(versions)
+        return cls(versions, directory)
 
     def latest(self, fullname: str) -> SchemaVersion:
         try:

@@ -169,7 +169,7 @@ class StreamEngine(EngineLifecycle):
             f"{handler.name}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         )
         self.exactly_once = settings.guarantee == "exactly_once"
-        self.serde = AvroSerde(registry_url=self.kafka.schema_registry_url)
+        self.serde = AvroSerde.for_kafka(self.kafka)  # registers its schemas with the registry, if one is set
         self._dlq_serde = AvroSerde(self.serde.catalog, max_record_bytes=settings.topics.max_message_bytes)  # the DLQ topic's
         self.source = self.topics.stream(handler.sources[0]) if handler.sources else None
         self.stats = WorkerStats()

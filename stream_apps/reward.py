@@ -55,7 +55,7 @@ class RewardApp(AppHandler):
         super().bind(worker)
         self.slot = Slot(worker.control, self.name, "reward", "reward", self.defaults["reward"])
         self.scored_topic = worker.topics.scored
-        if not worker.kafka.schema_registry_url:  # the short path keeps the input's single-object framing
+        if worker.serde.framing == "single_object":  # the short path keeps the input's single-object framing
             self.codec = RewardCodec(worker.serde)
 
     def decode(self, inc: Received[Any]) -> Any:

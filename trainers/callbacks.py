@@ -133,7 +133,7 @@ class SnapshotRequests:
 
     def __init__(self, kafka: KafkaSettings, topics: Topics, policy: str) -> None:
         self.key = f"{CONTROL_APP}/{policy}.snapshot"
-        self.serde = AvroSerde()
+        self.serde = AvroSerde.for_kafka(kafka)
         self._consumer = reader(kafka, reader_group("trainer_control"))
         try:
             _, high = watermarks(self._consumer, topics.control, 0)

@@ -154,7 +154,7 @@ class TrainStream(IterableDataset):
         self.max_wait_s, self.start, self.stop_when_idle_s, self.deadline = max_wait_s, start, stop_when_idle_s, deadline
         self.group_id = group_id or f"{topic}.trainer"
         self.dlq = dlq
-        self.serde = AvroSerde()
+        self.serde = AvroSerde.for_kafka(kafka)
         self.positions: dict[int, int] = dict(resume_offsets or {})  # next offset to take, per partition
         self.skipped: dict[int, int] = collections.Counter()  # records lost to retention, per partition
         self._consumer: Consumer | None = None

@@ -138,7 +138,7 @@ class Replayer:
                  **producer_overrides: object) -> None:
         self.target = target
         self.options = options
-        self.serde = serde or AvroSerde()
+        self.serde = serde or AvroSerde.for_kafka(kafka)
         self.filter = RecordFilter(options.filter) if options.filter else None
         self.producer = Producer(producer_config(kafka, self.serde.max_record_bytes, **producer_overrides))
         self.partitions = self._target_partitions()

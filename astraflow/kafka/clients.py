@@ -192,7 +192,7 @@ class RecordProducer:
     """Produces typed records (or raw bytes) and tracks their acknowledgements."""
 
     def __init__(self, kafka: KafkaSettings, serde: AvroSerde | None = None, **overrides: Any) -> None:
-        self.serde = serde or AvroSerde()
+        self.serde = serde or AvroSerde.for_kafka(kafka)
         self._producer = Producer(producer_config(kafka, self.serde.max_record_bytes, **overrides))
         self._failures: list[str] = []
         self.delivered = 0
@@ -280,7 +280,7 @@ class RecordConsumer(Generic[R]):
         on_revoke: Callable[[Consumer, list[TopicPartition]], None] | None = None,
         **overrides: Any,
     ) -> None:
-        self.serde = serde or AvroSerde()
+        self.serde = serde or AvroSerde.for_kafka(kafka)
         self.expect = expect
         self.component = component
         self.dlq = dlq

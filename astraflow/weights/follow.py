@@ -346,7 +346,7 @@ class KafkaWeightFollower:
     ) -> None:
         self.kafka, self.topics, self.policy = kafka, Topics(experiment), policy
         self.follower = follower or WeightFollower(policy, limits=limits, layout=layout)
-        self.serde = serde or AvroSerde()
+        self.serde = serde or AvroSerde.for_kafka(kafka)
         self.topic = self.topics.weights(policy)
         self._consumer = assigned_consumer(kafka, self.serde)
         self._acted: SnapshotHint | None = None

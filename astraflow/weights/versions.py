@@ -42,7 +42,7 @@ def latest_policy_version(
 ) -> PolicyVersion | None:
     """The newest PolicyVersion of `policy` on the compacted ``policies`` topic (None if none);
     `strict`: KafkaLayerError rather than an answer from a partial read."""
-    records = read_range(kafka, topics.policies, 0, serde or AvroSerde(), timeout_s, strict)
+    records = read_range(kafka, topics.policies, 0, serde or AvroSerde.for_kafka(kafka), timeout_s, strict)
     found = [r for r in records if isinstance(r, PolicyVersion) and r.policy == policy]
     return max(found, key=lambda r: r.version) if found else None
 
@@ -58,7 +58,7 @@ def last_published_version(
     caller read it already) or, after a crash between the two sends of a publisher without
     transactions, among the last records of the weights topic. Raises KafkaLayerError when
     Kafka cannot be read to the end."""
-    serde = AvroSerde()
+    serde = AvroSerde.for_kafka(kafka)
     if latest is None:
         latest = latest_policy_version(kafka, topics, policy, timeout_s, serde, strict=True)
     tail = read_range(kafka, topics.weights(policy), None, serde, timeout_s, strict=True)

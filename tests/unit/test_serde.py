@@ -156,7 +156,7 @@ def test_confluent_framing_with_registry() -> None:
     assert data[0] == 0
     assert s.loads(data, Task).task_id == "task-1"
     # A second serde sharing the registry decodes by id, without having registered anything.
-    other = AvroSerde(registry_client=s._registry)
+    other = AvroSerde(registry_client=s.registry.client)
     assert other.loads(data, Task).task_id == "task-1"
     # Single-object records still decode where a registry is configured.
     assert s.loads(AvroSerde().dumps(make_task(2)), Task).task_id == "task-2"
