@@ -146,6 +146,30 @@ class LocalKafkaSettings(FrozenSettings):
     """How long `up` waits for the broker to answer metadata requests."""
 
 
+class LocalRegistrySettings(FrozenSettings):
+    """The Apicurio schema registry that `astraflow registry up` runs on this machine."""
+
+    data_dir: Path = Field(default_factory=lambda: default_home() / "registry")
+    """Logs and the pid file live here (storage is in memory: schemas are registered again by
+    every role on start)."""
+    dist_dir: Path = Field(default_factory=lambda: default_home() / "registry-dist")
+    """Apicurio's unpacked application, resolved once per pom and shared."""
+    port: int = 18081
+    """HTTP port on 127.0.0.1; the Confluent-compatible API is at /apis/ccompat/v7."""
+    heap_mb: int = Field(default=256, ge=64)
+    """JVM heap; the registry holds a few dozen schemas, 256 MiB is plenty."""
+    java: str | None = None
+    """A Java 21+ executable; unset: $ASTRAFLOW_REGISTRY_JAVA, then the first Java 21+ found
+    under $JAVA_HOME, /usr/lib/jvm and on PATH."""
+    start_timeout_s: float = 120.0
+    """How long `up` waits for the registry to answer."""
+
+    @property
+    def url(self) -> str:
+        """The URL to put in `kafka.schema_registry_url`."""
+        return f"http://127.0.0.1:{self.port}/apis/ccompat/v7"
+
+
 class WanSettings(FrozenSettings):
     """The simulated WAN link of `astraflow wan up` (Toxiproxy) between region B and the local Kafka."""
 
@@ -288,6 +312,7 @@ class AstraflowConfig(FrozenSettings):
     """Where each process writes its resolved config, logs and checkpoints."""
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     local_kafka: LocalKafkaSettings = Field(default_factory=LocalKafkaSettings)
+    local_registry: LocalRegistrySettings = Field(default_factory=LocalRegistrySettings)
     wan: WanSettings = Field(default_factory=WanSettings)
     topics: TopicSettings = Field(default_factory=TopicSettings)
     raas: RaasSettings = Field(default_factory=RaasSettings)

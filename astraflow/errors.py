@@ -31,6 +31,10 @@ class WanError(LocalKafkaError):
     """Raised when the simulated WAN (Toxiproxy) cannot be built, started or configured."""
 
 
+class LocalRegistryError(LocalKafkaError):
+    """Raised when the local schema registry (Apicurio) cannot be resolved, started or stopped."""
+
+
 class PortInUseError(LocalKafkaError):
     """Raised when the broker or controller port is already taken by another process."""
 

@@ -14,6 +14,7 @@ from astraflow_cli import (
     logs_cmd,
     model_cmd,
     raas_cmd,
+    registry_cmd,
     replay_cmd,
     smoke_cmd,
     status_cmd,
@@ -30,6 +31,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(kafka_cmd.app, name="kafka")
+app.add_typer(registry_cmd.app, name="registry")
 app.add_typer(wan_cmd.app, name="wan")
 app.add_typer(topics_cmd.app, name="topics")
 app.add_typer(experiments_cmd.app, name="experiments")

@@ -77,6 +77,42 @@ def kafka() -> Iterator[KafkaSettings]:
             marker.unlink(missing_ok=True)
 
 
+@pytest.fixture(scope="session")
+def schema_registry() -> Iterator[str]:
+    """The URL of a real schema registry's Confluent-compatible API: $ASTRAFLOW_TEST_REGISTRY, else
+    the local Apicurio (`astraflow registry up`), started here if it is not running and stopped at
+    the end by the last pytest session out that started it (as the `kafka` fixture does)."""
+    external = os.environ.get("ASTRAFLOW_TEST_REGISTRY")
+    if external:
+        yield external
+        return
+    import fcntl
+
+    from astraflow.config import LocalRegistrySettings
+    from astraflow.local_registry import LocalRegistry
+
+    settings = LocalRegistrySettings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    lock_path = settings.data_dir / "pytest-sessions.lock"
+    marker = settings.data_dir / "started-by-pytest"
+    held = open(lock_path, "a")  # noqa: SIM115 - held for the whole session
+    fcntl.flock(held, fcntl.LOCK_SH)
+    local = LocalRegistry(settings)
+    if not local.status().answering:
+        local.up(echo=lambda *_: None)
+        marker.touch()
+    yield local.url
+    held.close()
+    with open(lock_path, "a") as probe:
+        try:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return
+        if marker.exists() and not os.environ.get("ASTRAFLOW_KEEP_REGISTRY"):
+            local.down(echo=lambda *_: None)
+            marker.unlink(missing_ok=True)
+
+
 @pytest.fixture
 def unique() -> Callable[[str], str]:
     """Unique names (topics, groups, experiments) so tests never see each other's data."""

@@ -3,10 +3,9 @@ own `AvroDeserializer` with its `SchemaRegistryClient` reads trajectories and tr
 straight off an experiment's `rollouts` and `<policy>.train` topics, written by our producer in
 Confluent framing (`kafka.record_framing: confluent`).
 
-The registry is confluent-kafka's in-process one (mock://): Apicurio, which `astraflow registry
-up` would run, cannot be assembled from the package mirrors this suite runs against (see
-docs/schemas.md). The deserializer shares the store, not our code: it fetches the writer schema
-by the id in each record, parses it with its own stack and decodes the body.
+The registry is the real Apicurio that `astraflow registry up` runs (the `schema_registry`
+fixture). The deserializer shares nothing with us but the registry's URL: it fetches the writer
+schema by the id in each record, parses it with its own stack and decodes the body.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import uuid
 
 import numpy as np
 import pytest
+from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroDeserializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
@@ -22,7 +22,6 @@ from astraflow.config import KafkaSettings
 from astraflow.kafka.clients import RecordProducer, consume_ready, data_messages, reader
 from astraflow.kafka.topics import Topics
 from astraflow.records import TrainSample
-from astraflow.schema_registry import shared
 from astraflow.serde import AvroSerde
 from astraflow.testing import make_trajectory
 
@@ -45,9 +44,10 @@ def _read_all(kafka: KafkaSettings, topic: str, n: int) -> list:
         consumer.close()
 
 
-def test_registry_third_party_deserializer_reads_trajectories_and_train_samples(kafka: KafkaSettings, experiment: str) -> None:
-    url = f"mock://{uuid.uuid4().hex}"
-    ours = kafka.model_copy(update={"schema_registry_url": url, "record_framing": "confluent"})
+def test_registry_third_party_deserializer_reads_trajectories_and_train_samples(
+    kafka: KafkaSettings, experiment: str, schema_registry: str
+) -> None:
+    ours = kafka.model_copy(update={"schema_registry_url": schema_registry, "record_framing": "confluent"})
     topics = Topics(experiment)
     serde = AvroSerde.for_kafka(ours)  # registers every shipped version, as a role does on start
     producer = RecordProducer(ours, serde)
@@ -63,8 +63,8 @@ def test_registry_third_party_deserializer_reads_trajectories_and_train_samples(
         producer.send(topics.train("policy"), s, key=s.group_id)
     producer.flush(30)
 
-    # The third party: nothing of ours but the registry's address (here: its in-process store).
-    deserializer = AvroDeserializer(shared(url).client)
+    # The third party: nothing of ours but the registry's address.
+    deserializer = AvroDeserializer(SchemaRegistryClient({"url": schema_registry}))
 
     got = {}
     for msg in _read_all(kafka, topics.rollouts, len(trajectories)):

@@ -1,0 +1,58 @@
+"""`astraflow registry up | down | status`: a Confluent-API schema registry (Apicurio) on this machine."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import typer
+
+from astraflow_cli.common import console, handle_errors, load
+
+if TYPE_CHECKING:
+    from astraflow.local_registry import LocalRegistry
+
+app = typer.Typer(help="Run a schema registry (Apicurio Registry, Confluent-compatible API) locally, without Docker.",
+                  no_args_is_help=True)
+
+DATA_DIR = typer.Option(None, "--data-dir", help="Where its log and pid file live.")
+PORT = typer.Option(None, "--port", help="HTTP port on 127.0.0.1 (default 18081).")
+
+
+def _local(ctx: typer.Context, data_dir: str | None, port: int | None) -> LocalRegistry:
+    from astraflow.local_registry import LocalRegistry
+
+    overrides = [f"local_registry.data_dir={data_dir}" if data_dir else "", f"local_registry.port={port}" if port else ""]
+    return LocalRegistry(load(ctx, *overrides).local_registry)
+
+
+@app.command()
+@handle_errors
+def up(ctx: typer.Context, data_dir: str | None = DATA_DIR, port: int | None = PORT) -> None:
+    """Resolve Apicurio from Maven Central (first run), start it and wait until its API answers."""
+    t0 = time.monotonic()
+    st = _local(ctx, data_dir, port).up(echo=console.print)
+    console.print(f"[green]ready[/] kafka.schema_registry_url={st.url} pid={st.pid} ({time.monotonic() - t0:.1f}s)")
+
+
+@app.command()
+@handle_errors
+def down(ctx: typer.Context, data_dir: str | None = DATA_DIR, port: int | None = PORT) -> None:
+    """Stop the registry `up` started from this data directory (and nothing else)."""
+    _local(ctx, data_dir, port).down(echo=console.print)
+
+
+@app.command()
+@handle_errors
+def status(ctx: typer.Context, data_dir: str | None = DATA_DIR, port: int | None = PORT) -> None:
+    """Whether the registry runs and answers; exit code 1 when it does not."""
+    st = _local(ctx, data_dir, port).status()
+    if st.running and st.answering:
+        console.print(f"[green]up[/] {st.url} pid={st.pid}")
+        return
+    if st.running:
+        console.print(f"[yellow]starting or stuck[/]: pid {st.pid} runs but {st.url} does not answer; log: {st.log}")
+    else:
+        console.print(f"[red]down[/]: no schema registry runs at {st.url}; start one with `astraflow registry up` "
+                      "(roles with kafka.schema_registry_url set wait for it at start-up)")
+    raise typer.Exit(1)
