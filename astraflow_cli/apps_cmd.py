@@ -53,10 +53,13 @@ def _settings(ctx: typer.Context, experiment: str, group: str | None, instance_i
 
 
 def _logging(level: str) -> None:
+    from stream_apps.log_notes import install
+
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if level.lower() != "debug":  # Faust and aiokafka narrate every service start and stop at INFO
         for name in ("faust", "mode", "aiokafka"):
             logging.getLogger(name).setLevel(logging.WARNING)
+    install()  # aiokafka's NotEnoughReplicas retries: explained once, then counted (stream_apps/log_notes.py)
 
 
 def _run(worker: object) -> None:
