@@ -188,12 +188,13 @@ class ProcessorApp(AppHandler):
         if shown == self._last_shown and now - self._last_progress < 60.0:
             return
         last = self._last_shown or (0, 0, 0)
-        rate = (stats.records_in - last[0]) / max(now - self._last_progress, 1e-6)
+        span = max(now - self._last_progress, 1e-6)
         self._last_progress, self._last_shown = now, shown
         self.worker.log.info("processor %s: %s in, %s out, %s dead-lettered, %s dropped; %.1f records/s in the last "
                              "%.0f s", self.proc.name, f"{shown[0]:,}", f"{shown[1]:,}", f"{shown[2]:,}",
-                             f"{stats.dropped_total:,}", rate, self.progress_interval_s)
-        if self.watch.failing:
+                             f"{stats.dropped_total:,}", (stats.records_in - last[0]) / span, span)
+        if self.watch.failing and now - self._last_warned >= self.progress_interval_s:
+            self._last_warned = now
             self._warn()
 
     def _emit(self, inc: Received[Any], result: Any) -> None:

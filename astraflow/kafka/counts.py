@@ -142,6 +142,14 @@ class RecordCounter:
             return 0
         return len(seen.offsets) - bisect_left(seen.offsets, offset)
 
+    def start_of_last(self, tp: TP, n: int, high: int) -> int:
+        """The offset where the last `n` records of `tp` before `high` begin (offsets when not read)."""
+        seen = self._seen.get(tp)
+        if not seen or seen.read_to < high:
+            return high - n
+        end = bisect_left(seen.offsets, high)
+        return seen.offsets[end - n] if end >= n else (seen.offsets[0] if end else high)
+
     def after(self, tp: TP, start: int, high: int) -> int:
         """Records of `tp` in [start, high): those read, plus any offsets not read yet (an upper
         bound for those)."""

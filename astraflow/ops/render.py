@@ -23,6 +23,11 @@ def _age(s: float | None) -> str:
     return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m"
 
 
+def _internal(stream: str) -> bool:
+    """Faust's own topics of a stream app (table changelogs, its leader topic): in `--json`, not on screen."""
+    return stream.endswith("-changelog") or "__" in stream
+
+
 def _table(*columns: str, title: str) -> Table:
     """A table that fits 80 columns: names fold onto a second line instead of being cut to 'raas…'."""
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
@@ -42,11 +47,15 @@ def render_status(r: StatusReport) -> RenderableType:
 
     topics = _table("stream", "parts", "records", "rate/s", title="topics (records a consumer reads)")
     for t in r.topics:
+        if _internal(t.stream):
+            continue
         topics.add_row(t.stream, str(t.partitions), ("" if t.exact else "≤") + f"{t.records:,}", f"{t.rate_per_s:.2f}")
 
     lags = _table("group", "topic", "lag", "members", "state", title="consumer lag (records)")
     prefix = Topics(r.experiment).prefix
     for g in r.lags:
+        if _internal(g.topic.removeprefix(prefix)):
+            continue
         style = "yellow" if g.lag > 0 and g.members == 0 and r.running else ""
         lags.add_row(g.group.removeprefix(prefix), g.topic.removeprefix(prefix), f"{g.lag:,}", str(g.members),
                      g.state.lower(), style=style)

@@ -23,6 +23,7 @@ from typing import Any
 
 from astraflow.config import KafkaSettings
 from astraflow.errors import SerdeError, TopicError
+from astraflow.kafka.counts import RecordCounter
 from astraflow.kafka.offsets import TP
 from astraflow.kafka.topics import Topics, missing_experiment
 from astraflow.ops.cluster_offsets import GroupLag, OffsetReader, PartitionOffsets, group_lags, read_ranges
@@ -284,14 +285,16 @@ def apps_of(series: list[MetricSeries], now: int) -> list[AppStatus]:
     return out
 
 
-def _tail(offsets: dict[TP, PartitionOffsets], topic: str, partitions: int, n: int) -> dict[TP, tuple[int, int]]:
-    """The last `n` records of a topic, spread over its partitions."""
+def _tail(offsets: dict[TP, PartitionOffsets], topic: str, partitions: int, n: int,
+          counter: RecordCounter) -> dict[TP, tuple[int, int]]:
+    """The last `n` records of a topic, spread over its partitions (records: the counter knows
+    their offsets, so transaction markers do not eat into `n`)."""
     per = max(1, math.ceil(n / max(partitions, 1)))
     out = {}
     for p in range(partitions):
         po = offsets.get((topic, p))
         if po is not None:
-            out[(topic, p)] = (max(po.low, po.high - per), po.high)
+            out[(topic, p)] = (max(po.low, counter.start_of_last((topic, p), per, po.high)), po.high)
     return out
 
 
@@ -332,7 +335,7 @@ def collect_status(
             ranges[(t.metrics, p)] = (max(start, po.high - max_metric_records, po.low), po.high)
     for topic, n in ((t.policies, 1000), (t.scored, recent), (t.dlq, 5)):
         if topic in topics:
-            ranges.update(_tail(offsets, topic, topics[topic], n))
+            ranges.update(_tail(offsets, topic, topics[topic], n, counter))
     serde = AvroSerde()
     metrics: list[Metric] = []
     versions: list[PolicyVersion] = []
