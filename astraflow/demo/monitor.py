@@ -18,6 +18,7 @@ from confluent_kafka.admin import AdminClient
 
 from astraflow.config import KafkaSettings
 from astraflow.kafka.clients import reader
+from astraflow.kafka.counts import RecordCounter
 from astraflow.kafka.topics import Topics, reader_group
 from astraflow.processor import COMPONENT_PREFIX
 from astraflow.records import DeadLetter, Metric, Trajectory
@@ -76,6 +77,7 @@ class Monitor:
         self._admin = AdminClient(self.kafka.client_config())
         self.lags: dict[str, int] = {}
         self._probe: Consumer | None = None
+        self._counter = RecordCounter(self.kafka)
 
     def start(self) -> None:
         self._thread.start()
@@ -100,6 +102,7 @@ class Monitor:
             c.close()
             if self._probe is not None:
                 self._probe.close()
+            self._counter.close()
 
     def _handle(self, topic: str, value: bytes) -> None:
         try:
@@ -142,23 +145,29 @@ class Monitor:
                 self.dlq.append(rec)
 
     def _lags(self) -> dict[str, int]:
+        """Per watched topic, the records its group has not committed yet (records, not offsets:
+        every hop writes in transactions, whose markers take offsets)."""
         if self._probe is None:  # one watermark reader for the whole run; it never joins a group
             self._probe = reader(self.kafka, reader_group("lag_probe"))
-        out = {}
+        ends: dict[tuple[str, int], tuple[int, int]] = {}
+        committed: dict[str, dict[int, int]] = {}
         for topic, group in self.groups.items():
             try:
                 md = self._admin.list_topics(topic, timeout=5)
                 parts = [TopicPartition(topic, p) for p in md.topics[topic].partitions]
-                fut = self._admin.list_consumer_group_offsets(
-                    [ConsumerGroupTopicPartitions(group, parts)])
-                committed = {tp.partition: tp.offset for tp in next(iter(fut.values())).result(timeout=5).topic_partitions}
-                total = 0
+                fut = self._admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group, parts)])
+                committed[topic] = {tp.partition: tp.offset
+                                    for tp in next(iter(fut.values())).result(timeout=5).topic_partitions}
                 for tp in parts:
-                    _lo, hi = self._probe.get_watermark_offsets(tp, timeout=5)
-                    total += max(0, hi - max(committed.get(tp.partition, 0), 0))
-                out[topic.rsplit(".", 1)[-1] if topic.count(".") == 2 else ".".join(topic.split(".")[2:])] = total
+                    ends[(topic, tp.partition)] = self._probe.get_watermark_offsets(tp, timeout=5)
             except Exception:  # lag display is best effort while topics and groups appear
-                continue
+                committed.pop(topic, None)
+        self._counter.update(ends)
+        out = {}
+        for topic, offsets in committed.items():
+            total = sum(self._counter.after(tp, max(offsets.get(tp[1], 0), lo), hi)
+                        for tp, (lo, hi) in ends.items() if tp[0] == topic)
+            out[topic.rsplit(".", 1)[-1] if topic.count(".") == 2 else ".".join(topic.split(".")[2:])] = total
         return out
 
     def snapshot(self) -> Snapshot:

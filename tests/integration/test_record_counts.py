@@ -3,8 +3,8 @@
 Every hop of the dataflow writes in Kafka transactions, and each commit spends one offset per
 partition on a marker no consumer receives. Here a transactional topic gets 30 committed records
 in 10 transactions and 2 aborted ones: its offsets span 43, a read_committed consumer reads 30,
-and `astraflow status` (topics, lag, JSON and table), the record counter and replay's progress
-total must all say 30.
+and `astraflow status` (topics, lag, JSON), the record counter, the demo's lag and replay's
+progress total must all say 30.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def _read_committed(kafka: KafkaSettings, topic: str) -> int:
 
 def test_transactional_topic_counts_records_not_offsets(kafka: KafkaSettings, make_experiment: Callable[..., str]) -> None:
     from astraflow.archive.kafka_source import TopicSource
+    from astraflow.demo.monitor import Monitor
     from astraflow.kafka.counts import count_records
     from astraflow.ops.cluster_offsets import OffsetReader
     from astraflow.ops.status import collect_status
@@ -95,6 +96,14 @@ def test_transactional_topic_counts_records_not_offsets(kafka: KafkaSettings, ma
 
         again = collect_status(kafka, exp, reader=reader)  # the reader counts incrementally: same answer
         assert {t.stream: t.records for t in again.topics}["scored"] == COMMITTED
+
+        monitor = Monitor(kafka, exp, "policy", groups={scored: group})  # the demo's live view and summary
+        try:
+            assert monitor._lags() == {"scored": COMMITTED}
+        finally:
+            monitor._counter.close()
+            if monitor._probe is not None:
+                monitor._probe.close()
     finally:
         reader.close()
 
