@@ -73,6 +73,10 @@ def test_an_experiment_from_creation_to_deletion(kafka: KafkaSettings, tmp_path:
         code, out = _cli(kafka, "logs", "show", "-e", exp, "-t", "nosuch")
         assert code == 1 and "has no stream 'nosuch'" in out and "rollouts" in out and "Error" not in out
 
+        # A demo starts a fresh experiment: an existing name is refused before anything runs.
+        code, out = _cli(kafka, "demo", "--experiment", exp, "--bootstrap", kafka.bootstrap_servers)
+        assert code == 1 and f"experiment '{exp}' already exists" in out and "experiments delete" in out, out
+
         code, out = _cli(kafka, "experiments", "delete", exp, stdin="n\n")
         assert code == 1 and "nothing deleted" in out
         assert admin.list(f"af.{exp}.")

@@ -10,6 +10,8 @@ those nodes, lags and versions.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -165,6 +167,19 @@ def test_status_command_prints_json_and_tables(running: Running) -> None:
     assert res.exit_code == 0, res.output
     for text in ("node-cpu", "node-gpu", "gpu:H200", "eu-west", "policy@v3", "raas", "dlq 2 records"):
         assert text in res.output, text
+
+    res = CliRunner().invoke(app, base, env={"COLUMNS": "80"})  # a default terminal: nothing cut to 'raas…'
+    assert res.exit_code == 0 and "…" not in res.output, res.output
+    assert max(len(line) for line in res.output.splitlines()) <= 80
+    assert "add 1" in res.output  # a running experiment gets the autoscale rule's advice
+
+    # --watch in a pipe: one full report per refresh (not a live display that prints nothing)
+    cmd = [sys.executable, "-m", "astraflow_cli.main", *base, "--watch", "--interval", "1"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=25).stdout
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+    assert out.count(f"experiment {running.experiment}") >= 2, out[-2000:]
 
 
 def test_status_of_a_missing_experiment_says_how_to_create_it(kafka: KafkaSettings) -> None:
