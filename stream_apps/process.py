@@ -108,7 +108,7 @@ class ProcessorApp(AppHandler):
             self._ensure_topic(self.sink, worker.topics.stream(self.proc.source))
 
     def _ensure_topic(self, topic: str, like: str) -> None:
-        from astraflow.kafka.topics import TopicAdmin, TopicSpec
+        from astraflow.kafka.topics import TopicAdmin, TopicSpec, stream_spec
 
         admin = TopicAdmin(self.worker.kafka)
         existing = admin.list(topic)
@@ -117,7 +117,12 @@ class ProcessorApp(AppHandler):
         source = admin.list(like).get(like)
         if source is None:
             raise ConfigError(f"source topic {like} does not exist; create the experiment's topics with `astraflow topics create`")
-        admin.create([TopicSpec(topic, source, {"cleanup.policy": "delete"})])
+        t = self.worker.topics
+        if t.of_experiment(topic):  # as `astraflow topics create --stream` makes it, with the source's partitions
+            spec = stream_spec(t.experiment, topic.removeprefix(t.prefix), self.worker.settings.topics, source)
+        else:
+            spec = TopicSpec(topic, source, {"cleanup.policy": "delete"})
+        admin.create([spec], self.worker.settings.topics.replication_factor)
 
     def handle(self, inc: Received[Any]) -> Awaitable[None] | None:
         if self.proc.is_async:
