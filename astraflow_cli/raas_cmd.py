@@ -28,6 +28,11 @@ def serve(
     threads: int | None = typer.Option(None, help="torch CPU threads."),
     seed: int | None = typer.Option(None, help="Sampling seed (torch backend)."),
     tokenizer: str | None = typer.Option(None, help="Local tokenizer directory (openai backend)."),
+    temperature: float = typer.Option(1.0, help="Temperature of the tasks served (openai backend: the server's "
+                                      "logprobs are checked for it at start)."),
+    top_p: float = typer.Option(1.0, help="top_p of the tasks served (openai backend: checked like --temperature)."),
+    kv_cache_gib: float | None = typer.Option(None, help="vllm backend on vLLM's CPU build: KV cache size in GiB "
+                                              "(VLLM_CPU_KVCACHE_SPACE)."),
     tool_latency: list[str] = typer.Option([], help="NAME=MEDIAN_S:SIGMA: put a tool behind a log-normal delay per "
                                            "call (benchmarks of slow remote tools), e.g. calc=0.2:1.5; repeatable."),
 ) -> None:
@@ -50,4 +55,4 @@ def serve(
     serve_node(cfg, experiment, pairs, backend=backend, max_inflight=max_inflight, max_batch=max_batch, region=region,
                prefetch=prefetch, tasks_region=tasks_region,
                node_id=node_id, follow_weights=follow_weights, search_corpus=search_corpus, threads=threads, seed=seed,
-               tokenizer=tokenizer, tool_latency=latency)
+               tokenizer=tokenizer, tool_latency=latency, sampling=(temperature, top_p), kv_cache_gib=kv_cache_gib)

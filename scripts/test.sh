@@ -8,6 +8,9 @@
 # one (`scripts/compose.sh engine`, installing docker.io with apt where it is missing) and stops it
 # at the end if it started it; ASTRAFLOW_SKIP_DOCKER=1 leaves the engine alone and the test skips.
 # GPU tests skip themselves where no GPU is present. Extra arguments go to pytest.
+# The `vllm` tests (tests/vllm) skip in that run: vLLM's CPU build needs its own torch, so they run
+# afterwards in the virtualenv of scripts/vllm-env.sh (built once, ~5 minutes and 6.3 GB, then
+# cached); ASTRAFLOW_SKIP_VLLM=1 leaves them out.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/prepare.sh"  # repository root, system packages, venv on PATH
 
@@ -46,3 +49,9 @@ fi
 
 echo "== pytest"
 python -m pytest -p no:cacheprovider --durations=15 "$@"
+
+if [ -z "${ASTRAFLOW_SKIP_VLLM:-}" ]; then
+  echo "== pytest -m vllm (vLLM's CPU build, in its own virtualenv)"
+  VLLM_VENV=$(bash scripts/vllm-env.sh)
+  "$VLLM_VENV/bin/python" -m pytest -p no:cacheprovider --durations=10 -m vllm tests/vllm
+fi

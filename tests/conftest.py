@@ -20,13 +20,22 @@ from astraflow.config import KafkaSettings, LocalKafkaSettings, TopicSettings
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test gets the marker of its folder; `gpu` tests skip without CUDA."""
+    """Every test gets the marker of its folder; `gpu` tests skip without CUDA, `vllm` tests
+    without vLLM (scripts/test.sh runs them again in the virtualenv of scripts/vllm-env.sh)."""
     gpu_ok = None
+    vllm_ok = None
     for item in items:
         parts = Path(str(item.fspath)).parts
-        for kind in ("unit", "integration", "e2e"):
+        for kind in ("unit", "integration", "e2e", "vllm"):
             if kind in parts and not item.get_closest_marker(kind):
                 item.add_marker(getattr(pytest.mark, kind))
+        if item.get_closest_marker("vllm"):
+            if vllm_ok is None:
+                import importlib.util
+
+                vllm_ok = importlib.util.find_spec("vllm") is not None
+            if not vllm_ok:
+                item.add_marker(pytest.mark.skip(reason="needs vLLM: run with the virtualenv of scripts/vllm-env.sh"))
         if item.get_closest_marker("gpu"):
             if gpu_ok is None:
                 try:
@@ -194,6 +203,25 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     return Path(init_tiny(tmp_path_factory.mktemp("tiny-small"), vocab_size=512, hidden=64, layers=2, heads=4, kv_heads=2,
                           intermediate=128))
+
+
+@pytest.fixture(scope="session")
+def untied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random model whose output head is its own matrix (what the vLLM backend serves)."""
+    from astraflow.models.tiny import init_tiny
+
+    return Path(init_tiny(tmp_path_factory.mktemp("tiny-untied"), seed=0, tie_embeddings=False))
+
+
+@pytest.fixture(scope="module")
+def vllm_backend(untied_model_dir: Path) -> Iterator:
+    """One vLLM engine (CPU build, or GPU) on `untied_model_dir` per test module: a start takes ~30 s."""
+    from astraflow.raas.backends.vllm_backend import VllmBackend
+
+    backend = VllmBackend("policy", str(untied_model_dir), max_model_len=512, kv_cache_gib=1, dtype="float32",
+                          seed=0)
+    yield backend
+    backend.close()
 
 
 @pytest.fixture(autouse=True)

@@ -22,7 +22,9 @@ def serve_node(cfg: AstraflowConfig, experiment: str, policies: dict[str, str], 
                prefetch: int = 16, tasks_region: str | None = None,
                follow_weights: bool = True, search_corpus: str | None = None, threads: int | None = None,
                seed: int | None = None, tokenizer: str | None = None,
-               tool_latency: dict[str, tuple[float, float]] | None = None) -> None:
+               tool_latency: dict[str, tuple[float, float]] | None = None,
+               sampling: tuple[float, float] = (1.0, 1.0), kv_cache_gib: float | None = None) -> None:
+    """`sampling`: (temperature, top_p) of the tasks served, checked against an openai server's logprobs."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log.info("node starting (modules imported)")  # the start-up's parts are timed from these lines
     # The operator creates the topics (`astraflow topics create`); checked before loading any model.
@@ -46,9 +48,9 @@ def serve_node(cfg: AstraflowConfig, experiment: str, policies: dict[str, str], 
         opts = {"max_batch": max_batch, "threads": threads, "seed": seed, "process": True,
                 "engine_restarts": cfg.raas.engine_restarts}
     elif backend == "openai":
-        opts = {"tokenizer": tokenizer}
+        opts = {"tokenizer": tokenizer, "temperature": sampling[0], "top_p": sampling[1]}
     elif backend == "vllm":
-        opts = {"seed": seed}
+        opts = {"seed": seed, "kv_cache_gib": kv_cache_gib, "engine_restarts": cfg.raas.engine_restarts}
     # the weights are fetched while the model is built (over a WAN a snapshot takes seconds)
     readers = prefetch_followers(cfg, experiment, list(policies)) if follow_weights and backend != "openai" else {}
     try:

@@ -1,33 +1,68 @@
-"""`vllm` backend: an in-process vLLM engine on GPU (imported lazily; tests carry the `gpu` marker).
+"""`vllm` backend: a vLLM engine (GPU, or vLLM's CPU build) serving one policy, weights followed in place.
 
-Requests go to vLLM's `AsyncLLMEngine` (continuous batching) as token ids; the sampled ids and
-their logprobs come back per request. New weights are loaded into the running engine without a
-restart (`collective_rpc("load_weights")`), applied before the next request is submitted: with
-vLLM, a version switch happens between requests, not between decoding steps, and every token of
-a request records the version it was submitted under.
+The engine is vLLM's `AsyncLLM` (continuous batching; its engine core runs in a child process).
+It lives in a thread of its own with its own event loop, so the node's event loop (workflows,
+serde, Kafka) never waits on it and `generate_sync` works from any thread. Requests go in as token
+ids (`TokensPrompt`): a multi-turn rollout's earlier generated tokens are passed back as the ids
+the model produced, never re-tokenised text. The sampled ids and their logprobs come back per
+request.
 
-The logprobs recorded are vLLM's *processed* logprobs (`logprobs_mode="processed_logprobs"`,
-vLLM >= 0.10.2): after temperature scaling and top-p/top-k masking, so renormalised over what
-could be sampled, as the torch backend records them. vLLM's default (raw logits) would make
-every importance weight of a sample drawn at T != 1 or top-p < 1 wrong; an older vLLM is
-refused. `engine_kwargs` and `completion_arrays` are the pure parts, tested on CPU.
+Log-probabilities: vLLM's *processed* logprobs (`logprobs_mode="processed_logprobs"`): after
+temperature scaling and top-p masking, renormalised over what could be sampled, as the torch
+backend records them (`sampling.py`). vLLM's default (raw logits) would make every importance
+weight of a sample drawn at T != 1 or top-p < 1 wrong; a vLLM without the option is refused.
 
-Not exercised on this project's CPU-only CI; the `gpu` tests run it where a GPU is present.
+Weights: `update_weights(state, version)` (what `BackendWeightFollower` calls with each verified
+version, deltas already applied to a full state) is applied without a restart, as a full reload:
+the state is written to one safetensors file and the engine's workers read it
+(`vllm_worker.WeightFileLoader`, a worker extension `collective_rpc` calls by name) into the
+running model with vLLM's in-place `reload_weights`. Requests finish on the version they started with: when a version
+arrives, new requests wait, the running ones drain, the weights are swapped, then the waiting
+requests start on the new version. vLLM does not report which engine step produced a streamed
+token, so a switch inside a request could not be attributed to exact tokens; the drain costs at
+most one request's decode and every token's recorded version is exact by construction. The prefix
+cache is keyed by version (`cache_salt`), so no request reuses keys and values of older weights.
+A model with tied input/output embeddings is refused: vLLM's in-place reload leaves its output
+head stale while reporting success.
+
+Bad requests (a prompt that fills the context, max_tokens < 1, a non-finite temperature, top_p
+outside (0, 1]) raise `VllmBackendError` before reaching the engine, which the node records as an
+ERROR trajectory; max_tokens past the context is clamped to what fits (counted in `clamped`,
+finish reason "length"). An engine whose core process dies is started again (up to
+`engine_restarts` times) with the newest weights, and the requests it held are submitted again
+once each; none of them had returned, so none is served twice.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures as cf
 import itertools
+import json
+import logging
+import math
+import os
+import tempfile
+import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from astraflow.errors import AstraflowError
 from astraflow.raas.backends.base import GenerateRequest, Generation, model_context_length
+from astraflow.raas.backends.vllm_worker import WORKER_EXTENSION
+from astraflow.weights.bits import DTYPE_BY_NAME, TensorMeta
+from astraflow.weights.layout import ModelLayout
+
+log = logging.getLogger("astraflow.raas.vllm")
+
+SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32"}
 
 
 class VllmBackendError(AstraflowError):
-    """Raised when vLLM is not installed, finds no GPU, or fails to load the model."""
+    """Raised when vLLM is missing or too old, the model cannot be served by it (tied embeddings),
+    the engine cannot start, or a request is invalid (the node turns it into an ERROR trajectory)."""
 
 
 class VllmBackend:
@@ -36,31 +71,45 @@ class VllmBackend:
     name = "vllm"
 
     def __init__(self, policy: str, model_dir: str, *, version: int = 0, gpu_memory_utilization: float = 0.5,
-                 max_model_len: int | None = None, seed: int | None = None, **_: Any) -> None:
+                 max_model_len: int | None = None, seed: int | None = None, kv_cache_gib: float | None = None,
+                 max_num_seqs: int | None = None, dtype: str = "auto", engine_restarts: int = 3,
+                 **_: Any) -> None:
+        """`kv_cache_gib`: on vLLM's CPU build, the KV cache size (VLLM_CPU_KVCACHE_SPACE, GiB);
+        `gpu_memory_utilization` bounds it on a GPU."""
         try:
-            from vllm import AsyncEngineArgs, AsyncLLMEngine
+            import vllm  # noqa: F401
         except ImportError as exc:
-            raise VllmBackendError("the vllm backend needs `pip install astraflow[vllm]` and a CUDA GPU") from exc
+            raise VllmBackendError("the vllm backend needs vLLM: on a GPU `pip install astraflow[vllm]`; on a CPU "
+                                   "use the virtualenv of `bash scripts/vllm-env.sh` (docs/raas.md)") from exc
         from transformers import AutoTokenizer
 
+        refuse_tied(model_dir)
+        self._kv_cache_gib = kv_cache_gib
         self.policy = policy
         self.version = version
         self.model_dir = model_dir
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.context_length = max_model_len or model_context_length(model_dir)  # prompt + new tokens at most
-        try:
-            args = AsyncEngineArgs(**engine_kwargs(model_dir, gpu_memory_utilization, max_model_len, seed))
-        except TypeError as exc:  # an AsyncEngineArgs without logprobs_mode
-            raise VllmBackendError(
-                f"this vLLM cannot return post-temperature logprobs ({exc}): upgrade to vllm>=0.10.2, "
-                "or the trainer's importance weights would compare different distributions"
-            ) from exc
-        try:
-            self.engine = AsyncLLMEngine.from_engine_args(args)
-        except Exception as exc:  # vLLM raises many types when the GPU or model is unusable
-            raise VllmBackendError(f"vLLM could not start on {model_dir}: {exc}") from exc
+        self._kwargs = engine_kwargs(model_dir, gpu_memory_utilization, max_model_len, seed, max_num_seqs, dtype)
+        self._layout = checkpoint_layout(model_dir)
+        self.clamped = 0  # requests whose max_tokens was cut to fit the context
+        self.restarts = 0  # engines started again after one died
+        self.reload_s: list[float] = []  # seconds each in-place weight swap took
+        self._restarts_left = engine_restarts
         self._ids = itertools.count()
-        self._pending_update: tuple[dict[str, Any], int] | None = None
+        self._newest: tuple[dict[str, Any], int] | None = None  # weights not applied yet
+        self._applied_state: tuple[dict[str, Any], int] | None = None  # the last applied (for a restart)
+        self._applied = threading.Condition()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"vllm-{policy}", daemon=True)
+        self._thread.start()
+        try:
+            self._call(self._start()).result()
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- public API ----------------------------------------------------------------------------
 
     def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_bos)
@@ -69,59 +118,282 @@ class VllmBackend:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def hardware(self) -> str:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            return f"cpu:vllm:{os.cpu_count()}"
         import torch
 
-        return f"cuda:{torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "cuda:?"
+        return f"cuda:{torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else f"vllm:{current_platform}"
 
-    def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
-        self._pending_update = (state_dict, version)
-
-    async def _apply_update(self) -> None:
-        upd, self._pending_update = self._pending_update, None
-        if upd is None:
-            return
-        sd, version = upd
-        rpc = getattr(self.engine, "collective_rpc", None)
-        if rpc is None:
-            raise VllmBackendError("this vLLM version has no collective_rpc; upgrade vLLM to update weights in place")
-        await rpc("load_weights", kwargs={"weights": list(sd.items())})
-        self.version = version
+    def weight_layout(self) -> ModelLayout:
+        """Names, shapes and dtypes of the checkpoint's tensors: what the weight follower checks against."""
+        return self._layout
 
     async def generate(self, request: GenerateRequest) -> Generation:
-        from vllm import SamplingParams, TokensPrompt
+        return await asyncio.wrap_future(self._call(self._generate(request)))
 
-        await self._apply_update()
-        params = SamplingParams(temperature=request.temperature, top_p=request.top_p, max_tokens=request.max_tokens,
-                                stop=request.stop or None, logprobs=0, include_stop_str_in_output=True)
-        start_version = self.version
-        final = None
-        async for out in self.engine.generate(TokensPrompt(prompt_token_ids=request.prompt_ids), params,
-                                              request_id=f"{self.policy}-{next(self._ids)}"):
-            final = out
-        if final is None:
-            raise VllmBackendError("vLLM returned no output")
-        comp = final.outputs[0]
-        ids, lps = completion_arrays(list(comp.token_ids), comp.logprobs)
-        versions = np.full(len(ids), start_version, np.int32)
-        return Generation(ids, lps, versions, comp.text, "length" if comp.finish_reason == "length" else "stop")
+    def generate_sync(self, request: GenerateRequest) -> Generation:
+        return self._call(self._generate(request)).result()
+
+    def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
+        """Queues new weights (the newest replaces one not applied yet); applied once the requests
+        running now have finished, before any request that waits."""
+        self._newest = (state_dict, int(version))
+        self._loop.call_soon_threadsafe(self._kick_update)
+
+    def wait_version(self, version: int, timeout_s: float) -> bool:
+        """Waits until `version` (or a later one) is served; False on timeout."""
+        with self._applied:
+            return self._applied.wait_for(lambda: self.version >= version, timeout_s)
 
     def close(self) -> None:
-        shutdown = getattr(self.engine, "shutdown", None)
-        if shutdown:
-            shutdown()
+        if not self._thread.is_alive():
+            return
+        try:
+            self._call(self._stop()).result(timeout=60)
+        except (cf.TimeoutError, RuntimeError, AstraflowError):
+            log.warning("vLLM engine of %s did not shut down cleanly", self.policy)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    def engine_pids(self) -> list[int]:
+        """Process ids of the engine's core processes (children of this process)."""
+        import psutil
+
+        me = psutil.Process()
+        return [p.pid for p in me.children(recursive=True) if "EngineCore" in " ".join(_name(p))]
+
+    # ---- the engine thread ---------------------------------------------------------------------
+
+    def _call(self, coro) -> cf.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    async def _start(self) -> None:
+        self._open = asyncio.Event()  # set while new requests may start
+        self._open.set()
+        self._drained = asyncio.Event()  # set while no request runs
+        self._drained.set()
+        self._running = 0
+        self._updating: asyncio.Task | None = None
+        self._engine_ok = asyncio.Event()
+        self.engine = await asyncio.to_thread(self._new_engine)
+        self._engine_ok.set()
+
+    def _new_engine(self) -> Any:
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        try:
+            args = AsyncEngineArgs(**self._kwargs)
+        except TypeError as exc:  # an AsyncEngineArgs without logprobs_mode
+            raise VllmBackendError(
+                f"this vLLM cannot return post-temperature logprobs ({exc}): upgrade to vllm>=0.10.2, "
+                "or the trainer's importance weights would compare different distributions"
+            ) from exc
+        before = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+        if self._kv_cache_gib is not None:  # read by the engine process it starts
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self._kv_cache_gib)
+        try:
+            return AsyncLLM.from_engine_args(args)
+        except Exception as exc:  # vLLM raises many types when the device or model is unusable
+            raise VllmBackendError(f"vLLM could not start on {self.model_dir}: {exc}") from exc
+        finally:
+            if before is None:
+                os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+            else:
+                os.environ["VLLM_CPU_KVCACHE_SPACE"] = before
+
+    async def _stop(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:  # in this loop: its output handler is cancelled before it sees the engine go
+            engine.shutdown()
+
+    async def _generate(self, request: GenerateRequest) -> Generation:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        max_tokens = check_request(request, self.context_length)
+        if max_tokens < request.max_tokens:
+            self.clamped += 1
+        retried = False
+        while True:
+            while not self._open.is_set():  # a weight swap waits for the running requests
+                await self._open.wait()
+            await self._engine_ok.wait()
+            version = self.version
+            self._running += 1
+            self._drained.clear()
+            try:
+                return await self._run_once(request, max_tokens, version)
+            except EngineDeadError as exc:
+                if retried:
+                    raise VllmBackendError(f"the vLLM engine died twice under this request: {exc}") from exc
+                retried = True
+                await self._engine_died()
+            finally:
+                self._running -= 1
+                if self._running == 0:
+                    self._drained.set()
+
+    async def _run_once(self, request: GenerateRequest, max_tokens: int, version: int) -> Generation:
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(temperature=request.temperature, top_p=request.top_p, max_tokens=max_tokens,
+                                stop=request.stop or None, logprobs=0, include_stop_str_in_output=True)
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids), cache_salt=f"v{version}")
+        final = None
+        async for out in self.engine.generate(prompt, params, request_id=f"{self.policy}-{next(self._ids)}"):
+            final = out
+        if final is None or not final.outputs:
+            raise VllmBackendError("vLLM returned no output")
+        comp = final.outputs[0]
+        if comp.finish_reason not in ("stop", "length"):
+            raise VllmBackendError(f"vLLM ended the request with {comp.finish_reason!r}")
+        ids, lps = completion_arrays(list(comp.token_ids), comp.logprobs)
+        versions = np.full(len(ids), version, np.int32)
+        return Generation(ids, lps, versions, self.decode(ids), "length" if comp.finish_reason == "length" else "stop")
+
+    # ---- weights ---------------------------------------------------------------------------------
+
+    def _kick_update(self) -> None:
+        if self._updating is None or self._updating.done():
+            self._updating = self._loop.create_task(self._apply_updates())
+
+    async def _apply_updates(self) -> None:
+        while self._newest is not None:
+            self._open.clear()  # new requests wait; the running ones finish on their version
+            try:
+                await self._drained.wait()
+                await self._engine_ok.wait()
+                state, version = self._newest
+                self._newest = None
+                try:
+                    await self._load(state)
+                except Exception:  # keeps serving the weights it has (the follower logs the next version)
+                    log.exception("vLLM engine of %s could not load version %d; serving version %d",
+                                  self.policy, version, self.version)
+                    continue
+                self._applied_state = (state, version)
+                with self._applied:
+                    self.version = version
+                    self._applied.notify_all()
+                log.info("vLLM engine of %s serves version %d (reload %.2f s)", self.policy, version, self.reload_s[-1])
+            finally:
+                if self._newest is None:
+                    self._open.set()
+
+    async def _load(self, state: dict[str, Any]) -> None:
+        import time
+
+        from astraflow.raas.backends.vllm_worker import LOAD_METHOD, write_weights_file
+
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="astraflow-vllm-", dir=_shm()) as tmp:
+            path = str(Path(tmp) / "weights.safetensors")
+            await asyncio.to_thread(write_weights_file, state, path)
+            await self.engine.collective_rpc(LOAD_METHOD, args=(path,))
+        self.reload_s.append(time.perf_counter() - t0)
+
+    # ---- restarts --------------------------------------------------------------------------------
+
+    async def _engine_died(self) -> None:
+        """Starts a new engine (once, however many requests saw the old one die) with the newest
+        applied weights; raises when no restart is left."""
+        if self._engine_ok.is_set():
+            if self._restarts_left <= 0:
+                raise VllmBackendError("the vLLM engine died and no restart is left (engine_restarts): restart the node")
+            self._restarts_left -= 1
+            self._engine_ok.clear()
+            log.error("the vLLM engine of %s died; starting a new one", self.policy)
+            self.engine.shutdown()
+            self.engine = await asyncio.to_thread(self._new_engine)
+            if self._applied_state is not None:
+                await self._load(self._applied_state[0])
+            self.restarts += 1
+            self._engine_ok.set()
+            log.info("vLLM engine of %s restarted at version %d", self.policy, self.version)
+        await self._engine_ok.wait()
 
 
-def engine_kwargs(model_dir: str, gpu_memory_utilization: float, max_model_len: int | None, seed: int | None) -> dict[str, Any]:
+def _name(p: Any) -> list[str]:
+    try:
+        return [p.name(), *p.cmdline()]
+    except Exception:  # a child that exited meanwhile
+        return []
+
+
+def _shm() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+def check_request(request: GenerateRequest, context_length: int | None) -> int:
+    """The max_tokens to ask vLLM for: `request.max_tokens`, cut to what fits the context.
+    Raises `VllmBackendError` for a request the engine must not see."""
+    n = len(request.prompt_ids)
+    if n == 0:
+        raise VllmBackendError("empty prompt: a request needs at least one token")
+    if context_length is not None and n >= context_length:
+        raise VllmBackendError(f"prompt of {n} tokens does not fit the model's {context_length}-token context")
+    if request.max_tokens < 1:
+        raise VllmBackendError(f"max_tokens must be at least 1, got {request.max_tokens}")
+    if not (math.isfinite(request.temperature) and request.temperature >= 0):
+        raise VllmBackendError(f"temperature must be finite and >= 0 (0 = greedy), got {request.temperature}")
+    if not (0.0 < request.top_p <= 1.0):
+        raise VllmBackendError(f"top_p must be in (0, 1], got {request.top_p}")
+    if any(not isinstance(s, str) or not s for s in request.stop):
+        raise VllmBackendError("stop strings must be non-empty strings")
+    room = request.max_tokens if context_length is None else min(request.max_tokens, context_length - n)
+    return room
+
+
+def refuse_tied(model_dir: str) -> None:
+    """Raise `VllmBackendError` for a model whose output head shares the input embeddings."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise VllmBackendError(f"no readable config.json in {model_dir}: {exc}") from exc
+    if cfg.get("tie_word_embeddings") is True:
+        raise VllmBackendError(
+            f"the model in {model_dir} ties its output head to its input embeddings; vLLM's in-place weight "
+            "reload leaves such a head stale. Serve a model with untied embeddings (init_tiny(..., tie_embeddings=False); "
+            "tie_word_embeddings=false in config.json with an lm_head.weight tensor)")
+
+
+def checkpoint_layout(model_dir: str) -> ModelLayout:
+    """The layout of the safetensors checkpoint in `model_dir`, read from the files' headers only."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise VllmBackendError(f"no *.safetensors checkpoint in {model_dir}")
+    tensors: dict[str, TensorMeta] = {}
+    for f in files:
+        with open(f, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(size))
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = DTYPE_BY_NAME[SAFETENSORS_DTYPES[info["dtype"]]]
+            tensors[name] = TensorMeta(dtype, tuple(int(s) for s in info["shape"]))
+    return ModelLayout(tensors, tuple((n,) for n in tensors))
+
+
+def engine_kwargs(model_dir: str, gpu_memory_utilization: float, max_model_len: int | None, seed: int | None,
+                  max_num_seqs: int | None = None, dtype: str = "auto") -> dict[str, Any]:
     """Arguments of vLLM's `AsyncEngineArgs`: processed (post-temperature, post-top-p) logprobs."""
-    return {"model": model_dir, "gpu_memory_utilization": gpu_memory_utilization, "max_model_len": max_model_len,
-            "seed": seed or 0, "enforce_eager": True, "logprobs_mode": "processed_logprobs"}
+    kw: dict[str, Any] = {"model": model_dir, "gpu_memory_utilization": gpu_memory_utilization,
+                          "max_model_len": max_model_len, "seed": seed or 0, "enforce_eager": True,
+                          "logprobs_mode": "processed_logprobs", "dtype": dtype,
+                          "worker_extension_cls": WORKER_EXTENSION}
+    if max_num_seqs is not None:
+        kw["max_num_seqs"] = max_num_seqs
+    return kw
 
 
 def completion_arrays(token_ids: list[int], logprobs: list[dict[int, Any]] | None) -> tuple[np.ndarray, np.ndarray]:
     """(int32 ids, float32 logprobs) of a vLLM completion: the logprob of each sampled id from its
     step's dict (id -> object with `.logprob`). A step that lacks its sampled id (never with
-    logprobs=0, which always includes it) is an error, not a silent 0: a 0 would claim
-    probability 1 to the trainer."""
+    logprobs=0, which always includes it) or a non-finite value is an error, not a silent 0: a 0
+    would claim probability 1 to the trainer."""
     steps = logprobs or []
     if len(steps) != len(token_ids):
         raise VllmBackendError(f"vLLM returned {len(steps)} logprob steps for {len(token_ids)} tokens; request logprobs=0")
@@ -129,5 +401,8 @@ def completion_arrays(token_ids: list[int], logprobs: list[dict[int, Any]] | Non
     for i, (t, step) in enumerate(zip(token_ids, steps, strict=True)):
         if not step or t not in step:
             raise VllmBackendError(f"vLLM gave no logprob for the sampled token {t} at position {i}")
-        out[i] = float(step[t].logprob)
+        value = float(step[t].logprob)
+        if not math.isfinite(value) or value > 1e-4:
+            raise VllmBackendError(f"vLLM gave logprob {value} for the sampled token {t} at position {i}")
+        out[i] = value
     return np.asarray(token_ids, np.int32), out
