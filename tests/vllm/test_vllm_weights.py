@@ -63,8 +63,8 @@ def test_versions_arrive_in_place_and_every_token_records_the_one_that_produced_
             manifest = publisher.publish(state, trainer_step=v, snapshot=(v == 3))
             publisher.producer.flush()
             states[manifest.version] = published_state(state)
-            _wait(lambda: follower.applied == v + 1 and backend.version == manifest.version,
-                  f"version {manifest.version} not applied")
+            want = (v + 1, manifest.version)
+            _wait(lambda want=want: (follower.applied, backend.version) == want, f"version {want[1]} not applied")
             (g,) = asyncio.run(_all(backend, [GenerateRequest(prompt, 16, 1.0)]))
             assert (g.versions == manifest.version).all()
             gaps = _gap(hf, states, prompt, g, 1.0)
