@@ -37,6 +37,8 @@ def demo(
     scenario: str = typer.Option("arith", help="arith (the calculator agent), solver-verifier (two policies trained "
                                  "together), or an AgentBench-style environment through the OpenAI endpoint: db (SQL), "
                                  "os (sandboxed shell), code (hidden tests)."),
+    backend: str = typer.Option("torch", help="The RaaS nodes' inference backend (arith): torch, or vllm (vLLM's CPU "
+                                "build; run from the virtualenv of scripts/vllm-env.sh)."),
 ) -> None:
     """Learn a tool-using agent on CPU through the whole dataflow (default: arithmetic, with a live view)."""
     import time
@@ -45,6 +47,8 @@ def demo(
 
     if scenario not in ("arith", "solver-verifier", "db", "os", "code"):
         raise typer.BadParameter(f"--scenario {scenario!r}: choose arith, solver-verifier, db, os or code")
+    if backend not in ("torch", "vllm") or (backend == "vllm" and scenario != "arith"):
+        raise typer.BadParameter(f"--backend {backend!r}: choose torch, or vllm (with the arith scenario)")
     if tool_fraction is not None and not 0.0 <= tool_fraction <= 1.0:
         raise typer.BadParameter(f"--tool-fraction {tool_fraction}: give a share between 0 and 1")
 
@@ -82,7 +86,8 @@ def demo(
     settings = DemoSettings(minutes=minutes, target_success=target, versions=versions, nodes=nodes,
                             n_samples=n_samples or DemoSettings.n_samples, lr=lr,
                             batch_size=batch_size or DemoSettings.batch_size, sft_steps=sft_steps or DemoSettings.sft_steps,
-                            tool_fraction=DemoSettings.tool_fraction if tool_fraction is None else tool_fraction)
+                            tool_fraction=DemoSettings.tool_fraction if tool_fraction is None else tool_fraction,
+                            backend=backend)
     code = run_demo(cfg, settings, run_dir, console, experiment=experiment)
     raise typer.Exit(code)
 

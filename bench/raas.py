@@ -21,6 +21,10 @@ request reaches the engine (node) or its batch's `generate` call starts (plain) 
 sampled token. For the node, the engine's own counters: rows sampled per decoding step (16 is a
 full batch) and the share of the measured time it spent stepping (the rest it waited for
 requests). Usage: python bench/raas.py [--quick] [--json OUT]
+
+`--backend vllm` (in the virtualenv of scripts/vllm-env.sh) measures instead a node over vLLM
+against vLLM's own offline `LLM.generate` and against the node over the torch engine
+(`_raas_vllm.py`; key `node_vs_offline_ratio`).
 """
 
 from __future__ import annotations
@@ -174,6 +178,9 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8, help="samples per task of the grouped case")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads of the engine and of the plain loop (1: a shared 2-core machine)")
+    ap.add_argument("--backend", choices=("torch", "vllm"), default="torch",
+                    help="vllm: the node over vLLM vs vLLM offline and vs the torch engine (_raas_vllm.py)")
+    ap.add_argument("--inflight", type=int, default=64, help="--backend vllm: the vLLM node's max-inflight")
     args = ap.parse_args()
     tasks = 48 if args.quick else 160
     grouped = max(2, tasks // args.group)
@@ -185,6 +192,11 @@ def main() -> None:
         local = LocalKafka()
         local.up(echo=lambda *_: None)
         kafka = KafkaSettings(bootstrap_servers=local.bootstrap)
+    if args.backend == "vllm":
+        import _raas_vllm
+
+        _raas_vllm.main(kafka, 64 if args.quick else 256, args.tokens, args.inflight, args.json)
+        return
     from astraflow.models.tiny import init_tiny
 
     model = init_tiny(Path(tempfile.mkdtemp()) / "tiny", seed=0)

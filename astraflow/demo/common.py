@@ -79,12 +79,13 @@ def trainer_role(name: str, exp: str, policy: str, model: Path, run_dir: Path, l
 
 
 def node_role(node_id: str, exp: str, served: dict[str, Path], max_inflight: int, seed: int,
-              env: dict[str, str], name: str | None = None) -> Role:
+              env: dict[str, str], name: str | None = None, extra: Sequence[str] = ()) -> Role:
     """A RaaS node (`astraflow raas serve`) serving each policy of `served` from its model, one thread;
-    the role is named `name` (its log file's name), by default as the node."""
+    the role is named `name` (its log file's name), by default as the node; `extra`: more options
+    (e.g. the backend)."""
     args = [a for policy, model in served.items() for a in ("-p", f"{policy}={model}")]
     return Role(name or node_id, [*PY, "raas", "serve", "-e", exp, *args, "--max-inflight", str(max_inflight),
-                          "--node-id", node_id, "--threads", "1", "--seed", str(seed)], env)
+                          "--node-id", node_id, "--threads", "1", "--seed", str(seed), *extra], env)
 
 
 def curate_role(exp: str, policies: Sequence[str], env: dict[str, str]) -> Role:

@@ -62,6 +62,8 @@ class DemoSettings:
     publish_dtype: str = "float32"  # bf16 would round away most of a tiny model's small RL updates
     eval_interval_s: float = 30.0  # at most one held-out evaluation per this many seconds
     seed: int = 0
+    backend: str = "torch"  # the nodes' inference backend: torch, or vllm (its CPU build; an untied model)
+    vllm_kv_cache_gib: float = 1.0  # vllm: each node's KV cache (VLLM_CPU_KVCACHE_SPACE), so everything fits
 
 
 def warm_model(settings: DemoSettings, console: Console) -> Path:
@@ -73,12 +75,13 @@ def warm_model(settings: DemoSettings, console: Console) -> Path:
 
     hf_logging.disable_progress_bar()
 
+    tied = settings.backend != "vllm"  # vLLM's in-place weight reload needs an untied output head
     key = hashlib.sha256(json.dumps([settings.sft_steps, settings.difficulty, settings.seed, settings.tool_fraction,
-                                     settings.sft_lr, 4]).encode()).hexdigest()[:10]
+                                     settings.sft_lr, 4, *([] if tied else ["untied"])]).encode()).hexdigest()[:10]
 
     def build(tmp: Path) -> None:
         console.print("Building a tiny Qwen2 model with a locally trained tokenizer...")
-        init_tiny(tmp, seed=settings.seed)
+        init_tiny(tmp, seed=settings.seed, tie_embeddings=tied)
         console.print(f"Warm-starting it with {settings.sft_steps} SFT steps: {settings.tool_fraction:.0%} of the "
                       "demonstrations use the calculator, the rest answer directly (about a minute)...")
         m = warm_start(tmp, steps=settings.sft_steps, difficulty=settings.difficulty, seed=settings.seed,
@@ -115,12 +118,16 @@ def roles(cfg: AstraflowConfig, s: DemoSettings, exp: str, model: Path, train: P
         Role("eval", [*PY, "eval", "-e", exp, "-p", "policy", "-m", str(model), "--heldout", str(heldout),
                       "--interval", str(s.eval_interval_s)], env),
     ]
-    out += [node_role(f"raas-{i + 1}", exp, {"policy": model}, s.max_inflight, s.seed + i, env) for i in range(s.nodes)]
+    extra = ["--backend", "vllm", "--kv-cache-gib", str(s.vllm_kv_cache_gib)] if s.backend == "vllm" else []
+    out += [node_role(f"raas-{i + 1}", exp, {"policy": model}, s.max_inflight, s.seed + i, env, extra=extra)
+            for i in range(s.nodes)]
     return out
 
 
 def run_demo(cfg: AstraflowConfig, s: DemoSettings, run_dir: Path, console: Console, experiment: str | None = None) -> int:
     """Runs the demo; returns the process exit code."""
+    if s.backend == "vllm":
+        require_vllm()
     t_setup = time.monotonic()
     exp = experiment or f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     n_topics = start_run(cfg, run_dir, exp, ["policy"], asdict(s))
@@ -179,6 +186,17 @@ def run_demo(cfg: AstraflowConfig, s: DemoSettings, run_dir: Path, console: Cons
     console.print(f"Plot: {plot}")
     print_next_steps(console, exp, "policy", run_dir)
     return 0
+
+
+def require_vllm() -> None:
+    """Raise `ConfigError` unless vLLM can be imported by the role processes (this interpreter)."""
+    import importlib.util
+
+    from astraflow.errors import ConfigError
+
+    if importlib.util.find_spec("vllm.entrypoints") is None:
+        raise ConfigError("--backend vllm needs vLLM in this Python: run the demo from the virtualenv of "
+                          "scripts/vllm-env.sh, e.g. `$(bash scripts/vllm-env.sh)/bin/astraflow demo --backend vllm`")
 
 
 def _dashboard(cfg: AstraflowConfig, exp: str, console: Console) -> tuple[Any, Any] | None:

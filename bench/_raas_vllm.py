@@ -1,0 +1,124 @@
+"""`bench/raas.py --backend vllm`: a RaaS node over vLLM beside vLLM's own offline `LLM.generate`.
+
+In one run, on the same tiny model (untied embeddings, float32), the same prompts, sampling
+(temperature 1, logprobs of the sampled tokens, processed) and token budget:
+
+* the node: a RaasNode serving `tasks` single-sample `rlvr` tasks from a real Kafka with the
+  `vllm` backend (its engine core in a child process), `--inflight` rollouts at once;
+* vLLM offline: `LLM.generate` on every prompt at once (vLLM schedules them itself);
+* the node with our `torch` engine (its own process, max-inflight 16, as `astraflow raas serve`).
+
+Tokens/s counts the tokens generated between the first rollout's start (the group join is not
+throughput) and the last task's end for the nodes, and the `generate` call for offline vLLM;
+engine start-up is outside every measurement. `node_vs_offline_ratio` is the node's tokens/s over
+offline vLLM's (goal >= 0.9). Needs the virtualenv of scripts/vllm-env.sh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from pathlib import Path
+
+from _common import write_json
+
+from astraflow.config import AstraflowConfig, KafkaSettings
+from astraflow.kafka.clients import RecordProducer
+from astraflow.kafka.topics import TopicAdmin, Topics, topic_specs
+from astraflow.raas.node import NodeSettings, RaasNode
+from astraflow.records import SamplingParams
+from astraflow.testing import make_task
+
+KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE of both vLLM engines
+MAX_MODEL_LEN = 512
+
+
+def vllm_node_run(kafka: KafkaSettings, model: Path, tasks: int, tokens: int, inflight: int, backend: str) -> dict:
+    exp = f"bench-raas-vllm-{uuid.uuid4().hex[:8]}"
+    admin = TopicAdmin(kafka)
+    specs = topic_specs(exp, ["policy"], AstraflowConfig().topics)
+    admin.create(specs)
+    try:
+        producer = RecordProducer(kafka)
+        for i in range(tasks):
+            t = make_task(i, n_samples=1)
+            t.sampling = SamplingParams(temperature=1.0, max_tokens=tokens)
+            producer.send(Topics(exp).tasks, t, key=t.group_id)
+        producer.flush()
+        if backend == "vllm":
+            from astraflow.raas.backends.vllm_backend import VllmBackend
+
+            b = VllmBackend("policy", str(model), max_model_len=MAX_MODEL_LEN, kv_cache_gib=KV_CACHE_GIB,
+                            dtype="float32", seed=0)
+        else:
+            from astraflow.raas.backends.torch_backend import TorchBackend
+
+            b = TorchBackend("policy", str(model), seed=0, max_batch=16, threads=1, process=True)
+        node = RaasNode(AstraflowConfig(kafka=kafka), NodeSettings(exp, max_inflight=inflight, metrics_interval_s=3600),
+                        {"policy": b}, tools={})
+
+        async def main() -> tuple[float, int]:
+            run = asyncio.create_task(node.run())
+            while node.inflight == 0 and node.tasks_done == 0:
+                await asyncio.sleep(0.001)
+            t0 = time.perf_counter()
+            while node.tasks_done < tasks:
+                await asyncio.sleep(0.005)
+            elapsed = time.perf_counter() - t0
+            generated = node.tokens_done
+            node.stop()
+            await run
+            return elapsed, generated
+
+        try:
+            elapsed, generated = asyncio.run(main())
+        finally:
+            b.close()
+        return {"setup": f"node over Kafka, {backend} backend, max-inflight {inflight}", "rollouts": tasks,
+                "tokens": generated, "seconds": elapsed, "tokens_per_s": generated / elapsed}
+    finally:
+        admin.delete([s.name for s in specs])
+
+
+def offline_run(model: Path, tasks: int, tokens: int) -> dict:
+    import os
+
+    from transformers import AutoTokenizer
+    from vllm import LLM, TokensPrompt
+    from vllm import SamplingParams as VllmSampling
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB))
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts = [TokensPrompt(prompt_token_ids=tok.encode(make_task(i).prompt, add_special_tokens=True))
+               for i in range(tasks)]
+    llm = LLM(model=str(model), max_model_len=MAX_MODEL_LEN, enforce_eager=True, dtype="float32", seed=0,
+              logprobs_mode="processed_logprobs")
+    params = VllmSampling(temperature=1.0, max_tokens=tokens, logprobs=0)
+    llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up, as the node's first rollouts are outside its timing
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    del llm
+    return {"setup": "vLLM offline LLM.generate, all prompts at once", "rollouts": tasks, "tokens": generated,
+            "seconds": elapsed, "tokens_per_s": generated / elapsed}
+
+
+def main(kafka: KafkaSettings, tasks: int, tokens: int, inflight: int, json_out: str | None) -> None:
+    import tempfile
+
+    from astraflow.models.tiny import init_tiny
+
+    model = init_tiny(Path(tempfile.mkdtemp()) / "tiny", seed=0, tie_embeddings=False)
+    rows = [vllm_node_run(kafka, model, tasks, tokens, inflight, "vllm"), offline_run(model, tasks, tokens),
+            vllm_node_run(kafka, model, tasks, tokens, 16, "torch")]
+    print(f"{'setup':<58} {'rollouts':>8} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}")
+    for r in rows:
+        print(f"{r['setup']:<58} {r['rollouts']:>8} {r['tokens']:>7} {r['seconds']:>8.2f} {r['tokens_per_s']:>9.0f}")
+    ratio = rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]
+    vs_torch = rows[0]["tokens_per_s"] / rows[2]["tokens_per_s"]
+    print(f"node over vLLM vs vLLM offline, tokens/s: {ratio:.2f}x (goal >= 0.9); vs the node over the torch engine: "
+          f"{vs_torch:.2f}x")
+    write_json(json_out, "raas_vllm", {"tasks": tasks, "new_tokens": tokens, "inflight": inflight, "rows": rows,
+                                       "node_vs_offline_ratio": ratio, "vllm_node_vs_torch_node_ratio": vs_torch})
