@@ -99,6 +99,7 @@ class VllmBackend:
         self._restarts_left = engine_restarts
         self._ids = itertools.count()
         self._newest: tuple[dict[str, Any], int] | None = None  # weights not applied yet
+        self._newest_lock = threading.Lock()  # the follower's thread sets it, the engine's loop takes it
         self._applied_state: tuple[dict[str, Any], int] | None = None  # the last applied (for a restart)
         self._applied = threading.Condition()
         self._loop = asyncio.new_event_loop()
@@ -140,7 +141,8 @@ class VllmBackend:
     def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
         """Queues new weights (the newest replaces one not applied yet); applied once the requests
         running now have finished, before any request that waits."""
-        self._newest = (state_dict, int(version))
+        with self._newest_lock:
+            self._newest = (state_dict, int(version))
         self._loop.call_soon_threadsafe(self._kick_update)
 
     def wait_version(self, version: int, timeout_s: float) -> bool:
@@ -266,8 +268,8 @@ class VllmBackend:
             try:
                 await self._drained.wait()
                 await self._engine_ok.wait()
-                state, version = self._newest
-                self._newest = None
+                with self._newest_lock:
+                    (state, version), self._newest = self._newest, None
                 try:
                     await self._load(state)
                 except Exception:  # keeps serving the weights it has (the follower logs the next version)
