@@ -12,7 +12,11 @@ every ~100 ms). The latest record by offset wins, exactly what compaction keeps,
 that restarts ends in the same state as one that followed along.
 
 `CompactedReader` is the same machinery for any compacted topic (`policies`, `feedback`):
-latest value per key, bytes in, decoded records out.
+latest value per key, bytes in, decoded records out. On an authority topic (`control`: the
+operator's; `policies`: the trainers') it takes only records signed by the owner's key
+(`astraflow.kafka.signing`), never one signed before the record in force for its key (a
+replay), nor on `policies` a version lower than the one in force; a refused record is
+dead-lettered with the reason and changes nothing.
 """
 
 from __future__ import annotations
@@ -106,6 +110,8 @@ class CompactedReader:
         serde: AvroSerde | None = None,
         expect: type | None = None,
         on_record: Callable[[str, Any], None] | None = None,
+        signed: tuple[str, str] | None = None,
+        component: str = "reader",
     ) -> None:
         from astraflow.serde import AvroSerde
 
@@ -115,6 +121,18 @@ class CompactedReader:
         self.on_record = on_record
         self.latest: dict[str, Any] = {}  # key -> decoded record
         self.errors: list[str] = []  # why records were skipped (bounded)
+        self.refused = 0  # records refused (signature, replay), each dead-lettered
+        self.component = component
+        # (experiment, stream): an authority topic whose records must carry its owner's signature
+        self._signed = signed
+        self._verifier: Any = None
+        if signed is not None:
+            from astraflow.kafka.signing import Verifier
+
+            self._verifier = Verifier(signed[0])
+        self._signed_at: dict[str, int] = {}  # key -> signing time of the record in force (replays go back)
+        self._kafka = kafka
+        self._dlq: Any = None
         self._consumer = _consumer(kafka, self.serde.max_record_bytes)
         self._partitions = self._assign()
 
@@ -178,6 +196,49 @@ class CompactedReader:
             if len(msgs) < max_records:
                 return n
 
+    def _refuse(self, msg: Any, error: Exception) -> None:
+        """Dead-letters a refused record (original bytes, the reason); the state is unchanged."""
+        from astraflow.kafka.clients import RecordProducer
+        from astraflow.kafka.received import DeadLetterWriter, Received
+        from astraflow.kafka.topics import Topics
+
+        self.refused += 1
+        if len(self.errors) < 100:
+            self.errors.append(f"{self.topic}[{msg.partition()}]@{msg.offset()}: {error}")
+        if self._signed is None:
+            return
+        try:
+            if self._dlq is None:
+                self._dlq = DeadLetterWriter(RecordProducer(self._kafka), Topics(self._signed[0]).dlq, self.component)
+            self._dlq.send(Received.of(msg), error)
+            self._dlq.producer.poll(0)
+        except Exception as exc:  # the DLQ unreachable: the refusal stands, logged
+            import logging
+
+            logging.getLogger("astraflow.control").error("refused %s@%d (%s); cannot dead-letter it: %s",
+                                                         self.topic, msg.offset(), error, exc)
+
+    def _authentic(self, key: str, msg: Any, record: Any) -> bool:
+        """Signature of the stream's owner, and no replay: a key's signing time (and a policy's
+        version) never goes back, so an old signed record sent again rolls nothing back."""
+        from astraflow.kafka.signing import SignatureError
+
+        try:
+            signed = self._verifier.check(self._signed[1], msg.key(), msg.value(), msg.headers())
+            before = self._signed_at.get(key)
+            if before is not None and signed.ts_ms < before:
+                raise SignatureError(f"replayed record on {self._signed[1]} (key {key}): signed at {signed.ts_ms}, "
+                                     f"before the record in force ({before})")
+            old = self.latest.get(key)
+            new_v, old_v = getattr(record, "version", None), getattr(old, "version", None)
+            if self._signed[1] == "policies" and isinstance(new_v, int) and isinstance(old_v, int) and new_v < old_v:
+                raise SignatureError(f"policy version goes back on policies (key {key}): {new_v} after {old_v}")
+        except SignatureError as exc:
+            self._refuse(msg, exc)
+            return False
+        self._signed_at[key] = signed.ts_ms
+        return True
+
     def _take(self, msg: Any) -> None:
         raw_key = msg.key()
         key = raw_key.decode(errors="replace") if isinstance(raw_key, bytes) else str(raw_key)
@@ -187,9 +248,13 @@ class CompactedReader:
             try:
                 record = self.serde.loads(value, self.expect)
             except SerdeError as exc:
-                if len(self.errors) < 100:
+                if self._signed is not None:
+                    self._refuse(msg, exc)
+                elif len(self.errors) < 100:
                     self.errors.append(f"{self.topic}[{msg.partition()}]@{msg.offset()}: {exc}")
                 return
+        if self._verifier is not None and not self._authentic(key, msg, record):
+            return
         if record is None:
             self.latest.pop(key, None)
         else:
@@ -199,6 +264,8 @@ class CompactedReader:
 
     def close(self) -> None:
         self._consumer.close()
+        if self._dlq is not None:
+            self._dlq.producer.flush()
 
 
 class ControlReader:
@@ -210,7 +277,8 @@ class ControlReader:
         self.app = app
         self.state = ControlState()
         self.topic = Topics(experiment).control
-        self._reader = CompactedReader(kafka, self.topic, serde=serde, expect=Control, on_record=self._on_record)
+        self._reader = CompactedReader(kafka, self.topic, serde=serde, expect=Control, on_record=self._on_record,
+                                       signed=(experiment, "control"), component=f"{app or 'every'}-control")
         self.last_change_at: float | None = None  # wall-clock time (time.time()) this reader saw the latest change
 
     def _on_record(self, key: str, record: Control | None) -> None:
@@ -257,6 +325,16 @@ class ControlWriter:
         self.kafka = kafka
         self.experiment = experiment
         self.serde = serde
+        self._signer: Any = None
+
+    @property
+    def signer(self) -> Any:
+        """The operator's key of this experiment (`astraflow.kafka.signing`): control records are signed."""
+        if self._signer is None:
+            from astraflow.kafka.signing import Signer
+
+            self._signer = Signer(self.experiment, "operator")
+        return self._signer
 
     def current(self) -> ControlState:
         """Everything the control topic selects now."""
@@ -292,7 +370,9 @@ class ControlWriter:
             issued_by=issued_by if issued_by is not None else _whoami(),
         )
         producer = RecordProducer(self.kafka, self.serde)
-        producer.send(Topics(self.experiment).control, control, key=control.key)
+        value = producer.serde.dumps(control)
+        producer.send_raw(Topics(self.experiment).control, value, control.key,
+                          self.signer.headers("control", control.key, value))
         producer.flush()
         return control
 
@@ -302,7 +382,8 @@ class ControlWriter:
         from astraflow.kafka.topics import Topics
 
         producer = RecordProducer(self.kafka, self.serde)
-        producer.send_raw(Topics(self.experiment).control, None, key=f"{app}/{slot}")
+        key = f"{app}/{slot}"
+        producer.send_raw(Topics(self.experiment).control, None, key, self.signer.headers("control", key, None))
         producer.flush()
 
 

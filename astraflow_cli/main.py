@@ -11,6 +11,7 @@ from astraflow_cli import (
     demo_cmd,
     experiments_cmd,
     kafka_cmd,
+    keys_cmd,
     logs_cmd,
     model_cmd,
     raas_cmd,
@@ -35,6 +36,7 @@ app.add_typer(registry_cmd.app, name="registry")
 app.add_typer(wan_cmd.app, name="wan")
 app.add_typer(topics_cmd.app, name="topics")
 app.add_typer(experiments_cmd.app, name="experiments")
+app.add_typer(keys_cmd.app, name="keys")
 app.add_typer(apps_cmd.app_app, name="app")
 app.add_typer(apps_cmd.control_app, name="control")
 app.add_typer(apps_cmd.process_app, name="process")

@@ -156,7 +156,8 @@ class CurateApp(GroupSamples, AppHandler):
                     f"train topic {worker.topics.train(policy)} does not exist; create it with "
                     f"`astraflow topics create -e {worker.settings.experiment} -p {policy}`"
                 )
-        self.versions = CompactedReader(worker.kafka, worker.topics.policies, serde=worker.serde, expect=PolicyVersion)
+        self.versions = CompactedReader(worker.kafka, worker.topics.policies, serde=worker.serde, expect=PolicyVersion,
+                                        signed=(worker.settings.experiment, "policies"), component=self.name)
         self.feedback = CompactedReader(
             worker.kafka, worker.topics.feedback, serde=worker.serde, expect=PromptStats, on_record=self._on_feedback
         )

@@ -18,6 +18,13 @@ import pytest
 
 from astraflow.config import KafkaSettings, LocalKafkaSettings, TopicSettings
 
+# Signing keys (astraflow.kafka.signing) of the session's experiments: a folder of this session,
+# set before any test (and inherited by the processes tests start), not the user's ~/.astraflow.
+if not os.environ.get("ASTRAFLOW_KEYS_DIR"):
+    import tempfile
+
+    os.environ["ASTRAFLOW_KEYS_DIR"] = tempfile.mkdtemp(prefix="astraflow-test-keys-")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test gets the marker of its folder; `gpu` tests skip without CUDA, `vllm` tests
@@ -26,7 +33,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     vllm_ok = None
     for item in items:
         parts = Path(str(item.fspath)).parts
-        for kind in ("unit", "integration", "e2e", "vllm"):
+        for kind in ("unit", "integration", "e2e", "vllm", "security"):
             if kind in parts and not item.get_closest_marker(kind):
                 item.add_marker(getattr(pytest.mark, kind))
         if item.get_closest_marker("vllm"):

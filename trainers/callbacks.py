@@ -3,7 +3,7 @@
 - `AtomicCheckpointIO` + `save_checkpoint`: checkpoints written to a temporary file, fsynced and
   renamed (and the directory fsynced), so `kill -9` never leaves a torn file; `prepare_checkpoint`
   takes the state at once and writes it later (the publication's background thread).
-- `SnapshotRequests`: snapshot requests for this policy from the control topic.
+- `SnapshotRequests`: snapshot requests for this policy from the `snapshot_requests` topic.
 - `KafkaMetrics`: the module's metrics and staleness histogram of every `every`-th batch as
   Metric records (best effort: a broker outage delays them, never stops training).
 """
@@ -129,15 +129,15 @@ def prepare_checkpoint(trainer: L.Trainer, directory: Path, keep: int = 2) -> Ca
 
 
 class SnapshotRequests:
-    """Reads snapshot requests for one policy from the control topic (only those sent after start)."""
+    """Reads snapshot requests for one policy from the `snapshot_requests` topic (only those sent after start)."""
 
     def __init__(self, kafka: KafkaSettings, topics: Topics, policy: str) -> None:
         self.key = f"{CONTROL_APP}/{policy}.snapshot"
         self.serde = AvroSerde.for_kafka(kafka)
         self._consumer = reader(kafka, reader_group("trainer_control"))
         try:
-            _, high = watermarks(self._consumer, topics.control, 0)
-            self._consumer.assign([TopicPartition(topics.control, 0, high)])
+            _, high = watermarks(self._consumer, topics.snapshot_requests, 0)
+            self._consumer.assign([TopicPartition(topics.snapshot_requests, 0, high)])
         except KafkaLayerError:
             self._consumer.close()
             self._consumer = None  # no control topic: nobody can ask

@@ -107,7 +107,7 @@ def role_grants(experiment: str, policies: list[str]) -> list[Grant]:
     g("raas", "GROUP", f"{pre}raas", (READ,), "nodes share the tasks in one group")
     g("raas", "TOPIC", t.rollouts, (WRITE,), "trajectories")
     g("raas", "TOPIC", t.policies, (READ,), "where to start following each policy")
-    g("raas", "TOPIC", t.control, (WRITE,), "snapshot requests to the trainers (weights follower)")
+    g("raas", "TOPIC", t.snapshot_requests, (WRITE,), "snapshot requests to the trainers (weights follower)")
     g("raas", "GROUP", READER_GROUPS["weights"], (DESCRIBE,), "weight reader's group (assign only)")
     for p in policies:
         g("raas", "TOPIC", t.weights(p), (READ,), "follows the policy's weights")
@@ -121,6 +121,7 @@ def role_grants(experiment: str, policies: list[str]) -> list[Grant]:
         g(who, "TOPIC", t.policies, (READ, WRITE), "latest version of its policy")
         g(who, "TOPIC", t.lineage, (WRITE,), "samples each version first carries, with their steps (trace)")
         g(who, "GROUP", READER_GROUPS["weights"], (DESCRIBE,), "weight reader's group (assign only)")
+        g(who, "TOPIC", t.snapshot_requests, (READ,), "snapshot requests from the followers")
         g(who, "GROUP", READER_GROUPS["trainer_control"], (DESCRIBE,), "snapshot-request reader's group (assign only)")
         g(who, "TRANSACTIONAL_ID", t.publisher_id(p), (WRITE,), "publishes each version in one transaction (fences a predecessor)")
 

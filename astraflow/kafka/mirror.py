@@ -12,8 +12,12 @@ What crosses, per experiment EXP and region R (docs/deploy.md, "Across regions a
   and `af.EXP.policies` (the latest version per policy, compacted);
 * B -> A: `af.EXP.rollouts` (region B's trajectories, for the reward app in A), `af.EXP.metrics`
   (so `astraflow status` in A sees region B's nodes), `af.EXP.dlq` (tasks region B refused
-  stay accounted for) and `af.EXP.control` (a weight follower in B that cannot catch up asks the
-  trainer in A for a snapshot there; nothing else writes B's control topic).
+  stay accounted for) and `af.EXP.snapshot_requests` (a weight follower in B that cannot catch
+  up asks the trainer in A for a snapshot there).
+
+Signed records cross with their `af-sig` header (MM2 copies headers), and signatures cover the
+logical stream, not the topic name: region B's nodes verify them against the same
+`trust.json` (astraflow.kafka.signing), which the operator ships to region B's hosts.
 
 Topic names stay the same on both sides (`IdentityReplicationPolicy`), so region B's roles need
 no other configuration than their bootstrap servers. Identity names cannot tell a mirrored
@@ -95,7 +99,7 @@ class MirrorPlan:
     def inbound(self) -> list[str]:
         """Regexes of the topics that come back from the region to A."""
         t = self.topics
-        return [re.escape(t.rollouts), re.escape(t.metrics), re.escape(t.dlq), re.escape(t.control)]
+        return [re.escape(t.rollouts), re.escape(t.metrics), re.escape(t.dlq), re.escape(t.snapshot_requests)]
 
 
 def _matches(patterns: list[str], name: str) -> bool:
@@ -112,7 +116,7 @@ def mirror_properties(plan: MirrorPlan) -> dict[str, str]:
     a, b = plan.aliases
     t = plan.topics
     every = [t.tasks, t.tasks_of(plan.region), t.rollouts, t.scored, t.feedback, t.control, t.metrics, t.dlq,
-             t.policies, t.lineage, t.weights("policy"), t.train("policy")]
+             t.policies, t.lineage, t.snapshot_requests, t.weights("policy"), t.train("policy")]
     clash = loop_free(plan, every)
     if clash:  # cannot happen with the patterns above; a guard for whoever edits them
         raise LocalKafkaError(f"topics mirrored both ways would loop: {', '.join(clash)}")

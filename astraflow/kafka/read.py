@@ -10,9 +10,10 @@ tail of a weights topic are read this way (`astraflow.weights.versions`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
 from astraflow.config import KafkaSettings
 from astraflow.errors import KafkaLayerError, SerdeError
@@ -29,10 +30,12 @@ def assigned_consumer(kafka: KafkaSettings, serde: AvroSerde, group_id: str = RE
 
 
 def read_range(
-    kafka: KafkaSettings, topic: str, start: int | None, serde: AvroSerde, timeout_s: float, strict: bool = False
+    kafka: KafkaSettings, topic: str, start: int | None, serde: AvroSerde, timeout_s: float, strict: bool = False,
+    accept: Callable[[Message], bool] | None = None,
 ) -> list[Any]:
     """Decoded committed records of partition 0 of `topic` from `start` (None: the last 64
-    offsets) to its end; records that do not decode are skipped (not ours to judge here).
+    offsets) to its end; records that do not decode, or that `accept` refuses (a signature
+    check), are skipped (not ours to judge here).
     `strict`: raise KafkaLayerError instead of returning what was read by the timeout."""
     consumer = assigned_consumer(kafka, serde)
     try:
@@ -51,6 +54,8 @@ def read_range(
                         pos = high
                     continue
                 pos = msg.offset() + 1
+                if accept is not None and not accept(msg):
+                    continue
                 try:
                     out.append(serde.loads(msg.value()))
                 except SerdeError:

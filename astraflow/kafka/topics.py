@@ -23,7 +23,8 @@ log = logging.getLogger("astraflow.kafka")
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 
 PREFIX = "af."  # of every AstraFlow topic and group; then the experiment, then the stream
-SHARED_STREAMS = ("tasks", "rollouts", "scored", "feedback", "control", "metrics", "dlq", "policies", "lineage")
+SHARED_STREAMS = ("tasks", "rollouts", "scored", "feedback", "control", "metrics", "dlq", "policies", "lineage",
+                  "snapshot_requests")
 POLICY_STREAMS = ("train", "weights")
 
 # Group ids of the readers that never commit (assign-only readers, watermark and lag probes): one
@@ -107,6 +108,12 @@ class Topics:
         return self._t("policies")
 
     @property
+    def snapshot_requests(self) -> str:
+        """Followers asking trainers for a full snapshot (RaaS nodes write it; `control`, the
+        operator's alone, is not theirs to write)."""
+        return self._t("snapshot_requests")
+
+    @property
     def lineage(self) -> str:
         """What `astraflow trace` needs beyond the data topics: groups dropped, samples trained."""
         return self._t("lineage")
@@ -188,6 +195,7 @@ def topic_specs(experiment: str, policies: list[str], settings: TopicSettings) -
         TopicSpec(t.dlq, 1, {**work, "max.message.bytes": big}),
         TopicSpec(t.policies, 1, {**compact, "max.message.bytes": big}),
         TopicSpec(t.lineage, 1, {**work, "max.message.bytes": big}),
+        TopicSpec(t.snapshot_requests, 1, work),
     ]
     for policy in policies:
         specs.append(TopicSpec(t.train(policy), p, work))

@@ -10,6 +10,8 @@ published delta in order. Whatever arrives, the chain never holds wrong weights:
 - a payload that does not fit the served model (`layout`: tensor names, shapes, dtypes; a
   snapshot must cover every tensor) or would decode to more than `max_state_bytes` ->
   refused before the offending tensor is decoded, ``SNAPSHOT_NEEDED`` with the error;
+- with `require_finite` (every follower), a payload that gives NaN or infinite weights -> refused (a delta rolled back), ``SNAPSHOT_NEEDED``
+  with the error;
 - otherwise ``APPLIED`` and `version` moves on.
 
 Deltas are patched into the chain's own buffers in place (no second copy of the weights); see
@@ -34,7 +36,7 @@ from astraflow.weights.delta import SparseDelta
 from astraflow.weights.format import OP_FULL, StreamHeader, TensorRecord, split_blocks
 from astraflow.weights.layout import ModelLayout, WeightLayoutError
 from astraflow.weights.snapshot import load_snapshot
-from astraflow.weights.transaction import apply_blocks
+from astraflow.weights.transaction import apply_blocks, check_finite_tensors
 
 
 class ApplyStatus(enum.Enum):
@@ -65,7 +67,9 @@ def _owned_copy(value: Any) -> Any:
 class WeightChain:
     """Current weights and version of one receiver; see the module docstring."""
 
-    def __init__(self, layout: ModelLayout | None = None, max_state_bytes: int | None = None) -> None:
+    def __init__(self, layout: ModelLayout | None = None, max_state_bytes: int | None = None,
+                 require_finite: bool = False) -> None:
+        self.require_finite = require_finite  # refuse versions with NaN / infinity (followers: on)
         self._state: dict[str, Any] = {}  # name -> tensor, owned (contiguous CPU)
         self._manifest = StateManifest()  # verified manifest of _state
         self._version: int | None = None  # None until a snapshot is loaded
@@ -121,6 +125,8 @@ class WeightChain:
             snap = load_snapshot(data, admit=self._admit())
             if self.layout is not None:
                 self.layout.check_complete(snap.state)
+            if self.require_finite:
+                check_finite_tensors(snap.state, list(snap.state))
         except WeightsError as exc:
             return ApplyResult(ApplyStatus.SNAPSHOT_NEEDED, self._version, f"snapshot rejected: {exc}", exc)
         self._state, self._manifest, self._version = dict(snap.state), snap.manifest, snap.version
@@ -155,7 +161,8 @@ class WeightChain:
             )
         try:
             applied = apply_blocks(
-                self._state, itertools.chain([first], it), self._manifest, inplace=True, admit=self._admit()
+                self._state, itertools.chain([first], it), self._manifest, inplace=True, admit=self._admit(),
+                finite=self.require_finite,
             )
         except WeightsError as exc:
             return self._need_snapshot(f"delta {header.base_version} -> {version} rejected: {exc}", exc)

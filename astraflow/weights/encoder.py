@@ -41,12 +41,13 @@ class PublishSettings:
     snapshot_every: int = 20  # a snapshot after this many versions (deltas in between)
     chunk_bytes: int = 1024 * 1024 - 64 * 1024  # in-band chunk size, below the topic's max.message.bytes
     inband_max_bytes: int = 64 * 1024 * 1024  # larger payloads go to the store (when one is set)
+    max_version_step: int = 1  # declared in every manifest: a delta moves at most this many versions
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise WeightsError(f"publish dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if self.snapshot_every < 1 or self.chunk_bytes < 1024:
-            raise WeightsError("snapshot_every must be >= 1 and chunk_bytes >= 1024")
+        if self.snapshot_every < 1 or self.chunk_bytes < 1024 or self.max_version_step < 1:
+            raise WeightsError("snapshot_every and max_version_step must be >= 1 and chunk_bytes >= 1024")
 
 
 def published_state(state: Mapping[str, Any], dtype: str = "bfloat16") -> dict[str, Any]:

@@ -12,7 +12,13 @@ stream (partition 0 of the weights topic) with a plain assigned consumer; a snap
 1) only when it joins or is stuck: it loads the hinted one, then reads the stream again from that
 snapshot's time. A follower that keeps up never reads a snapshot's bytes. It dead-letters every
 refused version (with a `weights_refused_total` metric) and can ask the trainer for a fresh
-snapshot over the control topic. Details: docs/weights.md and docs/training.md.
+snapshot over the control topic. Before a record is fed, its signature must be the trainer's
+(`astraflow.kafka.signing`): an unsigned or forged one is dead-lettered and changes nothing.
+Plausibility holds whatever signed it: finite weights (`astraflow.weights.transaction`), a delta
+that applies to the base it names and moves at most the step its trainer declares
+(`check_step`), a version that never goes back (`VersionLedger`). Every backend (torch, vLLM, a
+large model's loader) gets its weights through this class, so the same checks guard each apply
+path. Details: docs/weights.md and docs/training.md.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from astraflow.errors import KafkaLayerError, SerdeError, WeightsError
 from astraflow.kafka.clients import RecordProducer, consume_ready, data_messages
 from astraflow.kafka.read import assigned_consumer
 from astraflow.kafka.received import DeadLetterWriter, Received
+from astraflow.kafka.signing import SignatureError, Verifier
 from astraflow.kafka.topics import Topics
 from astraflow.records import Metric, PolicyVersion, WeightChunk, WeightKind
 from astraflow.serde import AvroSerde
@@ -48,6 +55,8 @@ from astraflow.weights.verify import (
     fetch_bounded,
 )
 from astraflow.weights.versions import (
+    DEFAULT_MAX_STEP,
+    MAX_STEP,
     SNAPSHOT_OFFSET,
     SNAPSHOT_PARTITION,
     SNAPSHOT_TS,
@@ -133,7 +142,7 @@ class WeightFollower:
     ) -> None:
         self.policy = policy
         self.limits = limits
-        self.chain = chain or WeightChain(layout, limits.max_state_bytes)
+        self.chain = chain or WeightChain(layout, limits.max_state_bytes, require_finite=True)
         # claim-checked payloads: the default checks the location and reads at most the announced size
         self.fetch: BlobFetcher = fetch or (lambda uri, sha, size: fetch_bounded(uri, sha, limits, size))
         self.snapshot_hint: SnapshotHint | None = None  # set while deltas cannot advance the chain
@@ -221,6 +230,7 @@ class WeightFollower:
             check_manifest(m, self.limits)
             if m.num_chunks == 0 and m.uri is not None:
                 check_uri(m.uri, self.limits)
+            check_step(m)
             repeated = self.ledger.check(m, offset)
         except WeightRefusedError as exc:
             return [*events, self._refuse(m, offset, exc)]
@@ -306,6 +316,20 @@ class WeightFollower:
         return FollowEvent(m.version, m.kind, result, offset)
 
 
+def check_step(m: PolicyVersion) -> None:
+    """A delta moves from its base by at least 1 and at most the step its trainer declared
+    (`MAX_STEP` in its signed metadata): a version number far ahead would make every honest
+    version after it look old. Snapshots are how a follower catches up: no bound."""
+    if m.kind != WeightKind.DELTA or m.base_version is None:
+        return
+    declared = _number(m.metadata.get(MAX_STEP))
+    bound = declared if declared is not None and declared >= 1 else DEFAULT_MAX_STEP
+    step = m.version - m.base_version
+    if not 1 <= step <= bound:
+        raise WeightRefusedError(f"delta {m.base_version} -> {m.version} moves {step} versions; its trainer "
+                                 f"declares at most {bound} per delta")
+
+
 def _number(raw: str | None) -> int | None:
     return int(raw) if raw and raw.isdigit() else None
 
@@ -361,6 +385,8 @@ class KafkaWeightFollower:
         self._requested_for = -1  # newest manifest version we already asked a snapshot for
         self.requester = requester
         self.refused = 0  # versions and records refused so far
+        self.verifier = Verifier(experiment)  # only the trainer's signed records are fed
+        self._stream = f"{policy}.weights"
 
     def start(self, offset: int | None = None, timeout_s: float = 10.0) -> None:
         """Read the stream from `offset`; else load the latest snapshot named on ``policies`` from
@@ -415,8 +441,9 @@ class KafkaWeightFollower:
                     raise KafkaLayerError(f"fatal Kafka error on {self.topic} [{SNAPSHOT_PARTITION}]: {err.str()}")
                 continue
             try:
+                self.verifier.check(self._stream, msg.key(), msg.value(), msg.headers())
                 record = self.serde.loads(msg.value())
-            except SerdeError as exc:
+            except (SerdeError, SignatureError) as exc:
                 self._report(msg, None, exc)
                 continue
             if isinstance(record, PolicyVersion):
@@ -455,8 +482,9 @@ class KafkaWeightFollower:
     def _poll_stream(self, events: list[FollowEvent], timeout_s: float, max_records: int) -> None:
         for msg in data_messages(consume_ready(self._consumer, max_records, timeout_s), self.topic):
             try:
+                self.verifier.check(self._stream, msg.key(), msg.value(), msg.headers())
                 record = self.serde.loads(msg.value())
-            except SerdeError as exc:  # the version it belongs to fails its checks as well
+            except (SerdeError, SignatureError) as exc:  # not fed: nothing it says changes anything
                 self._report(msg, None, exc)
                 continue
             if isinstance(record, PolicyVersion):

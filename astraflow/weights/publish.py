@@ -32,6 +32,7 @@ from confluent_kafka import KafkaError, KafkaException
 from astraflow.config import KafkaSettings
 from astraflow.errors import KafkaLayerError, ProduceError, WeightsError
 from astraflow.kafka.clients import RecordProducer
+from astraflow.kafka.signing import Signer
 from astraflow.kafka.topics import Topics
 from astraflow.records import PolicyVersion, WeightKind
 from astraflow.weights.encoder import (
@@ -45,6 +46,7 @@ from astraflow.weights.encoder import (
 )
 from astraflow.weights.store import WeightStore
 from astraflow.weights.versions import (
+    MAX_STEP,
     OFFSET,
     SNAPSHOT_OFFSET,
     SNAPSHOT_PARTITION,
@@ -123,6 +125,13 @@ class WeightPublisher:
         self._snapshot_requested = False
         self._lineage: list[Any] = []  # records sent with the version being published (lineage topic)
         self._txn_ready = False
+        self.signer = Signer(experiment, "trainer")  # every record it writes is signed (astraflow.kafka.signing)
+
+    def _signed(self, topic: str, stream: str, record: Any, key: str, **kw: Any) -> None:
+        # Encoded here to sign it, and again by `send` (a copy of the bytes: cheap next to the
+        # network; `send` stays the one way records leave, for producers that wrap it).
+        value = self.producer.serde.dumps(record)
+        self.producer.send(topic, record, key, self.signer.headers(stream, key, value), **kw)
 
     def start(self, timeout_s: float = 10.0) -> int | None:
         """Continue the numbering after any version already on the topics; returns that version.
@@ -277,9 +286,10 @@ class WeightPublisher:
                 offsets.append(msg.offset())
                 stamps.append(msg.timestamp()[1])
 
-        self.producer.send(topic, m, key=self.policy, on_delivery=delivered, partition=partition)
+        stream = f"{self.policy}.weights"
+        self._signed(topic, stream, m, self.policy, on_delivery=delivered, partition=partition)
         for chunk in chunks:
-            self.producer.send(topic, chunk, key=self.policy, partition=partition)
+            self._signed(topic, stream, chunk, self.policy, partition=partition)
         self._flush()
         if not offsets:
             raise KafkaLayerError(f"no delivery report for version {m.version} on {topic} [{partition}]")
@@ -290,6 +300,7 @@ class WeightPublisher:
         it finds every later stream record at or after its timestamp; then the stream's record
         naming the latest snapshot, its lineage, and the manifest on `policies`."""
         m = pub.manifest
+        m.metadata = {**m.metadata, MAX_STEP: str(self.settings.max_version_step)}
         if pub.beside is not None:
             snap, payload = pub.beside
             snap.latest_snapshot = snap.version
@@ -305,7 +316,7 @@ class WeightPublisher:
         latest = replace(m, metadata={**m.metadata, OFFSET: str(offsets[0])})
         for record in self._lineage:  # before the manifest: a version is announced with its lineage
             self.producer.send(self.topics.lineage, record, key=self.policy)
-        self.producer.send(self.topics.policies, latest, key=self.policy)
+        self._signed(self.topics.policies, "policies", latest, self.policy)
         self._flush()
         return latest
 

@@ -43,6 +43,30 @@ from astraflow.weights.format import (
 _MISSING = object()
 
 
+class NonFiniteWeightsRefused(DeltaFormatError):
+    """A payload that passes its checksums but gives NaN or infinite weights: refused, rolled back
+    (a version with them would make a node serve garbage log-probabilities)."""
+
+
+def all_finite(value: Any) -> bool:
+    """Whether a floating tensor (torch or numpy) holds only finite values (others: True)."""
+    if is_torch(value):
+        import torch
+
+        return not value.is_floating_point() or value.numel() == 0 or bool(torch.isfinite(value).all())
+    import numpy as np
+
+    arr = np.asarray(value)
+    return not np.issubdtype(arr.dtype, np.floating) or bool(np.isfinite(arr).all())
+
+
+def check_finite_tensors(state: Any, names: Iterable[str]) -> None:
+    """Raise NonFiniteWeightsRefused naming the first of `names` in `state` that is not finite."""
+    for name in names:
+        if name in state and not all_finite(state[name]):
+            raise NonFiniteWeightsRefused(f"tensor {name!r} holds NaN or infinity: the version is refused")
+
+
 @dataclass(frozen=True)
 class AppliedStream:
     """What `apply_blocks` read and produced."""
@@ -60,8 +84,12 @@ def apply_blocks(
     inplace: bool,
     prefer_torch: bool | None = None,
     admit: Callable[[TensorRecord], None] | None = None,
+    finite: bool = False,
 ) -> AppliedStream:
     """Apply a stream to `state` (whose manifest is `base`), all or nothing.
+
+    `finite`: also refuse (and roll back) a stream that leaves NaN or infinity in a tensor it
+    touched (a follower's rule; the codec itself is exact on any bit pattern).
 
     New tensor objects are torch tensors if `prefer_torch` (default: if any tensor in `state`
     is one, or `state` is empty) and numpy arrays otherwise (torch anyway for bf16 / fp8).
@@ -72,7 +100,7 @@ def apply_blocks(
         prefer_torch = not state or any(is_torch(v) for v in state.values())
     undo: list[Callable[[], None]] = []
     try:
-        return _apply(state, iter(blocks), base, inplace, prefer_torch, undo, admit)
+        return _apply(state, iter(blocks), base, inplace, prefer_torch, undo, admit, finite)
     except (struct.error, ValueError, IndexError, OverflowError) as exc:
         _rollback(undo)
         raise DeltaFormatError(f"the delta is malformed ({exc}); fetch a snapshot") from exc
@@ -94,6 +122,7 @@ def _apply(
     prefer_torch: bool,
     undo: list[Callable[[], None]],
     admit: Callable[[TensorRecord], None] | None,
+    finite: bool = False,
 ) -> AppliedStream:
     header = StreamHeader.of_first_block(next(blocks, None))
     if header.base_checksum != base.checksum():
@@ -103,6 +132,7 @@ def _apply(
         )
     manifest = StateManifest(base)
     n_blocks = 0
+    touched: list[str] = []
     for block in blocks:
         kind, body = unframe(block)
         if kind == KIND_TRAILER:
@@ -115,6 +145,7 @@ def _apply(
         if admit is not None:
             admit(record)
         _apply_record(state, manifest, record, body, header.chunk_elems, inplace, prefer_torch, undo)
+        touched.append(record.name)
     else:
         raise DeltaFormatError(
             "the delta stream ended without its trailer: it is truncated; fetch a snapshot"
@@ -129,6 +160,8 @@ def _apply(
         raise DeltaChecksumError(
             f"version {header.version} does not match its checksum after applying; fetch a snapshot"
         )
+    if finite:  # a signed, well-formed version may still be poison
+        check_finite_tensors(state, touched)
     return AppliedStream(header, trailer, manifest)
 
 

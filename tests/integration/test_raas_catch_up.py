@@ -13,6 +13,7 @@ from pathlib import Path
 
 from astraflow.config import AstraflowConfig, KafkaSettings
 from astraflow.kafka.clients import RecordProducer
+from astraflow.kafka.signing import Signer
 from astraflow.kafka.topics import Topics
 from astraflow.raas.backends.torch_backend import TorchBackend
 from astraflow.raas.weight_follower import BackendWeightFollower, prefetch_weights, wait_caught_up
@@ -48,8 +49,10 @@ def test_a_starting_node_serves_only_once_it_applied_the_newest_version(
         # The policies topic names version 9, which never comes: a bounded wait that says so.
         manifest = publisher.latest
         assert manifest is not None
-        producer = RecordProducer(kafka)
-        producer.send(Topics(experiment).policies, dataclasses.replace(manifest, version=9), key="policy")
+        producer = RecordProducer(kafka)  # the trainer's key: a version it announced and never sent
+        value = producer.serde.dumps(dataclasses.replace(manifest, version=9))
+        producer.send_raw(Topics(experiment).policies, value, "policy",
+                          Signer(experiment, "trainer").headers("policies", "policy", value))
         producer.flush()
         behind = wait_caught_up(cfg, experiment, {"policy": backend}, timeout_s=1.0)
         assert behind == {"policy": (3, 9)}

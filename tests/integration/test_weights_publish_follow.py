@@ -219,7 +219,8 @@ def _copy_like_mirrormaker(kafka: KafkaSettings, src: str, dst: str, partition: 
     while time.monotonic() < deadline:
         msg = consumer.poll(0.5)
         if msg is not None and msg.error() is None:
-            producer.produce(dst, msg.value(), msg.key(), partition=partition, timestamp=msg.timestamp()[1])
+            producer.produce(dst, msg.value(), msg.key(), partition=partition, timestamp=msg.timestamp()[1],
+                             headers=msg.headers())  # MM2 copies headers: the signatures cross
             values.append(msg.value())
         position = consumer.position([TopicPartition(src, partition)])[0].offset
         if position >= high:
@@ -242,10 +243,16 @@ def test_a_follower_on_a_mirrored_cluster_finds_the_snapshot_by_its_time(
     published = _publish_versions(publisher, 7)  # snapshots 0 and 4 beside; deltas 4, 5, 6 name snapshot 4
     publisher.close()
     ta, tb = Topics(a), Topics(b)
+    import shutil
+
+    from astraflow.kafka.signing import KeyStore
     from astraflow.records import PolicyVersion
     from astraflow.serde import AvroSerde
     from astraflow.weights.versions import SNAPSHOT_OFFSET
 
+    # Region B trusts the same keys as A (the operator ships the trust file): here, B's name gets A's folder.
+    shutil.rmtree(KeyStore(b).dir, ignore_errors=True)
+    shutil.copytree(KeyStore(a).dir, KeyStore(b).dir)
     assert _copy_like_mirrormaker(kafka, ta.weights("policy"), tb.weights("policy"))
     copied = [AvroSerde().loads(v) for v in _copy_like_mirrormaker(kafka, ta.weights("policy"), tb.weights("policy"), 1)]
     assert _copy_like_mirrormaker(kafka, ta.policies, tb.policies)

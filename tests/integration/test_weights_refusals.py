@@ -19,6 +19,7 @@ from helpers import collect, replace_tensor
 
 from astraflow.config import AstraflowConfig, KafkaSettings
 from astraflow.kafka.clients import RecordProducer
+from astraflow.kafka.signing import Signer
 from astraflow.kafka.topics import Topics
 from astraflow.raas.backends.base import GenerateRequest
 from astraflow.raas.backends.torch_backend import TorchBackend
@@ -51,10 +52,16 @@ def _shifted(state: dict[str, torch.Tensor], by: float) -> dict[str, torch.Tenso
 
 
 class Writer:
-    """Writes manifests and chunks to the weights topic, as a trainer would (or a liar)."""
+    """Writes manifests and chunks to the weights topic, as a trainer would (or a liar): signed
+    with the trainer's own key, so what is refused here is refused for what it holds."""
 
-    def __init__(self, kafka: KafkaSettings, topic: str) -> None:
+    def __init__(self, kafka: KafkaSettings, topic: str, experiment: str) -> None:
         self.producer, self.topic = RecordProducer(kafka), topic
+        self.signer = Signer(experiment, "trainer")
+
+    def _send(self, record, key: str = "policy") -> None:
+        value = self.producer.serde.dumps(record)
+        self.producer.send_raw(self.topic, value, key, self.signer.headers("policy.weights", key, value))
 
     def send(self, version: int, payload: bytes, kind: WeightKind = WeightKind.SNAPSHOT, *, drop_last: bool = False,
              chunk_bytes: int = 256 * 1024, **fields) -> None:
@@ -64,13 +71,14 @@ class Writer:
                           state_checksum=SparseDelta.from_bytes(payload).trailer.checksum.hex(), trainer_step=0,
                           trained_samples=0, base_version=version - 1 if kind == WeightKind.DELTA else None)
         m = dataclasses.replace(m, **fields)
-        self.producer.send(self.topic, m, key="policy")
+        self._send(m)
         for c in chunks[:-1] if drop_last and m.num_chunks else chunks[: m.num_chunks]:
-            self.producer.send(self.topic, c, key="policy")
+            self._send(c)
         self.producer.flush()
 
     def garbage(self) -> None:
-        self.producer.send_raw(self.topic, b"\xc3\x01 not a record", key="policy")
+        value = b"\xc3\x01 not a record"
+        self.producer.send_raw(self.topic, value, "policy", self.signer.headers("policy.weights", "policy", value))
         self.producer.flush()
 
 
@@ -108,7 +116,7 @@ def test_bad_versions_are_refused_dead_lettered_and_the_node_keeps_its_weights(
     backend = TorchBackend("policy", str(tiny_model_dir), seed=0, max_batch=2, threads=1)
     s0 = _unique_state(backend)
     s1, s2, s3 = _shifted(s0, 0.01), _shifted(s0, 0.02), _shifted(s0, 0.03)
-    w = Writer(kafka, topics.weights("policy"))
+    w = Writer(kafka, topics.weights("policy"), experiment)
     follower = BackendWeightFollower(AstraflowConfig(kafka=kafka), experiment, "policy", backend).start()
     try:
         w.send(0, snapshot(s0, 0))
@@ -129,7 +137,11 @@ def test_bad_versions_are_refused_dead_lettered_and_the_node_keeps_its_weights(
             7: (lambda: w.send(7, snapshot(s2, 7), num_chunks=0, uri="file:///etc/passwd"), "outside weights.allowed_uri_prefixes"),
             8: (lambda: w.send(8, snapshot(s2, 8), num_chunks=0, uri="http://127.0.0.1:9/policy/v8"), "outside weights.allowed_uri_prefixes"),
             9: (lambda: w.send(9, encode(s1, s2, base_version=1, version=9).to_bytes(), WeightKind.DELTA, base_version=1,
-                               drop_last=True, chunk_bytes=64 * 1024), "truncated"),
+                               drop_last=True, chunk_bytes=64 * 1024, metadata={"max_version_step": "100"}), "truncated"),
+            11: (lambda: w.send(11, snapshot({k: torch.full_like(v, float("nan")) if v.is_floating_point() else v
+                                              for k, v in s2.items()}, 11)), "holds NaN or infinity"),
+            12: (lambda: w.send(12, encode(s1, s2, base_version=1, version=12).to_bytes(), WeightKind.DELTA,
+                                base_version=1), "declares at most 1 per delta"),
             1: (lambda: w.send(1, snapshot(s2, 1)), "a version number must always mean the same weights"),
         }
         for send, _ in bad.values():

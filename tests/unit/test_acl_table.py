@@ -54,8 +54,9 @@ def test_principals_and_commands() -> None:
 def test_the_topics_a_role_checks_at_start_are_its_table_rows() -> None:
     t = Topics("e")
     assert set(role_topics("trainer", "e", ["a"])) == {
-        t.control, t.dlq, t.metrics, t.train("a"), t.weights("a"), t.policies, t.lineage
+        t.control, t.dlq, t.metrics, t.train("a"), t.weights("a"), t.policies, t.lineage, t.snapshot_requests
     }  # not another policy's, not the topics it never touches
     assert set(role_topics("raas", "e", ["a", "b"])) == {
-        t.control, t.dlq, t.metrics, t.tasks, t.rollouts, t.policies, t.weights("a"), t.weights("b")
+        t.control, t.dlq, t.metrics, t.tasks, t.rollouts, t.policies, t.weights("a"), t.weights("b"),
+        t.snapshot_requests,
     }

@@ -94,7 +94,7 @@ def test_topic_durability_settings_are_checked_and_reach_every_topic() -> None:
     with pytest.raises(ValidationError, match="min_insync_replicas=4 must be between 1 and topics.replication_factor=3"):
         TopicSettings(replication_factor=3, min_insync_replicas=4)
     specs = topic_specs("e", ["p"], TopicSettings(replication_factor=3, min_insync_replicas=2))
-    assert {s.config["min.insync.replicas"] for s in specs} == {"2"} and len(specs) == 11
+    assert {s.config["min.insync.replicas"] for s in specs} == {"2"} and len(specs) == 12
     assert all("min.insync.replicas" not in s.config for s in topic_specs("e", ["p"], TopicSettings()))
     assert TopicSettings().replication_factor is None  # the cluster's default.replication.factor
 

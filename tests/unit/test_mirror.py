@@ -26,8 +26,8 @@ def test_each_flow_mirrors_exactly_its_topics_and_none_loops() -> None:
     assert props["clusters"] == "a-exp-1, b-exp-1" and props[f"{out}.enabled"] == props[f"{back}.enabled"] == "true"
     for name in (t.tasks_of("b"), t.policies, t.weights("policy"), t.weights("critic-2")):
         assert mirrored(props, out, name) and not mirrored(props, back, name), name
-    # control: a follower in B asks A's trainer for a snapshot; A's commands never go to B
-    for name in (t.rollouts, t.metrics, t.dlq, t.control):
+    # snapshot_requests: a follower in B asks A's trainer for a snapshot; A's commands never go to B
+    for name in (t.rollouts, t.metrics, t.dlq, t.snapshot_requests):
         assert mirrored(props, back, name) and not mirrored(props, out, name), name
     # Region A's own tasks, training data and every other experiment stay where they are.
     for name in (t.tasks, t.tasks_of("c"), t.scored, t.train("policy"), t.feedback, "af.exp-10.rollouts",
