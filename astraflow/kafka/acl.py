@@ -70,7 +70,7 @@ def principal_of(role: str, policy: str | None = None) -> str:
 def role_grants(experiment: str, policies: list[str]) -> list[Grant]:
     """The whole table for one experiment and its policies."""
     t = Topics(experiment)
-    pre = f"af.{experiment}."
+    pre = t.prefix
     out: list[Grant] = []
 
     def g(who: str, resource: str, name: str, ops: tuple[str, ...], why: str, pattern: str = "LITERAL") -> None:
@@ -83,7 +83,7 @@ def role_grants(experiment: str, policies: list[str]) -> list[Grant]:
         g(who, "TOPIC", t.metrics, (WRITE,), "metrics")
 
     for app in STREAM_APPS:
-        app_id = f"{pre}{app}"
+        app_id = t.group(app)
         worker(app)
         g(app, "GROUP", app_id, (READ,), "its consumer group (the Faust app id)")
         g(app, "TOPIC", f"{app_id}-", (READ, WRITE, CREATE, DESCRIBE_CONFIGS), "Faust changelog / repartition / leader topics", "PREFIXED")
@@ -100,11 +100,11 @@ def role_grants(experiment: str, policies: list[str]) -> list[Grant]:
     for p in policies:
         g("curate", "TOPIC", t.train(p), (WRITE,), "training samples")
         g("curator", "TOPIC", t.train(p), (DESCRIBE,), "end offsets of the trainer's input (tasks ahead)")
-        g("curator", "GROUP", f"{pre}{p}.trainer", (DESCRIBE,), "the trainer's committed offsets (tasks ahead)")
+        g("curator", "GROUP", t.trainer_group(p), (DESCRIBE,), "the trainer's committed offsets (tasks ahead)")
 
     worker("raas")
     g("raas", "TOPIC", t.tasks, (READ,), "tasks")
-    g("raas", "GROUP", f"{pre}raas", (READ,), "nodes share the tasks in one group")
+    g("raas", "GROUP", t.raas_group, (READ,), "nodes share the tasks in one group")
     g("raas", "TOPIC", t.rollouts, (WRITE,), "trajectories")
     g("raas", "TOPIC", t.policies, (READ,), "where to start following each policy")
     g("raas", "TOPIC", t.snapshot_requests, (WRITE,), "snapshot requests to the trainers (weights follower)")
@@ -116,7 +116,7 @@ def role_grants(experiment: str, policies: list[str]) -> list[Grant]:
         who = principal_of("trainer", p)
         worker(who)
         g(who, "TOPIC", t.train(p), (READ,), "its policy's training samples")
-        g(who, "GROUP", f"{pre}{p}.trainer", (READ,), "its input offsets (informational; the checkpoint is the truth)")
+        g(who, "GROUP", t.trainer_group(p), (READ,), "its input offsets (informational; the checkpoint is the truth)")
         g(who, "TOPIC", t.weights(p), (READ, WRITE), "publishes its policy's weights (reads the last one on restart)")
         g(who, "TOPIC", t.policies, (READ, WRITE), "latest version of its policy")
         g(who, "TOPIC", t.lineage, (WRITE,), "samples each version first carries, with their steps (trace)")
@@ -126,7 +126,7 @@ def role_grants(experiment: str, policies: list[str]) -> list[Grant]:
         g(who, "TRANSACTIONAL_ID", t.publisher_id(p), (WRITE,), "publishes each version in one transaction (fences a predecessor)")
 
     g("archive", "TOPIC", pre, (READ,), "archives any stream of the experiment", "PREFIXED")
-    g("archive", "GROUP", f"{pre}archive.", (READ,), "one group per archive destination", "PREFIXED")
+    g("archive", "GROUP", t.group("archive."), (READ,), "one group per archive destination", "PREFIXED")
     g("archive", "GROUP", READER_GROUPS["archive_source"], (DESCRIBE,), "replay reader's group (assign only)", "PREFIXED")
 
     g("monitor", "TOPIC", pre, (READ, DESCRIBE_CONFIGS), "status reads every stream (read only)", "PREFIXED")

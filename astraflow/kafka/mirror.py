@@ -94,7 +94,7 @@ class MirrorPlan:
         """Regexes of the topics that go from A to the region."""
         t = self.topics
         return [re.escape(t.tasks_of(self.region)), re.escape(t.policies),
-                re.escape(f"af.{self.experiment}.") + r"[A-Za-z0-9_-]+" + re.escape(".weights")]
+                re.escape(t.prefix) + r"[A-Za-z0-9_-]+" + re.escape(".weights")]
 
     def inbound(self) -> list[str]:
         """Regexes of the topics that come back from the region to A."""
@@ -132,7 +132,7 @@ def mirror_properties(plan: MirrorPlan) -> dict[str, str]:
         f"{b}->{a}.topics": ", ".join(plan.inbound()),
         # Same names on both sides; the disjoint topic sets above are what keeps records from looping.
         "replication.policy.class": IDENTITY,
-        "groups": re.escape(f"af.{plan.experiment}.") + ".*",
+        "groups": re.escape(t.prefix) + ".*",
         "tasks.max": "1",
         "replication.factor": rf,
         "offset-syncs.topic.replication.factor": rf,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import json
-import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -76,13 +75,10 @@ class Outsider:
             out, deadline = [], time.monotonic() + timeout_s
             while time.monotonic() < deadline:
                 msg = c.poll(0.5)
-                if msg is None:
-                    continue
-                if msg.error() is None:
+                if msg is not None and msg.error() is None:
                     out.append((msg.key(), msg.value(), list(msg.headers() or [])))
-                elif msg.offset() >= high - 1 or msg.error().code() == -191:  # end of partition
-                    if c.position([TopicPartition(topic, partition)])[0].offset >= high:
-                        break
+                if c.position([TopicPartition(topic, partition)])[0].offset >= high:
+                    break
             return out
         finally:
             c.close()
@@ -91,7 +87,3 @@ class Outsider:
 def forged_signature() -> list[tuple[str, bytes]]:
     """An `af-sig` header of the right shape, made up: no key the experiment trusts signed it."""
     return [("af-sig", b"v1:" + b"0" * 16 + b":" + str(int(time.time() * 1000)).encode() + b":" + b"ab" * 64)]
-
-
-def u32(n: int) -> bytes:
-    return struct.pack("<I", n)
