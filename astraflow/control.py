@@ -218,13 +218,12 @@ class CompactedReader:
             logging.getLogger("astraflow.control").error("refused %s@%d (%s); cannot dead-letter it: %s",
                                                          self.topic, msg.offset(), error, exc)
 
-    def _authentic(self, key: str, msg: Any, record: Any) -> bool:
-        """Signature of the stream's owner, and no replay: a key's signing time (and a policy's
-        version) never goes back, so an old signed record sent again rolls nothing back."""
+    def _fresh(self, key: str, msg: Any, record: Any, signed: Any) -> bool:
+        """No replay of a validly signed record: a key's signing time (and a policy's version)
+        never goes back, so an old signed record sent again rolls nothing back."""
         from astraflow.kafka.signing import SignatureError
 
         try:
-            signed = self._verifier.check(self._signed[1], msg.key(), msg.value(), msg.headers())
             before = self._signed_at.get(key)
             if before is not None and signed.ts_ms < before:
                 raise SignatureError(f"replayed record on {self._signed[1]} (key {key}): signed at {signed.ts_ms}, "
@@ -244,6 +243,15 @@ class CompactedReader:
         key = raw_key.decode(errors="replace") if isinstance(raw_key, bytes) else str(raw_key)
         value = msg.value()
         record = None
+        signed = None
+        if self._verifier is not None:  # who wrote it, before its bytes are even decoded
+            from astraflow.kafka.signing import SignatureError
+
+            try:
+                signed = self._verifier.check(self._signed[1], msg.key(), value, msg.headers())
+            except SignatureError as exc:
+                self._refuse(msg, exc)
+                return
         if value is not None:
             try:
                 record = self.serde.loads(value, self.expect)
@@ -253,7 +261,7 @@ class CompactedReader:
                 elif len(self.errors) < 100:
                     self.errors.append(f"{self.topic}[{msg.partition()}]@{msg.offset()}: {exc}")
                 return
-        if self._verifier is not None and not self._authentic(key, msg, record):
+        if signed is not None and not self._fresh(key, msg, record, signed):
             return
         if record is None:
             self.latest.pop(key, None)

@@ -143,3 +143,43 @@ def test_control_only_from_the_operator_never_replayed(kafka: KafkaSettings, exp
     reasons = " | ".join(d.error for d in _letters(kafka, experiment, 5))
     for says in ("unsigned", "not in", "only the operator writes it", "replayed"):
         assert says in reasons, (says, reasons)
+
+
+def test_replayed_old_signed_weights_roll_nothing_back(kafka: KafkaSettings, experiment: str) -> None:
+    topics, out = Topics(experiment), Outsider(kafka.bootstrap_servers)
+    follower = KafkaWeightFollower(kafka, experiment, "policy", requester="node-b", request_snapshots=False)
+    follower.start()
+    publisher = WeightPublisher(kafka, experiment, "policy", PublishSettings(snapshot_every=100))
+    publisher.start()
+    states = [{"w": torch.full((16,), float(i))} for i in range(3)]
+    publisher.publish(states[0])
+    old = out.capture(topics.weights("policy"))  # version 0 as the trainer signed it
+    for s in states[1:]:
+        publisher.publish(s)
+    for key, value, headers in old:  # the attack: version 0 again, signatures intact
+        out.send(topics.weights("policy"), value, key, headers, partition=0)
+    publisher.publish({"w": torch.full((16,), 3.0)})  # honest work goes on
+    events: list = []
+    _wait(lambda: events.extend(follower.poll(0.5)) or follower.follower.version == 3, "version 3")
+    follower.close()
+    assert [e.version for e in events if e.result.status == ApplyStatus.APPLIED] == [0, 1, 2, 3]
+    assert [e.result.status for e in events if e.version == 0][1:] == [ApplyStatus.STALE]  # seen, never applied
+    assert bool((follower.follower.state["w"] == 3.0).all())
+
+
+def test_oversized_and_malformed_signatures_are_refused(kafka: KafkaSettings, experiment: str) -> None:
+    topics, out = Topics(experiment), Outsider(kafka.bootstrap_servers)
+    operator = ControlWriter(kafka, experiment)
+    operator.set("reward", "reward", "exact_match")
+    big = b"\xc3\x01" + bytes(900_000)  # near the control topic's record limit
+    out.send(topics.control, big, "reward/reward", forged_signature())
+    out.send(topics.control, big[:64], "reward/reward", [("af-sig", b"v1:" + b"f" * 4000)])  # a huge header
+    out.send(topics.control, big[:64], "reward/reward", [("af-sig", b"x"), ("af-sig", b"y")])  # two of them
+    operator.set("reward", "reward", "math_verify")
+    reader = ControlReader(kafka, experiment, None).start()
+    try:
+        assert reader.get_for("reward", "reward").strategy == "math_verify" and len(reader.errors) == 3
+    finally:
+        reader.close()
+    reasons = " | ".join(d.error for d in _letters(kafka, experiment, 3))
+    assert "not in" in reasons and "malformed" in reasons and "2 af-sig headers" in reasons, reasons
