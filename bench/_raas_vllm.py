@@ -55,6 +55,10 @@ def vllm_node_run(kafka: KafkaSettings, model: Path, tasks: int, tokens: int, in
             from astraflow.raas.backends.torch_backend import TorchBackend
 
             b = TorchBackend("policy", str(model), seed=0, max_batch=16, threads=1, process=True)
+        from astraflow.raas.backends.base import GenerateRequest
+
+        for i in range(2):  # warm-up, as offline vLLM's (the first requests of an engine are slow)
+            b.generate_sync(GenerateRequest(b.encode(make_task(i).prompt, add_bos=True), tokens, 1.0))
         node = RaasNode(AstraflowConfig(kafka=kafka), NodeSettings(exp, max_inflight=inflight, metrics_interval_s=3600),
                         {"policy": b}, tools={})
 
@@ -62,11 +66,11 @@ def vllm_node_run(kafka: KafkaSettings, model: Path, tasks: int, tokens: int, in
             run = asyncio.create_task(node.run())
             while node.inflight == 0 and node.tasks_done == 0:
                 await asyncio.sleep(0.001)
-            t0 = time.perf_counter()
+            t0, before = time.perf_counter(), _generated(b)
             while node.tasks_done < tasks:
                 await asyncio.sleep(0.005)
             elapsed = time.perf_counter() - t0
-            generated = node.tokens_done
+            generated = _generated(b) - before
             node.stop()
             await run
             return elapsed, generated
@@ -79,6 +83,11 @@ def vllm_node_run(kafka: KafkaSettings, model: Path, tasks: int, tokens: int, in
                 "tokens": generated, "seconds": elapsed, "tokens_per_s": generated / elapsed}
     finally:
         admin.delete([s.name for s in specs])
+
+
+def _generated(backend) -> int:
+    """Tokens the backend has generated so far (the torch engine's counters come with each result)."""
+    return int(backend.tokens_generated)
 
 
 def offline_run(model: Path, tasks: int, tokens: int) -> dict:

@@ -94,6 +94,7 @@ class VllmBackend:
         self._kwargs = engine_kwargs(model_dir, gpu_memory_utilization, max_model_len, seed, max_num_seqs, dtype)
         self._layout = checkpoint_layout(model_dir)
         self.clamped = 0  # requests whose max_tokens was cut to fit the context
+        self.tokens_generated = 0  # tokens of the completions returned
         self.restarts = 0  # engines started again after one died
         self.reload_s: list[float] = []  # seconds each in-place weight swap took
         self._restarts_left = engine_restarts
@@ -254,6 +255,7 @@ class VllmBackend:
             raise VllmBackendError(f"vLLM ended the request with {comp.finish_reason!r}")
         ids, lps = completion_arrays(list(comp.token_ids), comp.logprobs)
         versions = np.full(len(ids), version, np.int32)
+        self.tokens_generated += len(ids)
         return Generation(ids, lps, versions, self.decode(ids), "length" if comp.finish_reason == "length" else "stop")
 
     # ---- weights ---------------------------------------------------------------------------------
