@@ -100,7 +100,13 @@ def run_app(
     group_timeout: float | None = typer.Option(None, help="curate: seconds before an incomplete group is emitted or dropped (300)."),
     min_group_size: int | None = typer.Option(None, help="curate: smallest timed-out group still trained on (2)."),
     emitted_ttl: float | None = typer.Option(None, help="curate: seconds emitted group ids are remembered (86400)."),
-    dataset: list[str] = typer.Option([], "--dataset", help="curator: JSONL or Parquet file (repeatable)."),
+    dataset: list[str] = typer.Option([], "--dataset", help="curator: a JSONL / Parquet / Arrow / CSV file, a save_to_disk "
+                                      "directory or a hub name (repeatable; docs/data.md)."),
+    split: str | None = typer.Option(None, help="curator: the datasets' split (train, or the only one)."),
+    preset: str | None = typer.Option(None, help="curator: the datasets' hub schema: gsm8k | math | mbpp."),
+    columns: str | None = typer.Option(None, help="curator: FIELD=COLUMN,... e.g. prompt=question,reference=answer."),
+    system_prompt: str | None = typer.Option(None, help="curator: system prompt of every task, for models with a chat "
+                                             "template (Task.metadata system_prompt)."),
     n_samples: int | None = typer.Option(None, help="curator: samples per prompt, one group (8)."),
     max_ahead: int | None = typer.Option(None, help="curator: most tasks ahead of the trainer (64)."),
     workflow: str | None = typer.Option(None, help="curator: workflow of rows that name none (rlvr)."),
@@ -123,7 +129,8 @@ def run_app(
     if name not in APPS:
         raise ConfigError(f"unknown app {name!r}; apps are {', '.join(APPS)} (user code: `astraflow process run`)")
     curate_only = {"--group-timeout": group_timeout, "--min-group-size": min_group_size, "--emitted-ttl": emitted_ttl}
-    curator_only = {"--dataset": dataset or None, "--n-samples": n_samples, "--max-ahead": max_ahead, "--workflow": workflow,
+    curator_only = {"--dataset": dataset or None, "--split": split, "--preset": preset, "--columns": columns,
+                    "--system-prompt": system_prompt, "--n-samples": n_samples, "--max-ahead": max_ahead, "--workflow": workflow,
                     "--temperature": temperature, "--top-p": top_p, "--max-tokens": max_tokens, "--max-turns": max_turns,
                     "--max-tasks": max_tasks, "--trainer-group": trainer_group, "--throttle": throttle or None,
                     "--region-share": region_share or None}
@@ -142,13 +149,16 @@ def run_app(
     if name == "curator":
         from astraflow.records import SamplingParams
         from stream_apps.curator import CuratorOptions
+        from stream_apps.datasets import as_specs
 
         if not dataset:
-            raise ConfigError("the curator needs --dataset FILE.jsonl (or .parquet); repeat it for several")
+            raise ConfigError("the curator needs --dataset (a .jsonl / .parquet file, a save_to_disk directory, ...); "
+                              "repeat it for several")
         sp = SamplingParams()
         given = {"n_samples": n_samples, "max_ahead": max_ahead, "workflow": workflow, "max_tasks": max_tasks}
         options.curator = CuratorOptions(  # what is not given (or 0) keeps CuratorOptions' default
-            datasets=dataset, policies=policy, trainer_group=trainer_group, throttle=throttle,
+            datasets=as_specs(dataset, split, preset, columns), policies=policy, system_prompt=system_prompt,
+            trainer_group=trainer_group, throttle=throttle,
             region_share=_shares(region_share),
             sampling=SamplingParams(temperature if temperature is not None else sp.temperature,
                                     top_p if top_p is not None else sp.top_p, max_tokens or sp.max_tokens, [],

@@ -88,11 +88,12 @@ from typing import Any
 
 from confluent_kafka import KafkaException
 
+from astraflow.data import DatasetSpec
 from astraflow.errors import AstraflowError, ConfigError
 from astraflow.kafka.backlog import pending_samples
 from astraflow.kafka.received import Received
 from astraflow.records import PromptStats, SamplingParams, Task
-from stream_apps.datasets import DatasetRow, load_datasets
+from stream_apps.datasets import DatasetRow, as_specs, load_dataset_rows
 from stream_apps.handler import AppHandler
 from stream_apps.slots import Slot, SlotDefault
 
@@ -112,7 +113,7 @@ def tasks_ahead(issued: int, curated: int, backlog_samples: int, n_samples: int)
 class CuratorOptions:
     """What the curator app issues and how far ahead."""
 
-    datasets: Sequence[str | Path]  # JSONL / Parquet files
+    datasets: Sequence[str | Path | DatasetSpec]  # files, directories, hub names (stream_apps.datasets)
     policies: Sequence[str]  # Task.policies; the first one's feedback chooses prompts
     n_samples: int = 8  # samples per prompt (one group)
     max_ahead: int = 64  # most tasks ahead of the trainer
@@ -125,6 +126,7 @@ class CuratorOptions:
     lag_interval_s: float = 0.05  # how often the trainers' backlogs are measured while no task can be issued
     gauge_interval_s: float = 1.0  # how often they are measured otherwise (gauges)
     region_share: dict[str, float] = field(default_factory=dict)  # region -> fraction of tasks to af.<exp>.tasks.<region>
+    system_prompt: str | None = None  # Task.metadata["system_prompt"]: workflows render it through the chat template
 
 
 def pick_topic(issued: dict[str, int], shares: dict[str, float]) -> str:
@@ -161,7 +163,9 @@ class CuratorApp(AppHandler):
         shared = sum(options.region_share.values())
         if any(v <= 0 for v in options.region_share.values()) or shared >= 1:
             raise ConfigError("--region-share: each fraction above 0, together below 1 (the rest stays in region A)")
-        self.rows: list[DatasetRow] = load_datasets(options.datasets)
+        self.rows: list[DatasetRow]
+        self.rows, loaded = load_dataset_rows(as_specs(options.datasets))
+        self.bad_rows = sum(b.total for b in loaded.bad.values())  # skipped at load (logged by source and reason)
         self.by_id = {r.prompt.prompt_id: r for r in self.rows}
         self.pool = [r.prompt for r in self.rows]
         self.stats: dict[str, PromptStats] = {}  # prompt_id -> latest PromptStats of the primary policy
@@ -440,7 +444,8 @@ class CuratorApp(AppHandler):
             n_samples=o.n_samples,
             reference=row.reference,
             sampling=o.sampling,
-            metadata={**row.metadata, **({"difficulty": f"{row.prompt.difficulty:g}"} if row.prompt.difficulty is not None else {})},
+            metadata={**row.metadata, **({"system_prompt": o.system_prompt} if o.system_prompt else {}),
+                      **({"difficulty": f"{row.prompt.difficulty:g}"} if row.prompt.difficulty is not None else {})},
             lineage=[ref],
             created_at=int(time.time() * 1000),
         )
@@ -457,7 +462,8 @@ class CuratorApp(AppHandler):
         return {
             "tasks_ahead": float(self.ahead), "tasks_issued_total": float(self.issued),
             "groups_curated_total": float(self.curated), "train_backlog": float(self.backlog),
-            "prompts_skipped_total": float(self.skipped), "paused": float(self.paused),
+            "prompts_skipped_total": float(self.skipped), "dataset_bad_rows": float(self.bad_rows),
+            "paused": float(self.paused),
             "backlog_measurements_total": float(self.measured), "end_offset_reads_total": float(self.ends_read),
             "control_version.curator": float(self.slot.version),
             **{f"tasks_ahead.{p}": float(a) for p, a in self.ahead_by().items()},

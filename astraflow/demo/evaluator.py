@@ -10,7 +10,6 @@ reference is `yes` or `no` is a verifier's: success is then the share of right v
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import threading
@@ -30,16 +29,15 @@ from astraflow.weights.verify import FollowLimits
 log = logging.getLogger("astraflow.eval")
 
 
-def load_heldout(path: Path) -> list[tuple[str, str]]:
-    """(prompt, reference answer) pairs from the JSONL the demo writes."""
+def load_heldout(path: Path | str, split: str | None = None, preset: str | None = None,
+                 columns: str | None = None) -> list[tuple[str, str]]:
+    """(prompt, reference answer) pairs of a held-out dataset, read like the curator reads its own
+    (`astraflow.data`: the JSONL the demo writes, or any file, directory and column mapping)."""
+    from astraflow.data import DatasetSpec, load_prompts
     from astraflow.models.arith import reference_answer
 
-    out = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            out.append((row["prompt"], reference_answer(row["reference"])))
-    return out
+    loaded = load_prompts([DatasetSpec(path, split=split, preset=preset, columns=columns)])
+    return [(r.text, reference_answer(r.reference or "")) for r in loaded.rows]
 
 
 def evaluate(model, tokenizer, items: list[tuple[str, str]], batch: int = 128, temperature: float = 0.0,
