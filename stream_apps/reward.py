@@ -91,7 +91,7 @@ class RewardApp(AppHandler):
         read = inc.record
         if isinstance(read, Unscored):
             assert self.codec is not None and inc.value is not None
-            data = self.codec.scored(inc.value, read, result.reward, result.components, ref)
+            data = self.codec.scored(inc.value, read, result.reward, result.components, ref, result.notes)
             key = inc.key if inc.key is not None else read.trajectory.group_id
             self.worker.send_encoded(self.scored_topic, data, key)
             return

@@ -1,7 +1,7 @@
 """The reward app's short path: score a trajectory without decoding or re-encoding its token arrays.
 
-The scored record is the trajectory's record with three fields changed (`reward`,
-`reward_components`, `lineage`), and Avro binary is the concatenation of the fields in schema
+The scored record is the trajectory's record with four fields changed (`reward`,
+`reward_components`, `lineage`, and `metadata` when the reward leaves notes), and Avro binary is the concatenation of the fields in schema
 order. The Trajectory schema puts every field the reward app changes after the token data:
 
     head: trajectory_id ... group_size, segments, tool_calls, final_answer, reference, status, error
@@ -34,13 +34,14 @@ from typing import Any
 from fastavro import parse_schema, schemaless_reader
 
 from astraflow.avro_encoder import compile_encoder
+from astraflow.dataflow.rewards import note_metadata
 from astraflow.errors import AstraflowError, CorruptRecordError, RecordTooLargeError, SchemaValidationError
 from astraflow.records import StrategyRef, Trajectory
 from astraflow.schema_catalog import _strip_logical_types
 from astraflow.serde import SINGLE_OBJECT_MAGIC, AvroSerde
 
 FIRST_TAIL_FIELD = "reward"  # the head ends before it; every field the reward app writes is in the tail
-CHANGED = ("reward", "reward_components", "lineage")
+CHANGED = ("reward", "reward_components", "lineage", "metadata")  # metadata: the reward's notes
 
 
 class NotDecoded(list):  # type: ignore[type-arg]
@@ -128,11 +129,13 @@ class RewardCodec:
         return Unscored(traj, cut, tail)
 
     def scored(self, data: bytes, read: Unscored, reward: float, components: dict[str, float],
-               ref: StrategyRef | None) -> bytes:
-        """The bytes of the scored copy: `data` up to its tail, then the tail with the new reward fields."""
+               ref: StrategyRef | None, notes: dict[str, str] | None = None) -> bytes:
+        """The bytes of the scored copy: `data` up to its tail, then the tail with the new reward fields
+        (and the reward's notes in its metadata, as `with_reward` writes them)."""
         cut, tail = read.cut, read.tail
         new = {**tail, "reward": reward, "reward_components": dict(components),
-               "lineage": [*tail["lineage"], ref.to_avro()] if ref is not None else tail["lineage"]}
+               "lineage": [*tail["lineage"], ref.to_avro()] if ref is not None else tail["lineage"],
+               "metadata": note_metadata(tail["metadata"], notes or {})}
         out: list[Any] = [memoryview(data)[:cut]]  # copied once, by the join
         try:
             self._write_tail(new, out.append)

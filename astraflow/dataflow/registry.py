@@ -39,6 +39,7 @@ KINDS = ("reward", "filter", "advantage", "curator")
 # modules whose import registers the built-in strategies, imported on first lookup
 BUILTIN_MODULES = (
     "astraflow.dataflow.rewards",
+    "astraflow.dataflow.math_reward",
     "astraflow.dataflow.code_reward",
     "astraflow.dataflow.env_rewards",
     "astraflow.dataflow.judge_rewards",

@@ -27,6 +27,9 @@ from astraflow.dataflow.registry import REGISTRY, Strategy, register
 from astraflow.errors import RewardError
 from astraflow.records import StrategyRef, Trajectory
 
+NOTE_PREFIX = "reward."  # metadata keys of a reward's notes
+MAX_NOTE_CHARS = 500
+
 
 @dataclass(frozen=True, slots=True)
 class RewardResult:
@@ -34,6 +37,8 @@ class RewardResult:
 
     reward: float  # the training signal
     components: dict[str, float] = field(default_factory=dict)  # named parts, e.g. {"exact_match": 1.0}
+    notes: dict[str, str] = field(default_factory=dict)  # why, in words (e.g. {"reason": "reference unparsable"}):
+    # written into the trajectory's metadata as `reward.<key>` (no new schema field)
 
 
 class RewardFn(Protocol):
@@ -51,11 +56,19 @@ async def score_async(reward: RewardFn | Strategy[Any], trajectory: Trajectory) 
     return impl(trajectory)
 
 
+def note_metadata(metadata: Mapping[str, str], notes: Mapping[str, str]) -> dict[str, str]:
+    """`metadata` with a reward's notes as `reward.<key>` entries (earlier reward notes replaced)."""
+    kept = {k: v for k, v in metadata.items() if not k.startswith(NOTE_PREFIX)} if notes else dict(metadata)
+    return {**kept, **{NOTE_PREFIX + k: v[:MAX_NOTE_CHARS] for k, v in notes.items()}}
+
+
 def with_reward(trajectory: Trajectory, result: RewardResult, ref: StrategyRef | None = None) -> Trajectory:
-    """A copy of `trajectory` carrying the reward, its components and (if given) the lineage entry."""
+    """A copy of `trajectory` carrying the reward, its components, its notes (metadata `reward.<key>`)
+    and (if given) the lineage entry."""
     lineage = [*trajectory.lineage, ref] if ref is not None else list(trajectory.lineage)
     return replace(
-        trajectory, reward=result.reward, reward_components=dict(result.components), lineage=lineage
+        trajectory, reward=result.reward, reward_components=dict(result.components), lineage=lineage,
+        metadata=note_metadata(trajectory.metadata, result.notes),
     )
 
 
@@ -233,12 +246,14 @@ class Weighted:
     def combine(self, results: Mapping[str, RewardResult]) -> RewardResult:
         total = 0.0
         components: dict[str, float] = {}
+        notes: dict[str, str] = {}
         for name, weight in self.weights.items():
             r = results[name]
             total += weight * r.reward
             components[name] = r.reward
             components.update({f"{name}.{k}": v for k, v in r.components.items()})
-        return RewardResult(total, components)
+            notes.update({f"{name}.{k}": v for k, v in r.notes.items()})
+        return RewardResult(total, components, notes)
 
     def __call__(self, trajectory: Trajectory) -> RewardResult:
         return self.combine({name: part(trajectory) for name, part in self.parts.items()})
