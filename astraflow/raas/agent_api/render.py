@@ -94,9 +94,9 @@ def chat_template(backend: Any) -> Any | None:
     return tok if tok is not None and getattr(tok, "chat_template", None) else None
 
 
-def _template_text(tok: Any, conv: list[dict[str, Any]]) -> str:
+def _template_text(tok: Any, conv: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
     try:
-        text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template(conv, tools=tools or None, tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # the template's own checks (jinja raise_exception, unknown roles, ...)
         raise ApiError(f"the model's chat template cannot render these messages: {type(exc).__name__}: "
                        f"{str(exc)[:300]}", param="messages") from None
@@ -105,10 +105,12 @@ def _template_text(tok: Any, conv: list[dict[str, Any]]) -> str:
     return text
 
 
-def template_pieces(tok: Any, encode: Any, messages: list[Message], sampled: list[list[int] | None]) -> list[Piece]:
+def template_pieces(tok: Any, encode: Any, messages: list[Message], sampled: list[list[int] | None],
+                    tools: list[dict[str, Any]] | None = None) -> list[Piece]:
     """The prompt of `messages` through the tokenizer's chat template, as pieces: encoded text
     between the assistant messages the model sampled (`sampled[i]`: their ids, else None), and
-    those ids exactly. `encode(text)` encodes without adding special tokens."""
+    those ids exactly. `encode(text)` encodes without adding special tokens; `tools` (OpenAI
+    function specs) go to the template as its `tools`."""
     marks = {i: f"<<af-{secrets.token_hex(8)}-{i}>>" for i, ids in enumerate(sampled) if ids is not None}
     conv: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
@@ -119,13 +121,13 @@ def template_pieces(tok: Any, encode: Any, messages: list[Message], sampled: lis
         else:
             role = "system" if m.role == "developer" else m.role
             conv.append({"role": role, "content": message_text(m) if m.role == "assistant" else m.content})
-    text = _template_text(tok, conv)
+    text = _template_text(tok, conv, tools)
     order = sorted(marks)
     where = [text.find(marks[i]) for i in order]
     if any(w < 0 or text.count(marks[i]) != 1 for w, i in zip(where, order, strict=True)) or where != sorted(where):
         # the template drops or rewrites earlier assistant turns: render them as text
         conv = [{**c, "content": message_text(messages[i])} if i in marks else c for i, c in enumerate(conv)]
-        text = _template_text(tok, conv)
+        text = _template_text(tok, conv, tools)
         return [Piece("prompt", encode(text), text)]
     specials = set(getattr(tok, "all_special_ids", []) or [])
     pieces, at, covered = [], 0, 0  # `covered`: messages before the current chunk

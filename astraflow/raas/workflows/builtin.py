@@ -1,10 +1,12 @@
 """Built-in workflows: `rlvr` (single turn), `tool_use` (multi-turn with tools), `solver_verifier`
 (one solver, any number of verifiers).
 
-They speak the plain-text protocol of `astraflow.models.protocol`: the prompt is the task text,
-a tool call is `<NAME>ARGS</NAME>` for a tool the node offers (`calc`, `python`, `search`), the
-tool's reply is appended as `<result>...</result>` (masked out of the loss), and the final answer
-is the text after the last `Answer:`.
+Prompts go through the model's chat template when it has one (`chat.Chat`: system prompt from
+the task's metadata, tool calls in the model's format, sampled ids never re-tokenised); without
+one they speak the plain-text protocol of `astraflow.models.protocol`: the prompt is the task
+text, a tool call is `<NAME>ARGS</NAME>` for a tool the node offers (`calc`, `python`, `search`),
+the tool's reply is appended as `<result>...</result>` (masked out of the loss). Either way the
+final answer is the text after the last `Answer:`, else the whole completion (rlvr).
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ import re
 
 from astraflow.models.protocol import parse_verdict, verification_prompt
 from astraflow.raas.workflows.base import RolloutContext
+from astraflow.raas.workflows.chat import Chat
 from astraflow.records import Trajectory, TrajectoryStatus
 
-TOOL_CALL = re.compile(r"<(\w+)>(.*?)</\1>\s*$", re.S)
 _ANSWER = re.compile(r"Answer:\s*(.+?)\s*$", re.S)
 
 
@@ -31,9 +33,9 @@ def extract_answer(text: str) -> str | None:
 
 async def rlvr(ctx: RolloutContext) -> Trajectory:
     """Single turn: prompt -> completion; the reward app checks the answer against the reference."""
-    policy = ctx.task.policies[0]
-    ctx.add_context(policy, "prompt", ctx.task.prompt, add_bos=True)
-    gen = await ctx.generate(policy)
+    chat = Chat(ctx, ctx.task.policies[0])
+    chat.start(ctx.task.prompt)
+    gen = await chat.generate()
     status = TrajectoryStatus.TRUNCATED if gen.finish_reason == "length" else TrajectoryStatus.OK
     return ctx.finish(extract_answer(gen.text) or gen.text.strip(), status)
 
@@ -46,25 +48,28 @@ async def tool_use(ctx: RolloutContext) -> Trajectory:
 
 async def solve_with_tools(ctx: RolloutContext, policy: str, prompt: str) -> tuple[str | None, TrajectoryStatus]:
     """One sequence of `policy`: `prompt` (a new `prompt` segment), then turns of generation and
-    tool calls until it answers; returns (its answer or None, how it ended)."""
-    ctx.add_context(policy, "prompt", prompt, add_bos=True)
-    stops = [f"</{name}>" for name in ctx.tools.tools]
+    tool calls until it answers; returns (its answer or None, how it ended). The answer is the text
+    after the last `Answer:`; with a chat template, else the last turn's text."""
+    chat = Chat(ctx, policy, tools=list(ctx.tools.tools))
+    chat.start(prompt)
     text = ""
     status = TrajectoryStatus.OK
     for turn in range(max(1, ctx.task.sampling.max_turns)):
-        gen = await ctx.generate(policy, stop=stops + list(ctx.task.sampling.stop))
+        gen = await chat.generate(stop=chat.stops + list(ctx.task.sampling.stop))
         text += gen.text
-        call = TOOL_CALL.search(gen.text)
+        call = chat.tool_call(gen.text)
         if call is None or gen.finish_reason == "length":
             status = TrajectoryStatus.TRUNCATED if gen.finish_reason == "length" else TrajectoryStatus.OK
             break
-        record = await ctx.call_tool(call.group(1), call.group(2).strip(), turn)
-        reply = f"<result>{record.result if record.error is None else 'error: ' + record.error}</result>"
-        ctx.add_context(policy, "tool", reply)
-        text += reply
+        record = await ctx.call_tool(call[0], call[1], turn)
+        result = record.result if record.error is None else "error: " + record.error
+        chat.add_tool_result(f"call-{turn}", result)
+        text += f"<result>{result}</result>"
     else:
         status = TrajectoryStatus.TRUNCATED  # used every turn without answering
     answer = extract_answer(text)
+    if answer is None and chat.templated and status is TrajectoryStatus.OK:
+        answer = gen.text.strip() or None  # an instruct model answers in its last turn (\boxed{}, ...), not 'Answer:'
     return answer, status if answer is not None or status is not TrajectoryStatus.OK else TrajectoryStatus.OK
 
 

@@ -14,6 +14,7 @@ import asyncio
 import json
 
 from astraflow.raas.workflows.base import RolloutContext
+from astraflow.raas.workflows.chat import Chat
 from astraflow.records import Trajectory, TrajectoryStatus
 
 MAX_TESTS = 8
@@ -41,8 +42,9 @@ async def coder_tester(ctx: RolloutContext) -> Trajectory:
     coder, tester = ctx.task.policies[0], ctx.task.policies[1]
 
     async def turn(policy: str, prompt: str) -> tuple[str, str]:
-        ctx.add_context(policy, "prompt", prompt, add_bos=True)
-        gen = await ctx.generate(policy)
+        chat = Chat(ctx, policy)
+        chat.start(prompt)
+        gen = await chat.generate()
         return gen.text, gen.finish_reason
 
     (code, code_end), (tests, _) = await asyncio.gather(turn(coder, coder_prompt(ctx.task.prompt)),
