@@ -115,3 +115,28 @@ def replace_tensor(payload: bytes, name: str, body: bytes) -> bytes:
         if kind == KIND_TENSOR and TensorRecord.parse(got).name == name:
             blocks[i] = frame(KIND_TENSOR, body)
     return b"".join(blocks)
+
+
+# ---- the GSM8K recipe's files (examples/gsm8k), read the way compose reads them ----------------
+
+RECIPE_DIR = Path(__file__).resolve().parents[1] / "examples" / "gsm8k"
+
+
+def recipe_env(**overrides: str) -> dict[str, str]:
+    """The recipe's compose variables (gsm8k.env), with `overrides`."""
+    lines = (RECIPE_DIR / "gsm8k.env").read_text().splitlines()
+    env = dict(line.split("=", 1) for line in lines if line.strip() and not line.startswith("#"))
+    return {**env, **overrides}
+
+
+def recipe_commands(env: dict[str, str] | None = None) -> dict[str, list[str]]:
+    """Each service's command in the recipe's compose file, `${NAME:-default}` resolved with `env`
+    (default: `recipe_env()`)."""
+    import re
+
+    import yaml
+
+    values = recipe_env() if env is None else env
+    services = yaml.safe_load((RECIPE_DIR / "docker-compose.gsm8k.yaml").read_text())["services"]
+    return {name: [re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: values.get(m.group(1), m.group(2)), a) for a in svc["command"]]
+            for name, svc in services.items() if "command" in svc}

@@ -93,7 +93,9 @@ class MathVerify:
                  "reference_ok": 1.0, "timeout": 0.0}
         if problem is not None:
             return self._result(parts, reference_ok=False, reason=f"unverifiable reference: {problem}")
-        if pred is None:
+        if pred is None:  # still say whether the reference could have been verified
+            if all(self.verifier.check(latex_candidate(g), "").status == "unparsable_reference" for g in golds):
+                return self._result(parts, reference_ok=False, reason="unverifiable reference: math-verify cannot parse it")
             return self._result(parts, reason="no final answer found in the completion")
         if len(pred.text) > MAX_ANSWER_CHARS:
             return self._result(parts, reason=f"the final answer is longer than {MAX_ANSWER_CHARS} characters")

@@ -45,13 +45,16 @@ class Verdict:
 
 
 def verify_pair(gold: str, pred: str) -> tuple[str, bool]:
-    """(status, equal) of one pair, with math-verify's own timeouts off (the caller bounds it)."""
+    """(status, equal) of one pair, with math-verify's own timeouts off (the caller bounds it); an
+    empty `pred` checks only that the reference parses (`unparsable_answer` when it does)."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
     parsed_gold = parse(gold, extraction_config=config, parsing_timeout=None)  # type: ignore[arg-type]
     if not parsed_gold:
         return "unparsable_reference", False
+    if not pred:
+        return "unparsable_answer", False
     parsed_pred = parse(pred, extraction_config=config, parsing_timeout=None)  # type: ignore[arg-type]
     if not parsed_pred:
         return "unparsable_answer", False

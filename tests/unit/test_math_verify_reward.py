@@ -94,6 +94,8 @@ def test_math_verify_unverifiable_reference_scores_zero_with_the_reason_noted(re
         assert result.notes["reason"].startswith("unverifiable reference") and reason in result.notes["reason"], result
         scored = with_reward(traj("\\boxed{7}", reference), result)
         assert scored.metadata["reward.reason"] == result.notes["reason"] and scored.reward == 0.0
+    silent = reward(traj("no answer", {"answer": "$ $"}))  # no answer either: the reference is still judged
+    assert silent.components["reference_ok"] == 0.0 and silent.notes["reason"].startswith("unverifiable reference")
     unparsable = reward(traj("The answer is $ $", {"answer": "7"}))
     assert unparsable.reward == 0.0 and unparsable.components["reference_ok"] == 1.0
     assert unparsable.notes["reason"].startswith("unparsable_answer")

@@ -16,9 +16,10 @@ import re
 
 from astraflow.models.protocol import parse_verdict, verification_prompt
 from astraflow.raas.workflows.base import RolloutContext
-from astraflow.raas.workflows.chat import Chat
+from astraflow.raas.workflows.chat import TEXT_TOOL_CALL, Chat
 from astraflow.records import Trajectory, TrajectoryStatus
 
+TOOL_CALL = TEXT_TOOL_CALL  # the plain-text call pattern (bench/vs_trl.py reads it here)
 _ANSWER = re.compile(r"Answer:\s*(.+?)\s*$", re.S)
 
 
