@@ -87,6 +87,8 @@ def test_gsm8k_recipe_compose_commands_parse_against_the_cli() -> None:
         ctx = parse_cli(args)
         if name == "reward":
             check_reward_default(ctx)
+        if name == "trainer-gpu":
+            assert (ctx.params["devices"], ctx.params["strategy"]) == (4, "fsdp")
         if name == "curator":
             assert ctx.params["preset"] == "gsm8k" and ctx.params["n_samples"] == 8 and ctx.params["max_tokens"] == 1024
     base = yaml.safe_load((ROOT / "docker" / "docker-compose.yml").read_text())["services"]
