@@ -106,6 +106,9 @@ def test_gsm8k_recipe_pipeline_through_math_verify(kafka: KafkaSettings, make_ex
     assert "1 bad row: 1 answer has no '#### <final answer>' (row 3)" in output["curator"], output["curator"]
 
     assert len(scored) == TASKS * SAMPLES and all(isinstance(t, Trajectory) for t in scored)
+    for t in sorted(scored, key=lambda t: t.trajectory_id):  # what `pytest -s` shows of the run
+        print(f"{t.prompt_id:10} {t.trajectory_id:16} reward={t.reward:.2f} {t.reward_components} "
+              f"answer={(t.final_answer or '')[:24]!r} {t.metadata.get('reward.reason', '')}")
     for t in scored:
         prompt = t.segments[0]
         assert prompt.role == "prompt" and prompt.text.startswith(
