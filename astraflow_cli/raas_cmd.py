@@ -31,7 +31,7 @@ def serve(
     temperature: float = typer.Option(1.0, help="Temperature of the tasks served (openai backend: the server's "
                                       "logprobs are checked for it at start)."),
     top_p: float = typer.Option(1.0, help="top_p of the tasks served (openai backend: checked like --temperature)."),
-    kv_cache_gib: float | None = typer.Option(None, help="vllm backend on vLLM's CPU build: KV cache size in GiB "
+    kv_cache_gib: int | None = typer.Option(None, help="vllm backend on vLLM's CPU build: KV cache size in whole GiB "
                                               "(VLLM_CPU_KVCACHE_SPACE)."),
     tool_latency: list[str] = typer.Option([], help="NAME=MEDIAN_S:SIGMA: put a tool behind a log-normal delay per "
                                            "call (benchmarks of slow remote tools), e.g. calc=0.2:1.5; repeatable."),

@@ -63,7 +63,7 @@ class DemoSettings:
     eval_interval_s: float = 30.0  # at most one held-out evaluation per this many seconds
     seed: int = 0
     backend: str = "torch"  # the nodes' inference backend: torch, or vllm (its CPU build; an untied model)
-    vllm_kv_cache_gib: float = 1.0  # vllm: each node's KV cache (VLLM_CPU_KVCACHE_SPACE), so everything fits
+    vllm_kv_cache_gib: int = 1  # vllm: each node's KV cache (VLLM_CPU_KVCACHE_SPACE), so everything fits
 
 
 def warm_model(settings: DemoSettings, console: Console) -> Path:

@@ -23,7 +23,7 @@ def serve_node(cfg: AstraflowConfig, experiment: str, policies: dict[str, str], 
                follow_weights: bool = True, search_corpus: str | None = None, threads: int | None = None,
                seed: int | None = None, tokenizer: str | None = None,
                tool_latency: dict[str, tuple[float, float]] | None = None,
-               sampling: tuple[float, float] = (1.0, 1.0), kv_cache_gib: float | None = None) -> None:
+               sampling: tuple[float, float] = (1.0, 1.0), kv_cache_gib: int | None = None) -> None:
     """`sampling`: (temperature, top_p) of the tasks served, checked against an openai server's logprobs."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log.info("node starting (modules imported)")  # the start-up's parts are timed from these lines

@@ -68,7 +68,7 @@ class VllmBackend:
     name = "vllm"
 
     def __init__(self, policy: str, model_dir: str, *, version: int = 0, gpu_memory_utilization: float = 0.5,
-                 max_model_len: int | None = None, seed: int | None = None, kv_cache_gib: float | None = None,
+                 max_model_len: int | None = None, seed: int | None = None, kv_cache_gib: int | None = None,
                  max_num_seqs: int | None = None, dtype: str = "auto", engine_restarts: int = 3,
                  **_: Any) -> None:
         """`kv_cache_gib`: on vLLM's CPU build, the KV cache size (VLLM_CPU_KVCACHE_SPACE, GiB);
@@ -197,7 +197,7 @@ class VllmBackend:
             ) from exc
         before = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
         if self._kv_cache_gib is not None:  # read by the engine process it starts
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self._kv_cache_gib)
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(self._kv_cache_gib))  # vLLM reads whole GiB
         try:
             return AsyncLLM.from_engine_args(args)
         except Exception as exc:  # vLLM raises many types when the device or model is unusable
