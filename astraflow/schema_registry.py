@@ -50,6 +50,7 @@ class SchemaRegistry:
         self._by_id: dict[int, dict[str, Any]] = {}  # id -> schema JSON
         self._by_fp: dict[bytes, tuple[int, dict[str, Any]]] = {}  # fingerprint -> (id, schema JSON)
         self._seen_versions: set[tuple[str, int]] = set()  # (subject, version) already fingerprinted
+        self._ruled: set[str] = set()  # subjects whose rule this process has set
         self._scanned_at = 0.0
 
     # ---- start-up ------------------------------------------------------------------------------
@@ -106,9 +107,10 @@ class SchemaRegistry:
         ids = []
         for i, raw in enumerate(history):
             ids.append(self.register(fullname, raw))
-            if i == 0 and rule and not self.url.startswith("mock://"):  # the in-process mock has no rules
+            if i == 0 and rule and fullname not in self._ruled and not self.url.startswith("mock://"):  # mock: no rules
                 try:
                     self.client.set_compatibility(subject_name=fullname, level=rule)
+                    self._ruled.add(fullname)
                 except Exception as exc:  # a registry without per-subject rules: the gate still holds
                     log.warning("schema registry %s: cannot set %s's compatibility to %s: %s", self.url, fullname, rule, exc)
         return ids
