@@ -124,4 +124,4 @@ def test_strategy_swapped_mid_stream_applies_to_later_records_only(kafka: KafkaS
     assert CliRunner().invoke(cli, ["control", "unset", "-e", experiment, "reward", "reward"], env=env).exit_code == 0
     assert json.loads(CliRunner().invoke(cli, ["control", "show", "-e", experiment, "--json"], env=env).output) == []
     bad = CliRunner().invoke(cli, ["control", "set", "-e", experiment, "reward", "reward", "no_such_reward"], env=env)
-    assert bad.exit_code == 1 and "UnknownStrategyError" in bad.output and "exact_match" in bad.output
+    assert bad.exit_code == 1 and "no reward strategy named" in bad.output and "exact_match" in bad.output
