@@ -90,6 +90,7 @@ class LocalRegistry:
         self.log = self.root / "registry.log"
         digest = hashlib.sha256(POM.read_bytes()).hexdigest()[:16] if POM.exists() else "missing"
         self.dist = s.dist_dir.expanduser().resolve() / digest
+        self._proc: subprocess.Popen[bytes] | None = None  # the process `up` started in this process
 
     @property
     def url(self) -> str:
@@ -200,9 +201,9 @@ class LocalRegistry:
                "-Djava.awt.headless=true", f"-Dquarkus.http.port={self.settings.port}", "-Dquarkus.http.host=127.0.0.1",
                "-jar", str(self.dist / "quarkus-run.jar")]
         with open(self.log, "ab") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    cwd=self.dist, start_new_session=True)
-        self.pid_file.write_text(str(proc.pid))
+            self._proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          cwd=self.dist, start_new_session=True)
+        self.pid_file.write_text(str(self._proc.pid))
 
     def _check_port(self) -> None:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -217,13 +218,18 @@ class LocalRegistry:
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.settings.start_timeout_s
+        proc = self._proc  # the process `up` started, if it did (its exit code, not a pid lookup, tells it died)
         while time.monotonic() < deadline:
-            if self.pid() is None:
+            if proc is not None and proc.poll() is not None:
                 self.pid_file.unlink(missing_ok=True)
                 raise LocalRegistryError(f"the schema registry exited during start-up. Last log lines:\n{self.log_tail()}")
             if self.answering():
                 return
             time.sleep(0.5)
+        if proc is not None:  # leave nothing half-started behind
+            proc.kill()
+            proc.wait()
+            self.pid_file.unlink(missing_ok=True)
         raise LocalRegistryError(
             f"the schema registry did not answer at {self.url} within {self.settings.start_timeout_s:.0f}s. "
             f"Last log lines:\n{self.log_tail()}"
