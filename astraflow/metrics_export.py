@@ -285,6 +285,8 @@ class MetricsBridge(Collector):
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.interval_s + 30)
+        if self._reader is not None:  # its record counter's consumer
+            self._reader.close()
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         yield _gauge("astraflow_status_up", "1 if the last refresh of the experiment's status succeeded",

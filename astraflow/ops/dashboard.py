@@ -177,6 +177,8 @@ class DashboardState:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self._reader is not None:  # its record counter's consumer
+            self._reader.close()
 
 
 PAGE = Path(__file__).resolve().parent / "dashboard.html"

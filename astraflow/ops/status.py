@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -313,7 +314,11 @@ def collect_status(
     series older than `metrics_lookback_s` are left out (nodes that left)."""
     t = Topics(experiment)
     prefix = t.prefix
-    reader = reader or OffsetReader(kafka, timeout_s)
+    if reader is None:  # one of our own for this call: its record counter's consumer is closed after it
+        with closing(OffsetReader(kafka, timeout_s)) as own:
+            return collect_status(kafka, experiment, window_s=window_s, recent=recent,
+                                  metrics_lookback_s=metrics_lookback_s, max_metric_records=max_metric_records,
+                                  timeout_s=timeout_s, reader=own)
     topics = reader.topics(prefix)
     if not topics:
         raise TopicError(missing_experiment(experiment, kafka.bootstrap_servers))
