@@ -35,6 +35,8 @@ from astraflow.kafka.topics import SHARED_STREAMS, Topics
 from astraflow.records import DeadLetter, GroupDropped, Task, TrainedSamples, TrainSample, Trajectory
 from astraflow.serde import AvroSerde
 
+REASON = "reward.reason"  # metadata key of a reward's reason (RewardResult.notes, astraflow.dataflow.rewards)
+
 # Returns the records of one full topic name (every partition), in any order.
 RecordSource = Callable[[str], Iterable[ArchivedRecord]]
 
@@ -172,7 +174,8 @@ class _Tracer:
                     detail = _rollout(t)
                 else:
                     detail = {"reward": t.reward, "components": dict(t.reward_components),
-                              "strategy": _refs(t.lineage, "reward")}
+                              "strategy": _refs(t.lineage, "reward"),
+                              **({"reason": t.metadata[REASON]} if REASON in t.metadata else {})}
                 hops.append(self.hop(r, stage, component, t, detail))
         samples: set[str] = set()
         for topic in self.train_topics:
