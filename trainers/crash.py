@@ -1,7 +1,9 @@
 """Deliberate crashes for tests: the trainer SIGKILLs itself at a named point of its cycle.
 
-`ASTRAFLOW_TRAINER_CRASH_AT=<point>[:<n>]` makes the trainer process kill itself with SIGKILL
-(no cleanup, no flush: a faithful `kill -9`) the n-th time (default 1) it reaches `<point>`:
+`ASTRAFLOW_TRAINER_CRASH_AT=<point>[:<n>][@<rank>]` makes the trainer process kill itself with
+SIGKILL (no cleanup, no flush: a faithful `kill -9`) the n-th time (default 1) it reaches
+`<point>`; with `@<rank>`, only the process of that rank (`LOCAL_RANK`, set by Lightning's
+launcher for every rank of a multi-process run) does; without, every rank that reaches it:
 
 - ``step_trained``: an optimizer step is done, nothing of it is checkpointed or published;
 - ``after_checkpoint``: the checkpoint of a version is durable, the version is not published;
@@ -29,15 +31,20 @@ class CrashPoints:
     def __init__(self, spec: str | None = None) -> None:
         spec = os.environ.get(ENV, "") if spec is None else spec
         self.point, self.nth = None, 1
+        self.rank: int | None = None  # only this rank crashes (None: any)
         if spec:
-            name, _, nth = spec.partition(":")
+            spec_at, _, rank = spec.partition("@")
+            name, _, nth = spec_at.partition(":")
             if name not in POINTS:
                 raise ValueError(f"{ENV}={spec!r}: the point must be one of {', '.join(POINTS)}")
             self.point, self.nth = name, int(nth or 1)
+            self.rank = int(rank) if rank else None
         self.reached: dict[str, int] = {}
 
     def __call__(self, point: str) -> None:
         """Mark arrival at `point`; SIGKILL this process if it is the configured arrival."""
         self.reached[point] = self.reached.get(point, 0) + 1
+        if self.rank is not None and int(os.environ.get("LOCAL_RANK", "0")) != self.rank:
+            return
         if point == self.point and self.reached[point] == self.nth:
             os.kill(os.getpid(), signal.SIGKILL)

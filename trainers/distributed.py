@@ -60,6 +60,14 @@ def _fsdp_strategy() -> type:
             )
             return model
 
+        def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+            # Lightning loads a whole checkpoint into the module it wrapped, in FSDP's full-state
+            # context only when that module is the FSDP root; here the root is inside it.
+            from lightning.fabric.strategies.fsdp import _get_full_state_dict_context
+
+            with _get_full_state_dict_context(self.model, world_size=self.world_size, rank0_only=False):
+                return super().load_checkpoint(checkpoint_path, weights_only)
+
     return PolicyFSDPStrategy
 
 

@@ -256,6 +256,11 @@ class PolicyTrainer(L.LightningModule):
     def world_size(self) -> int:
         return int(self.trainer.world_size) if self._trainer is not None else 1
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the policy model is sharded (FSDP, `trainers.distributed`)."""
+        return hasattr(self.model, "clip_grad_norm_")
+
     def data_parallel_normaliser(self, mask: torch.Tensor) -> torch.Tensor | None:
         """With several ranks, what this step's loss divides by: the count of the whole step over
         every rank (one all-reduce), so the averaged gradients are one rank's on the same samples
@@ -365,7 +370,7 @@ class PolicyTrainer(L.LightningModule):
         t1 = time.perf_counter()
         self._times["backward_s"] += t1 - t
         if self.grad_clip is not None:
-            if hasattr(self.model, "clip_grad_norm_"):  # FSDP (trainers.distributed): the norm over every shard
+            if self.sharded:  # FSDP (trainers.distributed): the norm over every shard
                 self.model.clip_grad_norm_(self.grad_clip)
             else:
                 self.clip_gradients(opt, gradient_clip_val=self.grad_clip, gradient_clip_algorithm="norm")
@@ -401,10 +406,16 @@ class PolicyTrainer(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["astraflow"] = {"policy_version": self.policy_version, "steps_skipped": self.steps_skipped,
-                                   "world_size": self.world_size}
+                                   "world_size": self.world_size, "sharded_model": self.sharded}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get("astraflow", {})
+        if bool(saved.get("sharded_model", False)) != self.sharded:
+            was, now = ("fsdp", "ddp or one rank") if saved.get("sharded_model") else ("ddp or one rank", "fsdp")
+            raise ModelError(
+                f"the newest checkpoint was written with {was}, and this run uses {now}: resuming across the two "
+                f"is not supported. Run with the strategy the checkpoint was written with (any --devices), or "
+                f"start from the model with another trainer.checkpoint_dir (or trainer.resume=false)")
         saved_world = int(saved.get("world_size", 1))
         if saved_world != self.world_size:  # full (unsharded) state: every rank loads all of it
             log.info("resuming a checkpoint of %d rank(s) on %d: its weights and optimizer state are whole, "
