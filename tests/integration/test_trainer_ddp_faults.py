@@ -9,7 +9,8 @@ end each time (the other rank sees its peer gone and stops: `trainers.distribute
 or Lightning's launcher kills it), and the last run trains until the topic is idle. Counted as in
 test_trainer_resume.py, from the weights topic (read_committed), the lineage topic and the
 trained-sample log: every sample in exactly one version, none lost, no version number with two
-sets of weights, the repeated copies dead-lettered once each.
+sets of weights, the repeated copies dead-lettered (at least once: a dead letter is written
+again when a kill lands between it and the checkpoint that consumes its offset).
 Also: a checkpoint written with FSDP is refused, with a clear error, by a run without it.
 """
 
@@ -100,9 +101,14 @@ def test_kill_9_of_either_ddp_rank_loses_nothing_and_trains_nothing_twice(
                 for sid, step in zip(r.sample_ids, r.steps, strict=True)]
     assert sorted(on_topic) == sorted((x["sample_id"], x["step"], x["version"]) for x in lines)
     dead = [r for r in _read(kafka, topics.dlq, "read_committed") if isinstance(r, DeadLetter)]
-    assert sorted(d.error_class for d in dead) == ["DuplicateSampleError"] * N_REPEATED, [d.error for d in dead]
+    # Each repeated copy is dead-lettered, never trained; a dead letter may be written again when a
+    # kill lands after it and before the checkpoint that consumes its offset (dead letters are
+    # diagnostics, at least once; the samples are what is exactly once).
+    assert {d.error_class for d in dead} == {"DuplicateSampleError"}, [d.error for d in dead]
+    assert {d.error.split("'")[1] for d in dead} == {s.sample_id for s in samples[20 : 20 + N_REPEATED]}
     print(f"\n(ranks, kill point, exit code, how the job ended): {ended}; {len(committed)} versions committed, "
-          f"{len(per_sample)} samples in the lineage once each, 0 twice, 0 lost, {len(dead)} duplicates dropped")
+          f"{len(per_sample)} samples in the lineage once each, 0 twice, 0 lost; {N_REPEATED} repeated copies "
+          f"dead-lettered ({len(dead)} dead letters)")
 
 
 @pytest.mark.slow
