@@ -23,8 +23,6 @@ CODE = ("astraflow", "astraflow_cli", "stream_apps", "trainers", "bench")
 BUILT_ON_THE_LIBRARY = {"stream_apps", "trainers", "astraflow_cli"}
 HAND_BUILT_NAME = re.compile(r"""f["']af\.\{""")
 CONSUMER_CALL = re.compile(r"\bConsumer\(")
-# Being rewritten by the security issue (ACLs and MirrorMaker 2 from `Topics`); drop them from here then.
-NAMES_NOT_YET_FROM_TOPICS = {"astraflow/kafka/acl.py", "astraflow/kafka/mirror.py"}
 
 
 def _files(*packages: str) -> list[Path]:
@@ -61,7 +59,6 @@ def test_the_library_imports_none_of_the_packages_built_on_it() -> None:
 def test_topic_and_group_names_are_built_in_topics_py_only() -> None:
     owner = "astraflow/kafka/topics.py"
     wrong = [f"{_rel(f)}:{n}: {line.strip()}" for f in _files(*CODE) if _rel(f) != owner
-             and _rel(f) not in NAMES_NOT_YET_FROM_TOPICS
              for n, line in enumerate(f.read_text().splitlines(), 1) if HAND_BUILT_NAME.search(line)]
     assert not wrong, "build names with astraflow.kafka.topics (Topics, reader_group):\n" + "\n".join(wrong)
 
