@@ -241,9 +241,13 @@ class VllmBackend:
 
     async def _run_once(self, request: GenerateRequest, max_tokens: int, version: int) -> Generation:
         from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
+        # FINAL_ONLY: one output per request, not one per step (per-step outputs cost this
+        # process a Python pass per token of every running request).
         params = SamplingParams(temperature=request.temperature, top_p=request.top_p, max_tokens=max_tokens,
-                                stop=request.stop or None, logprobs=0, include_stop_str_in_output=True)
+                                stop=request.stop or None, logprobs=0, include_stop_str_in_output=True,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids), cache_salt=f"v{version}")
         final = None
         async for out in self.engine.generate(prompt, params, request_id=f"{self.policy}-{next(self._ids)}"):
