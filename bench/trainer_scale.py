@@ -1,0 +1,208 @@
+"""The trainer on several ranks, and the weight path of a model of real size.
+
+1. **Ranks** (needs the local Kafka): `astraflow train --devices N --strategy ddp` on CPU (gloo),
+   N = 1 and 2, on one pre-filled train topic (the tiny model, batches of `--batch` samples):
+   steady-state samples/s from the trainer's own step cycles (`train/cycle_s` in its CSV log,
+   the first batch left out), and the whole job's wall time. On a machine with fewer cores than
+   2 ranks x their threads the second rank only adds contention: this measures that the path
+   works and what it costs here, not a GPU's scaling.
+2. **0.5B weight path** (`--big`; about 12 GB of memory: run it alone, e.g. under
+   `flock /work/coord/heavy.lock`): a model of Qwen2-0.5B's shape (hidden 896, 24 layers, 14
+   heads, 2 KV heads, intermediate 4864, vocabulary 151936; random weights, random token ids,
+   nothing downloaded), at one rank: one train step (policy loss, AdamW), the published bf16
+   state of before and after, the sparse delta between them (`astraflow.weights.delta.encode`),
+   and one apply on a following node in a separate process that starts from the base state
+   (`apply`, as `KafkaWeightFollower` does): seconds of each, bytes per changed element, peak
+   resident memory of each process.
+
+Prints the figures and writes bench/results/trainer_scale.json.
+
+    python bench/trainer_scale.py [--ranks 1,2] [--samples 96] [--batch 8] [--big] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from _common import write_json
+
+QWEN2_05B = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+             "intermediate_size": 4864, "vocab_size": 151936, "max_position_embeddings": 4096, "tie_word_embeddings": True}
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # ru_maxrss: KiB on Linux
+
+
+# -- 1. ranks -----------------------------------------------------------------------------------
+
+
+def ranks_run(bootstrap: str, ranks: list[int], n_samples: int, batch: int) -> list[dict[str, Any]]:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
+    from test_trainer_ddp import send, train_cmd, train_env, varied_samples
+
+    from astraflow.config import KafkaSettings, TopicSettings
+    from astraflow.kafka.topics import TopicAdmin, Topics, topic_specs
+    from astraflow.models.tiny import init_tiny
+
+    kafka = KafkaSettings(bootstrap_servers=bootstrap)
+    admin = TopicAdmin(kafka)
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = init_tiny(Path(tmp) / "tiny", vocab_size=512, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
+        for n in ranks:
+            exp = f"bench-scale-{uuid.uuid4().hex[:8]}"
+            specs = topic_specs(exp, ["policy"], TopicSettings(partitions=2))
+            admin.create(specs)
+            try:
+                send(kafka, Topics(exp).train("policy"), varied_samples(n_samples))
+                run_dir = Path(tmp) / f"runs-{n}"
+                cmd = train_cmd(kafka, exp, model, run_dir, n, "ddp" if n > 1 else "auto", f"trainer.batch_size={batch}",
+                                "trainer.logger=csv", "trainer.stop_when_idle_s=3", "trainer.publish_every_steps=1")
+                t = time.perf_counter()
+                proc = subprocess.run(cmd, env={**train_env(), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                                      timeout=900)
+                wall = time.perf_counter() - t
+                if proc.returncode != 0:
+                    raise SystemExit(f"{n} rank(s) failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+                [metrics] = (run_dir / exp / "policy" / "lightning").glob("version_*/metrics.csv")
+                rows = [r for r in csv.DictReader(metrics.open()) if r.get("train/cycle_s")]
+                cycles = [float(r["train/cycle_s"]) for r in rows]
+                steps = [float(r["train/step_s"]) for r in rows]
+                figures = {"ranks": n, "batches_timed": len(cycles), "samples_per_s": round(batch * len(cycles) / sum(cycles), 1),
+                           "step_s_median": round(sorted(steps)[len(steps) // 2], 4), "job_wall_s": round(wall, 1)}
+                print(f"{n} rank(s): {figures['samples_per_s']} samples/s over {len(cycles)} batches of {batch} "
+                      f"(median step {figures['step_s_median']} s; job {figures['job_wall_s']} s)", flush=True)
+                out.append(figures)
+            finally:
+                admin.delete([s.name for s in specs])
+    return out
+
+
+# -- 2. the 0.5B weight path --------------------------------------------------------------------
+
+
+def follower_apply(base_file: str, payload_file: str) -> None:
+    """The following node: base state from a file, the delta's bytes; apply once; print figures."""
+    import torch
+    from safetensors.torch import load_file
+
+    from astraflow.weights.bits import StateManifest
+    from astraflow.weights.delta import apply
+
+    base = load_file(base_file)
+    payload = Path(payload_file).read_bytes()
+    before = peak_rss_gb()
+    manifest = StateManifest.of(base)
+    t = time.perf_counter()
+    new = apply(base, payload, base_manifest=manifest)
+    seconds = time.perf_counter() - t
+    assert all(torch.isfinite(v.float()).all() for v in list(new.values())[:3])
+    print(f"FOLLOWER {seconds:.3f} {peak_rss_gb():.3f} {before:.3f}", flush=True)
+
+
+def big_run(seq: int, rows: int) -> dict[str, Any]:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from astraflow.rl import PolicyLossConfig, policy_loss, token_logprobs
+    from astraflow.weights.bits import StateManifest
+    from astraflow.weights.delta import encode
+    from astraflow.weights.publish import published_state
+
+    torch.manual_seed(0)
+    t = time.perf_counter()
+    model = Qwen2ForCausalLM(Qwen2Config(**QWEN2_05B))
+    model.train()
+    params = sum(p.numel() for p in model.parameters())
+    build_s = time.perf_counter() - t
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    v0 = published_state(model.state_dict(), "bfloat16")
+    ids = torch.randint(3, QWEN2_05B["vocab_size"], (rows, seq))
+    mask = torch.zeros(rows, seq, dtype=torch.bool)
+    mask[:, seq // 2:] = True
+    t = time.perf_counter()
+    logits = model(input_ids=ids, use_cache=False, logits_to_keep=torch.arange(seq // 2 - 1, seq - 1)).logits
+    lp = torch.zeros(rows, seq)
+    lp[:, seq // 2:] = token_logprobs(logits, ids[:, seq // 2:])
+    out = policy_loss(lp, lp.detach() - 0.01, torch.randn(rows), mask, PolicyLossConfig(mode="ppo"))
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    step_s = time.perf_counter() - t
+    trainer_after_step_gb = peak_rss_gb()
+    t = time.perf_counter()
+    v1 = published_state(model.state_dict(), "bfloat16")
+    cast_s = time.perf_counter() - t
+    t = time.perf_counter()
+    delta = encode(v0, v1, base_manifest=StateManifest.of(v0))
+    payload = delta.to_bytes()
+    encode_s = time.perf_counter() - t
+    changed = delta.trailer.n_changed
+    elements = sum(v.numel() for v in v1.values())
+    with tempfile.TemporaryDirectory() as tmp:
+        base_file, payload_file = f"{tmp}/v0.safetensors", f"{tmp}/delta.bin"
+        save_file({k: v.contiguous() for k, v in v0.items()}, base_file)
+        Path(payload_file).write_bytes(payload)
+        trainer_peak_gb = peak_rss_gb()
+        del model, opt, logits, out, v1
+        proc = subprocess.run([sys.executable, __file__, "--follower", base_file, payload_file], capture_output=True,
+                              text=True, timeout=900)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("FOLLOWER ")]
+    if proc.returncode != 0 or not line:
+        raise SystemExit(f"the follower failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    _, apply_s, follower_peak, follower_base = line[0].split()
+    figures = {
+        "shape": QWEN2_05B, "parameters": params, "rows": rows, "seq_len": seq, "build_s": round(build_s, 1),
+        "train_step_s": round(step_s, 2), "publish_cast_bf16_s": round(cast_s, 2), "delta_encode_s": round(encode_s, 2),
+        "delta_bytes": len(payload), "changed_elements": changed, "published_elements": elements,
+        "bytes_per_changed_element": round(len(payload) / max(changed, 1), 3),
+        "follower_apply_s": float(apply_s), "trainer_peak_rss_gb": round(trainer_peak_gb, 2),
+        "trainer_peak_rss_after_step_gb": round(trainer_after_step_gb, 2),
+        "follower_peak_rss_gb": float(follower_peak), "follower_rss_before_apply_gb": float(follower_base),
+    }
+    print(f"0.5B ({params / 1e6:.0f}M parameters, {rows} x {seq} tokens): train step {step_s:.1f} s; publish: bf16 cast "
+          f"{cast_s:.1f} s, delta encode {encode_s:.1f} s, {len(payload) / 1e6:.1f} MB for {changed:,} of {elements:,} "
+          f"elements changed ({figures['bytes_per_changed_element']} B/changed element); follower apply {float(apply_s):.1f} s; "
+          f"peak RSS trainer {trainer_peak_gb:.1f} GB, follower {float(follower_peak):.1f} GB", flush=True)
+    return figures
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--follower":
+        follower_apply(sys.argv[2], sys.argv[3])
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bootstrap", default=os.environ.get("ASTRAFLOW_TEST_BOOTSTRAP", "127.0.0.1:19092"))
+    ap.add_argument("--ranks", default="1,2")
+    ap.add_argument("--samples", type=int, default=96)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--big", action="store_true", help="also the 0.5B weight path (~12 GB of memory)")
+    ap.add_argument("--big-seq", type=int, default=128)
+    ap.add_argument("--big-rows", type=int, default=4)
+    ap.add_argument("--quick", action="store_true", help="fewer samples (what `make bench` runs); never the 0.5B model")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.quick:
+        args.samples, args.big = 48, False
+    figures: dict[str, Any] = {"ranks": ranks_run(args.bootstrap, [int(x) for x in args.ranks.split(",")], args.samples,
+                                                  args.batch)}
+    if args.big:
+        figures["qwen2_0_5b_weight_path"] = big_run(args.big_seq, args.big_rows)
+    write_json(args.out, "trainer_scale", figures)
+
+
+if __name__ == "__main__":
+    main()
