@@ -197,7 +197,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.samples, args.big = 48, False
-    figures: dict[str, Any] = {"ranks": ranks_run(args.bootstrap, [int(x) for x in args.ranks.split(",")], args.samples,
+    figures: dict[str, Any] = {"ranks": ranks_run(args.bootstrap, [int(x) for x in args.ranks.split(",") if x], args.samples,
                                                   args.batch)}
     if args.big:
         figures["qwen2_0_5b_weight_path"] = big_run(args.big_seq, args.big_rows)
