@@ -41,7 +41,12 @@ QWEN2_05B = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads":
 
 
 def peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # ru_maxrss: KiB on Linux
+    """This process's peak resident memory (VmHWM). Not getrusage's ru_maxrss: Linux keeps that across
+    fork and exec, so the follower, started by the trainer's process, would report the trainer's peak."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024**2  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
 
 
 # -- 1. ranks -----------------------------------------------------------------------------------
