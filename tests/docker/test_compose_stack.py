@@ -105,6 +105,13 @@ class Stack:
         assert res.returncode == 0, f"astraflow {' '.join(args)}: {res.stdout}\n{res.stderr}"
         return res.stdout
 
+    def operator(self, *args: str) -> str:
+        """The operator's CLI inside the stack: a one-off container of the `topics` service, which
+        mounts the experiment's keys volume, so its control records carry a signature the roles
+        trust (the host's CLI signs with the host's own keys, which the containers refuse)."""
+        return self.dc("run", "--rm", "--no-deps", "-T", "topics", "--config", "/etc/astraflow/astraflow.yaml",
+                       *args, timeout=300)
+
     def containers(self, service: str | None = None, all_: bool = False) -> list[str]:
         args = ["ps", "-q", *(["-a"] if all_ else []), *([service] if service else [])]
         return self.dc(*args).split()
@@ -260,7 +267,7 @@ def test_stack_scales_survives_kills_and_restarts_and_loses_nothing(stack: Stack
     stack.dc("up", "-d", "--no-build", "topics", timeout=600)
     stack.wait("the topics job", lambda: _exited_ok(stack, "topics"), 300)
     for slot in CURATE_FILTERS:
-        stack.astraflow("control", "set", "-e", EXPERIMENT, "curate", slot, "none")
+        stack.operator("control", "set", "-e", EXPERIMENT, "curate", slot, "none")
 
     # 2. The whole stack, one node.
     stack.dc("up", "-d", "--no-build", "--scale", "raas=1", timeout=600)
@@ -289,7 +296,7 @@ def test_stack_scales_survives_kills_and_restarts_and_loses_nothing(stack: Stack
     stack.wait("3 live nodes applied a version again", lambda: _applied_nodes(stack) >= 3, 600)
 
     # 5. Pause the curator, let everything issued drain, count.
-    stack.astraflow("control", "set", "-e", EXPERIMENT, "curator", "pause", "on")
+    stack.operator("control", "set", "-e", EXPERIMENT, "curator", "pause", "on")
     time.sleep(5)  # the curator reads the control topic within a second; a task it was writing lands
 
     def drained():
