@@ -176,8 +176,8 @@ def _grant(local: LocalKafka, experiment: str, policies: list[str]) -> None:
     users = principals(grants)
     upsert_users(admin, {u: store.password(u) for u in users})
     n = apply_grants(admin, grants)
-    console.print(f"granted {n} ACLs to {', '.join(users)} on experiment {experiment}; "
-                  f"`astraflow kafka credentials ROLE` prints one role's environment")
+    console.print(f"granted {n} ACLs to {', '.join(users)} on experiment {experiment} (and nothing of any other "
+                  f"experiment); `astraflow kafka credentials ROLE -e {experiment}` prints one role's environment")
 
 
 EXPERIMENT = typer.Option(..., "--experiment", "-e", help="Experiment name.")
@@ -198,16 +198,17 @@ def grant(local: LocalKafka, experiment: str = EXPERIMENT, policy: list[str] = P
 def credentials(
     local: LocalKafka,
     role: str = typer.Argument(..., help="curator, reward, curate, raas, trainer, archive, monitor or operator."),
+    experiment: str = EXPERIMENT,
     policy: str | None = typer.Option(None, "--policy", "-p", help="The trainer's policy."),
 ) -> None:
-    """Print `export` lines that give one process exactly one role's credentials."""
+    """Print `export` lines that give one process exactly one role's credentials, for one experiment."""
     import shlex
 
     from astraflow.kafka.acl import principal_of
     from astraflow.kafka.secure import CredentialStore
 
     try:
-        user = principal_of(role, policy)
+        user = principal_of(role, experiment, policy)
     except ValueError as exc:
         from astraflow.errors import ConfigError
 

@@ -1,6 +1,11 @@
-"""Per-role principals and ACLs: each role may touch exactly the topics and groups it needs.
+"""Per-experiment, per-role principals and ACLs: each role of each experiment may touch exactly
+the topics and groups it needs, of that experiment only.
 
-`role_grants(experiment, policies)` is the table (docs/deploy.md prints it with
+A principal is one role of one experiment (`principal_of`: `<experiment>.<role>`, a trainer
+`<experiment>.trainer-<policy>`), so a node of experiment A holds no grant on anything of
+experiment B: every topic, group and transactional-id row names A's own `af.<A>.` names, and the
+only rows outside them are the assign-only readers' throwaway group prefixes (DESCRIBE only, no
+data). `role_grants(experiment, policies)` is the table (docs/deploy-secure.md prints it with
 `astraflow kafka acls --experiment E --policy P`); `apply_grants` writes it to a cluster through
 the Admin API (SCRAM users and ACL bindings), and `kafka_acls_commands` spells the same table as
 `kafka-acls.sh` commands for clusters managed by other tools. Read from the code of each role:
@@ -23,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from astraflow.errors import ConfigError
 from astraflow.kafka.topics import Topics, check_name
 
 if TYPE_CHECKING:
@@ -56,24 +62,40 @@ class Grant:
     why: str
 
 
-def principal_of(role: str, policy: str | None = None) -> str:
-    """The SCRAM user of a role; trainers have one per policy (`trainer-<policy>`)."""
+def principal_of(role: str, experiment: str, policy: str | None = None) -> str:
+    """The SCRAM user of one role of one experiment: `<experiment>.<role>`; trainers have one per
+    policy (`<experiment>.trainer-<policy>`)."""
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
+    check_name("experiment", experiment)
     if role == "trainer":
         if not policy:
-            raise ValueError("a trainer's principal needs its policy: trainer-<policy>")
-        return f"trainer-{check_name('policy', policy)}"
-    return role
+            raise ValueError("a trainer's principal needs its policy: --policy POLICY")
+        return f"{experiment}.trainer-{check_name('policy', policy)}"
+    return f"{experiment}.{role}"
+
+
+def _check_policies(experiment: str, policies: list[str]) -> None:
+    """A policy named like a stream app's prefix (`curate-x`) would put its train and weights
+    topics under that app's prefix grant (`af.<exp>.curate-`): refused."""
+    for p in policies:
+        check_name("policy", p)
+        for app in STREAM_APPS:
+            if p.startswith(f"{app}-"):
+                raise ConfigError(f"policy name {p!r} starts with {app}-, the prefix of the {app} app's own topics "
+                                  f"(af.{experiment}.{app}-...): its topics would be the {app} app's to write; "
+                                  "choose another name")
 
 
 def role_grants(experiment: str, policies: list[str]) -> list[Grant]:
     """The whole table for one experiment and its policies."""
     t = Topics(experiment)
+    _check_policies(experiment, policies)
     pre = t.prefix
     out: list[Grant] = []
 
-    def g(who: str, resource: str, name: str, ops: tuple[str, ...], why: str, pattern: str = "LITERAL") -> None:
+    def g(role: str, resource: str, name: str, ops: tuple[str, ...], why: str, pattern: str = "LITERAL") -> None:
+        who = role if role.startswith(f"{experiment}.") else principal_of(role, experiment)
         out.append(Grant(who, resource, pattern, name, ops, why))
 
     def worker(who: str) -> None:
@@ -113,7 +135,7 @@ def role_grants(experiment: str, policies: list[str]) -> list[Grant]:
         g("raas", "TOPIC", t.weights(p), (READ,), "follows the policy's weights")
 
     for p in policies:
-        who = principal_of("trainer", p)
+        who = principal_of("trainer", experiment, p)
         worker(who)
         g(who, "TOPIC", t.train(p), (READ,), "its policy's training samples")
         g(who, "GROUP", t.trainer_group(p), (READ,), "its input offsets (informational; the checkpoint is the truth)")
@@ -143,7 +165,7 @@ def role_grants(experiment: str, policies: list[str]) -> list[Grant]:
 def role_topics(role: str, experiment: str, policies: list[str]) -> list[str]:
     """The experiment's topics a role reads or writes (its literal topic rows): what it checks
     exists at start (`TopicAdmin.require`). A trainer's are those of its one policy."""
-    who = principal_of(role, policies[0] if role == "trainer" else None)
+    who = principal_of(role, experiment, policies[0] if role == "trainer" else None)
     rows = role_grants(experiment, policies)
     return list(dict.fromkeys(g.name for g in rows if g.principal == who and g.resource == "TOPIC" and g.pattern == "LITERAL"))
 

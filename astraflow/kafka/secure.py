@@ -10,8 +10,8 @@ controller must authenticate brokers before it has read any metadata, so SCRAM c
 there). The listeners are plaintext TCP on 127.0.0.1: on a shared network use SASL_SSL.
 
 Where passwords live: `<data_dir>/credentials.json`, mode 0600, one random password per
-principal (`admin` and one per role, see `astraflow.kafka.acl`). A process gets only its own role's
-credentials, through the environment (`astraflow kafka credentials ROLE` prints the lines):
+principal (`admin` and one per role of each experiment, see `astraflow.kafka.acl`). A process gets only its own role's
+credentials, through the environment (`astraflow kafka credentials ROLE -e EXP` prints the lines):
 `ASTRAFLOW__KAFKA__SECURITY_PROTOCOL`, `ASTRAFLOW__KAFKA__SASL_MECHANISM`,
 `ASTRAFLOW__KAFKA__SASL_USERNAME`, `ASTRAFLOW__KAFKA__SASL_PASSWORD`. Passwords never appear in
 `astraflow config`, resolved-config files or logs (`astraflow.secrets`).

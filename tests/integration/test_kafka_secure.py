@@ -75,7 +75,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
         apply_grants(admin, c.grants)
         # The operator (not the admin) creates the experiment's topics: its CREATE grant works.
-        created = TopicAdmin(c.as_("operator")).create(topic_specs(EXP, POLICIES, TopicSettings(partitions=1)))
+        created = TopicAdmin(c.as_(principal_of("operator", EXP))).create(topic_specs(EXP, POLICIES, TopicSettings(partitions=1)))
         assert set(created.values()) == {"created"}
         assert set(_produce(local.admin_settings(), c.topics).values()) == {None}  # something to read everywhere
         yield c
@@ -146,15 +146,15 @@ def _client_errors(conf: dict[str, Any], timeout_s: float = 15.0) -> tuple[bool,
 
 
 def test_unauthenticated_and_wrong_password_clients_are_refused(cluster: Cluster) -> None:
-    bad = {**cluster.as_("raas").client_config(), "sasl.password": "not-the-password"}
+    bad = {**cluster.as_(principal_of("raas", EXP)).client_config(), "sasl.password": "not-the-password"}
     ok, errors = _client_errors(bad)
     assert not ok and any(e.code() == KafkaError._AUTHENTICATION and "Authentication failed" in e.str() for e in errors), errors
-    ok, errors = _client_errors({**cluster.as_("raas").client_config(), "sasl.username": "nobody"})
+    ok, errors = _client_errors({**cluster.as_(principal_of("raas", EXP)).client_config(), "sasl.username": "nobody"})
     assert not ok and any(e.code() == KafkaError._AUTHENTICATION for e in errors), errors
     # A client without SASL never gets past the handshake: no metadata, no topics.
     ok, errors = _client_errors({"bootstrap.servers": cluster.local.bootstrap})
     assert not ok and errors and all(e.code() in (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN) for e in errors), errors
-    assert _client_errors(cluster.as_("raas").client_config())[0]  # the right password gets in
+    assert _client_errors(cluster.as_(principal_of("raas", EXP)).client_config())[0]  # the right password gets in
 
 
 def test_every_write_the_table_allows_succeeds_and_every_other_is_refused(cluster: Cluster) -> None:
@@ -171,10 +171,10 @@ def test_every_write_the_table_allows_succeeds_and_every_other_is_refused(cluste
             else:
                 assert err == "TOPIC_AUTHORIZATION_FAILED", (user, topic, err)
     # The security properties, spelled out: only a trainer writes its own policy's weights.
-    assert _produce(cluster.as_("raas"), [f"af.{EXP}.solver.weights"])[f"af.{EXP}.solver.weights"] == "TOPIC_AUTHORIZATION_FAILED"
-    other = _produce(cluster.as_(principal_of("trainer", "verifier")), [f"af.{EXP}.solver.weights"])
+    assert _produce(cluster.as_(principal_of("raas", EXP)), [f"af.{EXP}.solver.weights"])[f"af.{EXP}.solver.weights"] == "TOPIC_AUTHORIZATION_FAILED"
+    other = _produce(cluster.as_(principal_of("trainer", EXP, "verifier")), [f"af.{EXP}.solver.weights"])
     assert other[f"af.{EXP}.solver.weights"] == "TOPIC_AUTHORIZATION_FAILED"
-    own = _produce(cluster.as_(principal_of("trainer", "solver")), [f"af.{EXP}.solver.weights"])
+    own = _produce(cluster.as_(principal_of("trainer", EXP, "solver")), [f"af.{EXP}.solver.weights"])
     assert own[f"af.{EXP}.solver.weights"] is None
 
 
@@ -206,28 +206,28 @@ def test_every_read_the_table_allows_succeeds_and_every_other_is_refused(cluster
 def test_groups_are_refused_to_roles_they_do_not_belong_to(cluster: Cluster) -> None:
     rollouts = f"af.{EXP}.rollouts"
     # reward may read rollouts, but not as a member of the RaaS nodes' group.
-    errs = _subscribe_errors(cluster.as_("reward"), f"af.{EXP}.raas", [rollouts], want=1)
+    errs = _subscribe_errors(cluster.as_(principal_of("reward", EXP)), f"af.{EXP}.raas", [rollouts], want=1)
     assert errs.get("GROUP") == "GROUP_AUTHORIZATION_FAILED", errs
     # The curator may look at the trainer's offsets (DESCRIBE) but never move them (READ).
-    c = Consumer(consumer_config(cluster.as_("curator"), f"af.{EXP}.solver.trainer", 1 << 20))
+    c = Consumer(consumer_config(cluster.as_(principal_of("curator", EXP)), f"af.{EXP}.solver.trainer", 1 << 20))
     assert c.committed([TopicPartition(f"af.{EXP}.solver.train", 0)], timeout=10)[0].error is None
     c.close()
-    errs = _subscribe_errors(cluster.as_("curator"), f"af.{EXP}.solver.trainer", [f"af.{EXP}.feedback"], want=1)
+    errs = _subscribe_errors(cluster.as_(principal_of("curator", EXP)), f"af.{EXP}.solver.trainer", [f"af.{EXP}.feedback"], want=1)
     assert errs.get("GROUP") == "GROUP_AUTHORIZATION_FAILED", errs
     # Assign-only readers start (control reader) but cannot join or commit with their throwaway group.
-    ControlReader(cluster.as_("raas"), EXP, "raas").start().close()
+    ControlReader(cluster.as_(principal_of("raas", EXP)), EXP, "raas").start().close()
     # The real readers of each role run under its principal (they raise on an authorization error).
-    assert latest_policy_version(cluster.as_("raas"), Topics(EXP), "solver") is None  # only probes there
-    last_published_version(cluster.as_(principal_of("trainer", "solver")), Topics(EXP), "solver")
-    report = collect_status(cluster.as_("monitor"), EXP)
+    assert latest_policy_version(cluster.as_(principal_of("raas", EXP)), Topics(EXP), "solver") is None  # only probes there
+    last_published_version(cluster.as_(principal_of("trainer", EXP, "solver")), Topics(EXP), "solver")
+    report = collect_status(cluster.as_(principal_of("monitor", EXP)), EXP)
     assert {t.stream for t in report.topics} >= {"tasks", "rollouts", "control"}
-    errs = _subscribe_errors(cluster.as_("raas"), "af-reader-join", [f"af.{EXP}.control"], want=1)
+    errs = _subscribe_errors(cluster.as_(principal_of("raas", EXP)), "af-reader-join", [f"af.{EXP}.control"], want=1)
     assert errs.get("GROUP") == "GROUP_AUTHORIZATION_FAILED", errs
 
 
 def test_transactions_and_changelog_topics_only_under_the_apps_own_prefix(cluster: Cluster) -> None:
     for app, out in (("curate", f"af.{EXP}.solver.train"), ("reward", f"af.{EXP}.scored"), ("curator", f"af.{EXP}.tasks")):
-        kafka = cluster.as_(app)
+        kafka = cluster.as_(principal_of(app, EXP))
         p = Producer(producer_config(kafka, 1 << 20, **{"transactional.id": f"af.{EXP}.{app}-af.{EXP}.{app}-0"}))
         p.init_transactions(30)
         p.begin_transaction()
@@ -237,15 +237,15 @@ def test_transactions_and_changelog_topics_only_under_the_apps_own_prefix(cluste
         admin = AdminClient(kafka.client_config())  # kept referenced until the future resolves
         for f in admin.create_topics([NewTopic(f"af.{EXP}.{app}-counts-changelog", 1, 1)]).values():
             f.result(30)
-    stolen = Producer(producer_config(cluster.as_("reward"), 1 << 20, **{"transactional.id": f"af.{EXP}.curate-x-0"}))
+    stolen = Producer(producer_config(cluster.as_(principal_of("reward", EXP)), 1 << 20, **{"transactional.id": f"af.{EXP}.curate-x-0"}))
     with pytest.raises(KafkaException) as exc:
         stolen.init_transactions(30)
     assert exc.value.args[0].code() == KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED
-    nodes = Producer(producer_config(cluster.as_("raas"), 1 << 20, **{"transactional.id": "anything"}))
+    nodes = Producer(producer_config(cluster.as_(principal_of("raas", EXP)), 1 << 20, **{"transactional.id": "anything"}))
     with pytest.raises(KafkaException) as exc:
         nodes.init_transactions(30)
     assert exc.value.args[0].code() == KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED
-    admin = AdminClient(cluster.as_("raas").client_config())
+    admin = AdminClient(cluster.as_(principal_of("raas", EXP)).client_config())
     fut = admin.create_topics([NewTopic(f"af.{EXP}.raas-x", 1, 1)])
     with pytest.raises(KafkaException) as exc:
         next(iter(fut.values())).result(30)
@@ -257,12 +257,12 @@ def test_a_trainer_publishes_versions_in_transactions_and_no_other_principal_may
     `af.<exp>.<policy>.publisher`) works under its principal; the same id is refused to a RaaS
     node and to the other policy's trainer, which therefore cannot fence it."""
     topics, tid = Topics(EXP), Topics(EXP).publisher_id("solver")
-    owner = WeightPublisher(cluster.as_(principal_of("trainer", "solver")), EXP, "solver",
+    owner = WeightPublisher(cluster.as_(principal_of("trainer", EXP, "solver")), EXP, "solver",
                             PublishSettings(dtype="float32"), transactional_id=tid)
     first = owner.start()
     v = owner.publish({"w": torch.ones(4)}).version
     assert v == (0 if first is None else first + 1)
-    for user in ("raas", principal_of("trainer", "verifier")):
+    for user in (principal_of("raas", EXP), principal_of("trainer", EXP, "verifier")):
         intruder = WeightPublisher(cluster.as_(user), EXP, "solver", transactional_id=tid)
         with pytest.raises(KafkaLayerError, match="denies the publisher") as exc:
             intruder.start()
@@ -272,7 +272,7 @@ def test_a_trainer_publishes_versions_in_transactions_and_no_other_principal_may
     # Not fenced by the refused attempts: the owner publishes the next version, and readers see it.
     assert owner.publish({"w": torch.full((4,), 2.0)}).version == v + 1
     owner.close()
-    latest = latest_policy_version(cluster.as_("raas"), topics, "solver", strict=True)
+    latest = latest_policy_version(cluster.as_(principal_of("raas", EXP)), topics, "solver", strict=True)
     assert latest is not None and latest.version == v + 1
 
 
@@ -284,12 +284,12 @@ def test_the_real_trainer_trains_and_publishes_under_its_principal(
     tmp = tmp_path_factory.mktemp("sectrain")
     model_dir = init_tiny(tmp / "tiny", vocab_size=512, hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64)
     initial, _ = load_tiny(model_dir)
-    curate = RecordProducer(cluster.as_("curate"))
+    curate = RecordProducer(cluster.as_(principal_of("curate", EXP)))
     for sample in make_samples(initial, prompts=1, group_size=8, policy="solver"):
         curate.send(Topics(EXP).train("solver"), sample, key=sample.group_id)
     curate.flush()
     cfg = TrainRunConfig.model_validate({
-        "experiment": EXP, "run_dir": str(tmp / "runs"), "kafka": cluster.as_(principal_of("trainer", "solver")),
+        "experiment": EXP, "run_dir": str(tmp / "runs"), "kafka": cluster.as_(principal_of("trainer", EXP, "solver")),
         "trainer": {"policy": "solver", "model_dir": str(model_dir), "batch_size": 8, "max_wait_s": 0.3,
                     "max_steps": 1, "stop_when_idle_s": 120, "logger": "none", "progress_bar": False},
     })
@@ -300,9 +300,9 @@ def test_the_real_trainer_trains_and_publishes_under_its_principal(
     finally:
         torch.set_num_threads(before)
     assert summary.steps == 1 and summary.trained_samples == 8
-    latest = latest_policy_version(cluster.as_("raas"), Topics(EXP), "solver", strict=True)
+    latest = latest_policy_version(cluster.as_(principal_of("raas", EXP)), Topics(EXP), "solver", strict=True)
     assert latest is not None and latest.version == summary.version and latest.trainer_step == 1
-    reader = Consumer(consumer_config(cluster.as_("monitor"), f"af-status-{uuid.uuid4().hex[:8]}", 1 << 20))
+    reader = Consumer(consumer_config(cluster.as_(principal_of("monitor", EXP)), f"af-status-{uuid.uuid4().hex[:8]}", 1 << 20))
     reader.assign([TopicPartition(Topics(EXP).dlq, 0, 0)])
     letters = []
     for m in reader.consume(500, 10.0):
