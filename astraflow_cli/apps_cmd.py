@@ -118,7 +118,11 @@ def run_app(
     trainer_group: str | None = typer.Option(None, help="curator: trainer's consumer group (af.<exp>.<policy>.trainer; 'none' ignores it)."),
     throttle: list[str] = typer.Option([], "--throttle", help="curator: policies whose trainers bound tasks ahead (default: every --policy)."),
     region_share: list[str] = typer.Option([], "--region-share", help="curator: REGION=FRACTION of the tasks to "
-                                           "af.<exp>.tasks.REGION, for a region fed by MirrorMaker 2 (repeatable)."),
+                                           "af.<exp>.tasks.REGION, for a region fed by MirrorMaker 2 (repeatable): "
+                                           "the share until nodes report; then it follows their speed and backlog."),
+    region_dead_s: float | None = typer.Option(None, "--region-dead-s", help="curator: a region with no node metric "
+                                               "for this long gets no new tasks and its outstanding ones are given "
+                                               "back to live regions (15)."),
     log_level: str = typer.Option("info", help="debug | info | warning"),
 ) -> None:
     """Run one worker of a stream app until SIGTERM / Ctrl-C; start more to split partitions."""
@@ -133,7 +137,7 @@ def run_app(
                     "--system-prompt": system_prompt, "--n-samples": n_samples, "--max-ahead": max_ahead, "--workflow": workflow,
                     "--temperature": temperature, "--top-p": top_p, "--max-tokens": max_tokens, "--max-turns": max_turns,
                     "--max-tasks": max_tasks, "--trainer-group": trainer_group, "--throttle": throttle or None,
-                    "--region-share": region_share or None}
+                    "--region-share": region_share or None, "--region-dead-s": region_dead_s}
     for owner, opts in (("curate", curate_only), ("curator", curator_only)):
         given = [k for k, v in opts.items() if v is not None]
         if given and name != owner:
@@ -160,6 +164,7 @@ def run_app(
             datasets=as_specs(dataset, split, preset, columns), policies=policy, system_prompt=system_prompt,
             trainer_group=trainer_group, throttle=throttle,
             region_share=_shares(region_share),
+            **({"region_dead_s": region_dead_s} if region_dead_s else {}),
             sampling=SamplingParams(temperature if temperature is not None else sp.temperature,
                                     top_p if top_p is not None else sp.top_p, max_tokens or sp.max_tokens, [],
                                     max_turns or sp.max_turns),

@@ -14,8 +14,11 @@ record, so a restarted worker, or one that takes the partitions over, starts fro
 statistics the committed feedback offsets imply), and a short timer issues tasks.
 With `--region-share b=0.4` (a region with a Kafka cluster of its own, fed by MirrorMaker 2:
 `astraflow kafka mirror up`), 40% of the tasks go to `af.<experiment>.tasks.b` instead, which
-only region b's nodes read (`raas serve --tasks-region b`), interleaved so that every prefix
-keeps close to the shares: a fixed share, not one that follows each region's speed.
+only region b's nodes read (`raas serve --tasks-region b`): 0.4 is the share until the nodes'
+metrics arrive; from then on each region's share follows its live nodes' measured speed and its
+tasks outstanding, and a region whose nodes all went dark (`--region-dead-s`) gets no new task
+and its outstanding ones are given back to the others with the same group ids
+(`stream_apps.region_fleet`, `astraflow.dataflow.region_shares`).
 Run one curator worker per experiment: the task accounting below is global. Whenever fewer
 than `--max-ahead` tasks are ahead of the trainer (see **Issuing**), it asks the curator
 strategy (slot `curator`, default `accept_all`) for that many prompts, given the prompts'
@@ -126,14 +129,8 @@ class CuratorOptions:
     lag_interval_s: float = 0.05  # how often the trainers' backlogs are measured while no task can be issued
     gauge_interval_s: float = 1.0  # how often they are measured otherwise (gauges)
     region_share: dict[str, float] = field(default_factory=dict)  # region -> fraction of tasks to af.<exp>.tasks.<region>
+    region_dead_s: float = 15.0  # a region with no node metric for this long is dark: no new tasks, its tasks given back
     system_prompt: str | None = None  # Task.metadata["system_prompt"]: workflows render it through the chat template
-
-
-def pick_topic(issued: dict[str, int], shares: dict[str, float]) -> str:
-    """The tasks topic the next task goes to: the one furthest below its share of all tasks
-    issued so far (ties: the first), so every prefix of the sequence keeps close to the shares."""
-    total = sum(issued.values()) + 1
-    return max(shares, key=lambda t: shares[t] * total - issued.get(t, 0))
 
 
 class CuratorApp(AppHandler):
@@ -196,6 +193,9 @@ class CuratorApp(AppHandler):
         self._recovered = False  # the prompt_stats table was recovered: statistics are known
         self.placer: Any = None  # region A's tasks: partition of each (astraflow.kafka.task_placer)
         self._place_due = 0.0  # next observation of the nodes' progress (placement)
+        self.fleet: Any = None  # with --region-share: shares that follow the regions' nodes (stream_apps.region_fleet)
+        self._fleet_reader: Any = None
+        self._fleet_msgs: list[Any] = []  # read in the measuring thread, applied in the event loop
 
     def bind(self, worker: Any) -> None:
         from confluent_kafka.admin import AdminClient
@@ -227,6 +227,14 @@ class CuratorApp(AppHandler):
 
         # Each task goes to the partition where it would wait least, so work follows node speed.
         self.placer = TaskPlacer(worker.kafka, self.tasks_topic, worker.topics.raas_group, marks[self.tasks_topic])
+        if shares:
+            from stream_apps.region_fleet import RegionFleet, fleet_reader
+
+            self.fleet = RegionFleet({"": self.tasks_topic, **{r: worker.topics.tasks_of(r) for r in shares}},
+                                     self.task_shares, self.options.n_samples, self.options.region_dead_s,
+                                     time.monotonic())
+            self._fleet_reader = fleet_reader(worker.kafka, reader_group("curator_lag", self._run + "-fleet"),
+                                              worker.topics.metrics, worker.topics.rollouts, self.options.region_dead_s)
         log.info("curator: %d prompts, %d tasks issued so far", len(self.pool), self.issued)
 
     def on_recovered(self, table: str) -> None:
@@ -348,6 +356,13 @@ class CuratorApp(AppHandler):
         progress first."""
         if place_at is not None and self.placer is not None:
             self.placer.observe(place_at)
+        if self._fleet_reader is not None:
+            from astraflow.kafka.clients import consume_ready
+
+            try:
+                self._fleet_msgs = consume_ready(self._fleet_reader, 5000, 0.0)
+            except KafkaException as exc:
+                log.warning("could not read the nodes' metrics and trajectories (%s); the shares wait", exc)
         out: dict[str, int | Exception] = {}
         for policy in self.throttled:
             try:
@@ -381,6 +396,11 @@ class CuratorApp(AppHandler):
             self.backlog_by[policy] = backlog
             if ends:
                 self._curated_at_lag[policy] = curated[policy]
+        if self.fleet is not None:
+            from stream_apps.region_fleet import feed_fleet
+
+            msgs, self._fleet_msgs = self._fleet_msgs, []
+            feed_fleet(self.fleet, msgs, self.worker.serde, self.worker.topics.metrics, time.monotonic(), time.time())
 
     def tick(self, now: float) -> Awaitable[None] | None:
         """Issues what the count allows; measures the backlogs first when due (then returns that work)."""
@@ -393,7 +413,7 @@ class CuratorApp(AppHandler):
             self.issue()
             return None
         place_at = None
-        if self.placer is not None and now >= self._place_due:  # the placement's own pace
+        if (self.placer is not None or self.fleet is not None) and now >= self._place_due:  # the placement's own pace
             self._place_due, place_at = now + PLACE_INTERVAL_S, now
         if (now >= self._lag_due and self.room() <= 0) or now >= self._gauge_due or place_at is not None:
             self._lag_due, self._gauge_due = now + self.options.lag_interval_s, now + self.options.gauge_interval_s
@@ -406,7 +426,12 @@ class CuratorApp(AppHandler):
         self.issue()
 
     def issue(self) -> None:
-        """As many tasks as the count leaves room for (at most `batch`)."""
+        """As many tasks as the count leaves room for (at most `batch`); first, with regions, the
+        tasks of a dark region given back to live ones (they hold no new slot: see region_fleet)."""
+        if self.fleet is not None and not self.paused:
+            for task, topic in self.fleet.to_give_back():
+                self._send(topic, task)
+                self.fleet.given_back += 1
         room = self.room()
         if self.paused or room <= 0:
             if self.options.max_tasks and self.issued_here >= self.options.max_tasks:
@@ -419,16 +444,23 @@ class CuratorApp(AppHandler):
         self.skipped += len(selection.skipped)
         ref = strategy.ref(self.name, "curator")
         for prompt in selection.chosen:
-            task = self._task(self.by_id[prompt.prompt_id], ref)
-            topic = pick_topic(self.issued_to, self.task_shares) if len(self.task_shares) > 1 else self.tasks_topic
-            partition = self.placer.choose() if self.placer is not None and topic == self.tasks_topic else None
-            self.worker.send(topic, task, task.group_id, partition)
-            if partition is not None:
-                self.placer.sent(partition)
-            self.issued_to[topic] = self.issued_to.get(topic, 0) + 1
+            topic = self.fleet.next_topic() if self.fleet is not None else self.tasks_topic
+            if topic is None:  # every region dark: nowhere to send a task
+                break
+            self._send(topic, self._task(self.by_id[prompt.prompt_id], ref))
             self.issued += 1
             self.issued_here += 1
         self.room()
+
+    def _send(self, topic: str, task: Task) -> None:
+        """Writes `task` to `topic` (region A's: to the partition the placement chooses)."""
+        partition = self.placer.choose() if self.placer is not None and topic == self.tasks_topic else None
+        self.worker.send(topic, task, task.group_id, partition)
+        if partition is not None:
+            self.placer.sent(partition)
+        if self.fleet is not None:
+            self.fleet.sent(topic, task)
+        self.issued_to[topic] = self.issued_to.get(topic, 0) + 1
 
     def _task(self, row: DatasetRow, ref: Any) -> Task:
         task_id = f"{self._run}-{self.issued_here}"
@@ -468,6 +500,7 @@ class CuratorApp(AppHandler):
             "control_version.curator": float(self.slot.version),
             **{f"tasks_ahead.{p}": float(a) for p, a in self.ahead_by().items()},
             **{f"train_backlog.{p}": float(b) for p, b in self.backlog_by.items()},
+            **(self.fleet.gauges() if self.fleet is not None else {}),
         }
 
     def close(self) -> None:
@@ -475,7 +508,7 @@ class CuratorApp(AppHandler):
                  self.issued_here, self.measured, self.ends_read)
         if self.placer is not None:
             self.placer.close()
-        for consumer in [self._lag_consumer, *self._readers.values()]:
+        for consumer in [self._lag_consumer, self._fleet_reader, *self._readers.values()]:
             if consumer is not None:
                 consumer.close()
         self._readers.clear()

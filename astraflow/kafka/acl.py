@@ -113,6 +113,8 @@ def role_grants(experiment: str, policies: list[str]) -> list[Grant]:
     g("curator", "TOPIC", t.feedback, (READ,), "per-prompt statistics")
     g("curator", "TOPIC", t.tasks, (WRITE,), "tasks (and their end offsets: tasks issued)")
     g("curator", "GROUP", READER_GROUPS["curator_lag"], (DESCRIBE,), "its offset reader's group (assign only)", "PREFIXED")
+    g("curator", "TOPIC", t.metrics, (READ,), "nodes' metrics: live nodes and speed per region (--region-share)")
+    g("curator", "TOPIC", t.rollouts, (READ,), "trajectories' keys: tasks outstanding per region (--region-share)")
     g("reward", "TOPIC", t.rollouts, (READ,), "trajectories to score")
     g("reward", "TOPIC", t.scored, (WRITE,), "scored trajectories")
     g("curate", "TOPIC", t.scored, (READ,), "scored trajectories")

@@ -468,7 +468,7 @@ class RaasNode:
         r0, k0, t0 = mark
         dt = max(now - t0, 1e-6)
         labels = {"node_id": self.node.node_id, "hardware": self.node.hardware, "region": self.node.region,
-                  "backend": self.node.backend}
+                  "backend": self.node.backend, "tasks_region": self.s.tasks_region or ""}  # "": it reads `tasks`
         values = {
             "rollouts_per_s": (self.rollouts_done - r0) / dt,
             "tokens_per_s": (self.tokens_done - k0) / dt,

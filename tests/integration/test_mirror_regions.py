@@ -27,7 +27,6 @@ from astraflow.kafka.topics import TopicAdmin, Topics, topic_specs
 from astraflow.records import Task, Trajectory
 from astraflow.serde import AvroSerde
 from astraflow.testing import make_task, make_trajectory
-from stream_apps.curator import pick_topic
 from stream_apps.groups import GroupStore
 
 pytestmark = pytest.mark.slow
@@ -70,13 +69,12 @@ def test_mirror_carries_region_b_tasks_and_weights_out_and_rollouts_back(kafka: 
         mirror = Mirror(plan, tmp_path / "mm2", b.libs, heap_mb=256)
         mirror.up(**QUIET, timeout_s=150)
 
-        # Region A: the curator's split of 10 tasks, 40% to region b; weights, one transaction
-        # committed and one aborted; the latest version on `policies`.
-        shares = {t.tasks: 0.6, t.tasks_of("b"): 0.4}
-        issued: dict[str, list[str]] = {name: [] for name in shares}
+        # Region A: 10 tasks, 4 of them to region b (as the curator's split writes them); weights,
+        # one transaction committed and one aborted; the latest version on `policies`.
+        issued: dict[str, list[str]] = {t.tasks: [], t.tasks_of("b"): []}
         prod = RecordProducer(kafka)
         for i in range(10):
-            topic = pick_topic({k: len(v) for k, v in issued.items()}, shares)
+            topic = t.tasks_of("b") if i % 5 in (1, 3) else t.tasks
             task = make_task(i, n_samples=2)
             prod.send(topic, task, key=task.group_id)
             issued[topic].append(task.task_id)

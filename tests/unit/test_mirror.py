@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
 from astraflow.errors import ConfigError, LocalKafkaError
 from astraflow.kafka.mirror import IDENTITY, MirrorPlan, loop_free, mirror_properties, render
 from astraflow.kafka.topics import Topics
-from stream_apps.curator import CuratorOptions, pick_topic
+from stream_apps.curator import CuratorOptions
+from stream_apps.region_fleet import RegionFleet
 
 
 def plan(**kw) -> MirrorPlan:
@@ -66,17 +68,6 @@ def test_a_region_named_like_the_source_is_refused() -> None:
         MirrorPlan("e", "b.c", "x", "y")
 
 
-def test_pick_topic_keeps_every_prefix_near_the_shares() -> None:
-    shares = {"tasks": 0.7, "tasks.b": 0.3}
-    issued = {"tasks": 0, "tasks.b": 0}
-    for n in range(1, 101):
-        issued[pick_topic(issued, shares)] += 1
-        assert abs(issued["tasks.b"] - 0.3 * n) <= 1, (n, issued)
-    assert issued == {"tasks": 70, "tasks.b": 30}
-    # A restart with counts far off the shares (end offsets) catches up on the lagging topic first.
-    assert pick_topic({"tasks": 50, "tasks.b": 0}, shares) == "tasks.b"
-
-
 def test_region_shares_are_checked(tmp_path) -> None:
     from stream_apps.curator import CuratorApp
 
@@ -97,7 +88,8 @@ def test_curator_sends_region_b_its_share_on_its_own_topic(tmp_path) -> None:
                                                    region_share={"b": 0.4}))
     t = Topics(EXP)
     app.task_shares, app.issued_to = {t.tasks: 0.6, t.tasks_of("b"): 0.4}, {t.tasks: 0, t.tasks_of("b"): 0}  # as bind sets them
-    tick(app, 0.0)  # the curator's tick may measure first (an awaitable), then issue
+    app.fleet = RegionFleet({"": t.tasks, "b": t.tasks_of("b")}, app.task_shares, 2, 15.0, time.monotonic())
+    tick(app, 0.0)  # no node heard from yet: the configured shares  # the curator's tick may measure first (an awaitable), then issue
     topics = [topic for topic, _, _ in w.sent]
     assert len(topics) == 10 and topics.count(t.tasks_of("b")) == 4 and topics.count(t.tasks) == 6
     ids = [task.task_id for _, task, _ in w.sent]
