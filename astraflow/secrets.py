@@ -58,7 +58,8 @@ def redact_text(text: str) -> str:
 def is_secret_key(key: str) -> bool:
     parts = [p.lower() for p in _PARTS.split(key) if p]
     joined = "".join(parts)
-    return any(p in _SECRET_PARTS for p in parts) or "apikey" in joined or "privatekey" in joined
+    # `basic.auth.user.info` (a schema registry's `user:password`) names no secret word: its whole value is one.
+    return any(p in _SECRET_PARTS for p in parts) or any(w in joined for w in ("apikey", "privatekey", "userinfo"))
 
 
 def redact_tree(obj: Any) -> Any:

@@ -18,7 +18,7 @@ from astraflow_cli.common import console, handle_errors
 app = typer.Typer(help="Make, list, rotate and revoke an experiment's signing keys.", no_args_is_help=True)
 
 EXPERIMENT = typer.Option(..., "--experiment", "-e", help="Experiment name.")
-ROLE = typer.Option(None, "--role", "-r", help="trainer or operator; every signing role when left out.")
+ROLE = typer.Option(None, "--role", "-r", help="trainer, operator, raas or apps; every signing role when left out.")
 
 
 def _roles(role: str | None) -> tuple[str, ...]:
@@ -34,7 +34,8 @@ def _roles(role: str | None) -> tuple[str, ...]:
 @app.command()
 @handle_errors
 def create(experiment: str = EXPERIMENT, role: str | None = ROLE) -> None:
-    """Make the experiment's keys (first time: one per role), or one more key for --role."""
+    """Make the experiment's keys (first time: one per role; later: one for each role that has
+    none), or one more key for --role."""
     from astraflow.kafka.signing import KeyStore
 
     store = KeyStore(experiment)
@@ -44,7 +45,13 @@ def create(experiment: str = EXPERIMENT, role: str | None = ROLE) -> None:
     elif role is not None:
         console.print(f"new {role} key {store.create(role)} in {store.dir}")
     else:
-        console.print(f"{experiment} already has keys in {store.dir}; add one with --role, or rotate")
+        # A trust file made before a role signed anything (raas, apps: their metrics) gets its keys.
+        held = {k.role for k in store.trusted().values()}
+        missing = [r for r in _roles(None) if r not in held]
+        for r in missing:
+            console.print(f"new {r} key {store.create(r)} in {store.dir}")
+        if not missing:
+            console.print(f"{experiment} already has keys in {store.dir}; add one with --role, or rotate")
     _print(store)
 
 

@@ -57,6 +57,7 @@ from astraflow.config import TopicSettings
 from astraflow.errors import AstraflowError, ConfigError, KafkaLayerError, SerdeError
 from astraflow.kafka.offsets import OffsetTracker
 from astraflow.kafka.received import Received, dead_letter_bytes, decode_headers
+from astraflow.kafka.signing import MetricSigner
 from astraflow.records import Metric
 from stream_apps.handler import AppHandler, StrategyFailed
 from stream_apps.lifecycle import EngineLifecycle
@@ -104,6 +105,9 @@ class EngineSettings:
             raise ConfigError(f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
 
 
+_METRIC_SIGNER = MetricSigner()
+
+
 @dataclass(slots=True)
 class _Out:
     """One record to produce when the current record (or periodic transaction) finishes."""
@@ -114,6 +118,7 @@ class _Out:
     partition: int | None = None  # changelog writes (co-partitioned with the source), placed tasks (curator)
     table: bool = False  # a table's changelog write: only the last one per key of a hand-over is sent
     born: bool = False  # ...and the table did not hold its key before it (`_last_table_writes`)
+    headers: list[tuple[str, bytes]] | None = None  # a signed metric's `af-sig` (untransacted sends only)
 
 
 _OUTBOX: contextvars.ContextVar[list[_Out] | None] = contextvars.ContextVar("astraflow_outbox", default=None)
@@ -390,7 +395,7 @@ class StreamEngine(EngineLifecycle):
             return
         producer = self.app.producer
         for out in outbox:
-            fut = await producer.send(out.topic, out.key, out.value, out.partition, None, None)
+            fut = await producer.send(out.topic, out.key, out.value, out.partition, None, out.headers)
             fut.add_done_callback(self._delivered)
 
     async def flush_partition(self, partition: int) -> None:
@@ -478,8 +483,12 @@ class StreamEngine(EngineLifecycle):
             _PARTITION.reset(part_token)
 
     async def send_now(self, topic: str, record: Any, key: str | bytes | None = None) -> None:
-        """Produces outside any transaction (metrics)."""
-        await self._produce([_Out(topic, _key(key), self.serde.dumps(record))], None)
+        """Produces outside any transaction (metrics, signed with the apps' key where this host
+        holds it: `astraflow.kafka.signing.MetricSigner`)."""
+        value = self.serde.dumps(record)
+        signed = _METRIC_SIGNER.headers(topic, key, value, record.component) if isinstance(record, Metric) else None
+        headers = [(k, v.encode()) for k, v in signed.items()] if signed else None
+        await self._produce([_Out(topic, _key(key), value, headers=headers)], None)
 
     def assigned(self) -> set[int]:
         """Source partitions this worker holds now."""

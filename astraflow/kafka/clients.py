@@ -35,7 +35,8 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Produ
 from astraflow.config import KafkaSettings
 from astraflow.errors import KafkaLayerError, ProduceError, SerdeError
 from astraflow.kafka.received import DeadLetterWriter, Received
-from astraflow.records import Record
+from astraflow.kafka.signing import MetricSigner
+from astraflow.records import Metric, Record
 from astraflow.serde import AvroSerde
 
 R = TypeVar("R", bound=Record)
@@ -188,6 +189,9 @@ def commit_offsets(consumer: Consumer, offsets: list[TopicPartition], backoff_ma
         delay = min(delay * 2, backoff_max_s)
 
 
+_METRIC_SIGNER = MetricSigner()  # one per process: keys are read once per experiment and role
+
+
 class RecordProducer:
     """Produces typed records (or raw bytes) and tracks their acknowledgements."""
 
@@ -207,8 +211,12 @@ class RecordProducer:
         partition: int | None = None,
     ) -> None:
         """Encodes and queues one record (raises SerdeError before anything is sent); to
-        `partition` when given, else where its key hashes."""
-        self.send_raw(topic, self.serde.dumps(record), key, headers, on_delivery, partition)
+        `partition` when given, else where its key hashes. A `Metric` is signed with the key of
+        its component's role where this host holds it (`astraflow.kafka.signing.MetricSigner`)."""
+        value = self.serde.dumps(record)
+        if isinstance(record, Metric) and headers is None:
+            headers = _METRIC_SIGNER.headers(topic, key, value, record.component)
+        self.send_raw(topic, value, key, headers, on_delivery, partition)
 
     def send_raw(
         self,

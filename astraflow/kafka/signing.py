@@ -36,6 +36,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -52,8 +53,12 @@ from astraflow.errors import AstraflowError, ConfigError
 from astraflow.kafka.topics import check_name
 
 HEADER = "af-sig"
-ROLES = ("trainer", "operator")  # roles that sign: weights and `policies` (trainer), `control` (operator)
+# Roles that sign: weights and `policies` (trainer), `control` (operator), and each its own
+# `metrics` records (trainer, raas: the RaaS nodes, apps: the stream apps and processors).
+ROLES = ("trainer", "operator", "raas", "apps")
+METRICS = "metrics"  # the logical stream metric signatures cover
 _DOMAIN = b"astraflow-sig-v1"
+log = logging.getLogger("astraflow.signing")
 _MAX_HEADER = 512
 
 
@@ -78,6 +83,18 @@ def stream_role(stream: str) -> str:
     if stream == "policies" or stream.endswith(".weights"):
         return "trainer"
     raise ValueError(f"{stream!r} is not an authority stream")
+
+
+def metric_role(component: str) -> str | None:
+    """The role whose key signs a `Metric` of `component` (None: a component that signs nothing,
+    whose metrics are always shown unverified)."""
+    if component in ("raas", "trainer"):
+        return component
+    if component in ("reward", "curate", "curator") or component.startswith("proc."):
+        return "apps"
+    if component == "eval":  # the held-out evaluator, run by the operator (`astraflow eval`, the demo)
+        return "operator"
+    return None
 
 
 def _message(stream: str, key: bytes | str | None, ts_ms: int, value: bytes | None) -> bytes:
@@ -268,12 +285,14 @@ class Verifier:
         self.store = (store or KeyStore(experiment)).ensure()
 
     def check(self, stream: str, key: bytes | str | None, value: bytes | None,
-              headers: list[tuple[str, Any]] | dict[str, Any] | None) -> Signed:
-        """The signature of one record read from `stream`; raises SignatureError saying why not."""
+              headers: list[tuple[str, Any]] | dict[str, Any] | None, role: str | None = None) -> Signed:
+        """The signature of one record read from `stream`, by a key of `role` (default: the
+        stream's owner); raises SignatureError saying why not."""
+        role = role or stream_role(stream)
         items = headers.items() if isinstance(headers, dict) else (headers or [])
         found = [v for k, v in items if k == HEADER]
         if not found:
-            raise SignatureError(f"unsigned record on {stream}: only the {stream_role(stream)} of experiment "
+            raise SignatureError(f"unsigned record on {stream}: only the {role} of experiment "
                                  f"{self.experiment} may write it (header {HEADER} missing)")
         if len(found) > 1:
             raise SignatureError(f"record on {stream} carries {len(found)} {HEADER} headers")
@@ -285,7 +304,6 @@ class Verifier:
         _, kid, ts_text, sig_hex = parts
         ts = int(ts_text)
         trusted = self.store.trusted().get(kid)
-        role = stream_role(stream)
         if trusted is None:
             raise SignatureError(f"record on {stream} signed by key {kid}, not in {self.store.trust_file}: "
                                  "an unknown writer, or this host's trust file is out of date (copy it from the operator)")
@@ -303,5 +321,42 @@ class Verifier:
         return Signed(kid, ts)
 
 
-__all__ = ["HEADER", "ROLES", "KeyStore", "KeysError", "SignatureError", "Signed", "Signer", "Verifier",
-           "keys_dir", "stream_role"]
+class MetricSigner:
+    """Signs `Metric` records with the key of the role their component names (`metric_role`),
+    where this host holds it; a host without that key sends them unsigned (readers then show
+    them as unverified) and says so once in its log."""
+
+    def __init__(self) -> None:
+        self._signers: dict[tuple[str, str], Signer | None] = {}
+
+    def headers(self, topic: str, key: bytes | str | None, value: bytes, component: str) -> dict[str, str] | None:
+        from astraflow.kafka.topics import experiment_of
+
+        experiment, role = experiment_of(topic), metric_role(component)
+        if experiment is None or role is None:
+            return None
+        if (experiment, role) not in self._signers:
+            try:
+                self._signers[(experiment, role)] = Signer(experiment, role)
+            except KeysError as exc:
+                log.warning("metrics of %s go unsigned (status shows them as unverified): %s", component, exc)
+                self._signers[(experiment, role)] = None
+        signer = self._signers[(experiment, role)]
+        return None if signer is None else signer.headers(METRICS, key, value)
+
+
+__all__ = [
+    "HEADER",
+    "METRICS",
+    "ROLES",
+    "KeyStore",
+    "KeysError",
+    "MetricSigner",
+    "SignatureError",
+    "Signed",
+    "Signer",
+    "Verifier",
+    "keys_dir",
+    "metric_role",
+    "stream_role",
+]

@@ -181,8 +181,10 @@ def group_lags(groups: dict[str, GroupInfo], committed: dict[str, dict[TP, int]]
     return out
 
 
-def read_ranges(kafka: KafkaSettings, ranges: dict[TP, tuple[int, int]], timeout_s: float = 10.0) -> list[tuple[TP, int, bytes | None]]:
-    """Raw values in [start, end) of each partition, read with assign(): no group, no commit.
+def read_ranges(kafka: KafkaSettings, ranges: dict[TP, tuple[int, int]],
+                timeout_s: float = 10.0) -> list[tuple[TP, int, bytes | None, bytes | None, list]]:
+    """(partition, offset, value, key, headers) of the records in [start, end) of each
+    partition, read with assign(): no group, no commit.
 
     Stops at each range's end or at the partition's end (EOF also covers transaction markers,
     which occupy offsets but are never delivered), or when `timeout_s` runs out.
@@ -192,7 +194,7 @@ def read_ranges(kafka: KafkaSettings, ranges: dict[TP, tuple[int, int]], timeout
         return []
     # assign() only: never joins, never commits
     consumer = reader(kafka, reader_group("status"), **{"enable.partition.eof": True})
-    out: list[tuple[TP, int, bytes | None]] = []
+    out: list[tuple[TP, int, bytes | None, bytes | None, list]] = []
     try:
         consumer.assign([TopicPartition(t, p, start) for (t, p), (start, _end) in todo.items()])
         pending = set(todo)
@@ -208,7 +210,7 @@ def read_ranges(kafka: KafkaSettings, ranges: dict[TP, tuple[int, int]], timeout
                 if key not in todo:
                     continue
                 if msg.offset() < todo[key][1]:
-                    out.append((key, msg.offset(), msg.value()))
+                    out.append((key, msg.offset(), msg.value(), msg.key(), list(msg.headers() or [])))
                 if msg.offset() >= todo[key][1] - 1 and key in pending:
                     pending.discard(key)
                     consumer.pause([TopicPartition(*key)])

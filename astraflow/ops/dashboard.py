@@ -144,6 +144,8 @@ class DashboardState:
             "graph": graph(r),
             "nodes": [{"node_id": n.node_id, "region": n.region, "hardware": n.hardware, "versions": n.versions,
                        "rollouts_per_s": round(n.rollouts_per_s, 3), "last_seen_s": round(n.last_seen_s, 1)} for n in r.nodes],
+            "unverified": [{"component": m.component, "instance": m.instance, "name": m.name, "value": m.value}
+                           for m in r.unverified],
             "policies": [{"policy": p.policy, "version": p.version, "trainer_step": p.trainer_step,
                           "loss": p.trainer.get("loss")} for p in r.policies],
             "reward": {"mean": r.reward.mean, "samples": r.reward.samples},

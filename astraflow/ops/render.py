@@ -113,6 +113,12 @@ def render_status(r: StatusReport) -> RenderableType:
     if r.regions:
         parts.append(regions)
     parts += [scale, pol, staleness, reward, dlq]
+    if r.unverified or r.refused_versions:
+        claims = sorted({f"{m.component}/{m.instance}" for m in r.unverified})
+        parts.append(Text(f"unverified (not counted above: no valid signature of the role they name): "
+                          f"{len(r.unverified)} metric series from {', '.join(claims[:8]) or '-'}"
+                          f"{' ...' if len(claims) > 8 else ''}; {r.refused_versions} unsigned policy versions",
+                          style="yellow"))
     if r.undecodable:
         parts.append(Text(f"{r.undecodable} records could not be decoded by status (see the dlq)", style="yellow"))
     return Group(*parts)

@@ -28,6 +28,7 @@ from astraflow.kafka.counts import RecordCounter
 from astraflow.kafka.offsets import TP
 from astraflow.kafka.topics import Topics, missing_experiment
 from astraflow.ops.cluster_offsets import GroupLag, OffsetReader, PartitionOffsets, group_lags, read_ranges
+from astraflow.ops.provenance import Provenance
 from astraflow.ops.scaling import AutoscaleSignal, RegionStatus, autoscale_of, regions_of
 from astraflow.processor import COMPONENT_PREFIX
 from astraflow.records import DeadLetter, Metric, PolicyVersion, Trajectory, now_ms
@@ -162,6 +163,10 @@ class StatusReport:
     autoscale: AutoscaleSignal | None = None  # the RaaS autoscaling signal and its rule's answer (None: not running)
     apps: list[AppStatus] = field(default_factory=list)  # stream apps and user processors
     running: bool = True  # some role reported a metric within `RUNNING_WITHIN_S`
+    # Metric series whose newest record no key of their component's role signed (a node claiming
+    # another's identity, a host without the role's key): shown apart, in no figure above.
+    unverified: list[MetricSeries] = field(default_factory=list)
+    refused_versions: int = 0  # `policies` records no trainer key signed (not believed)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -342,21 +347,27 @@ def collect_status(
         if topic in topics:
             ranges.update(_tail(offsets, topic, topics[topic], n, counter))
     serde = AvroSerde()
+    provenance = Provenance(experiment)
     metrics: list[Metric] = []
+    unverified: list[Metric] = []  # no valid signature of their component's role: shown apart, never counted
+    refused_versions = 0
     versions: list[PolicyVersion] = []
     scored: list[tuple[int, Trajectory]] = []
     dead: list[tuple[int, DeadLetter]] = []
     undecodable = 0
-    for (topic, _p), _off, value in read_ranges(kafka, ranges, timeout_s):
+    for (topic, _p), _off, value, key, headers in read_ranges(kafka, ranges, timeout_s):
         try:
             rec = serde.loads(value)
         except SerdeError:
             undecodable += 1
             continue
         if isinstance(rec, Metric) and topic == t.metrics:
-            metrics.append(rec)
+            (metrics if provenance.metric(rec, key, value, headers) else unverified).append(rec)
         elif isinstance(rec, PolicyVersion) and topic == t.policies:
-            versions.append(rec)
+            if provenance.policy_version(key, value, headers):
+                versions.append(rec)
+            else:
+                refused_versions += 1
         elif isinstance(rec, Trajectory) and topic == t.scored:
             scored.append((rec.created_at, rec))
         elif isinstance(rec, DeadLetter) and topic == t.dlq:
@@ -403,4 +414,6 @@ def collect_status(
         autoscale=autoscale_of(raas_lag, tasks_row.rate_per_s if tasks_row else 0.0, node_rows) if running else None,
         apps=apps_of(series, now),
         running=running,
+        unverified=sorted(latest_series(unverified), key=lambda s: (s.component, s.instance, s.name)),
+        refused_versions=refused_versions,
     )

@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 
 from astraflow.config import KafkaSettings, TopicSettings
 from astraflow.kafka.clients import RecordConsumer, RecordProducer
+from astraflow.kafka.signing import Signer
 from astraflow.kafka.topics import TopicAdmin, Topics, topic_specs
 from astraflow.records import DeadLetter, Metric, PolicyVersion, WeightKind
 from astraflow.testing import make_task, make_trajectory
@@ -68,9 +69,11 @@ def _populate(kafka: KafkaSettings, exp: str) -> None:
         producer.send(t.metrics, Metric("trainer.loss", loss, "trainer", "trainer-host-1", labels), key="policy")
         producer.send(t.metrics, Metric("trainer.staleness", 2.0, "trainer", "trainer-host-1", {**labels, "bucket": "0"}),
                       key="policy")
-    producer.send(t.policies, PolicyVersion(policy="policy", version=4, kind=WeightKind.DELTA, dtype="bfloat16", num_chunks=1,
+    pv = producer.serde.dumps(PolicyVersion(policy="policy", version=4, kind=WeightKind.DELTA, dtype="bfloat16", num_chunks=1,
                                             payload_bytes=10, sha256="0" * 64, state_checksum="c", trainer_step=40,
-                                            trained_samples=1280, base_version=3), key="policy")
+                                            trained_samples=1280, base_version=3))
+    # Signed by the trainer's key, as its publisher does: status believes only those.
+    producer.send_raw(t.policies, pv, "policy", Signer(exp, "trainer").headers("policies", "policy", pv))
     for i in range(2):
         producer.send(t.dlq, DeadLetter(original=b"\x00garbage", topic=t.rollouts, partition=0, offset=i,
                                         error_class="CorruptRecordError", error="bad magic", component="reward"))

@@ -159,6 +159,12 @@ def test_trajectories_to_train_samples_per_policy_with_dlq_and_metrics(kafka: Ka
     assert final(metrics, "reward", "records_in_total") == 3 + 13
     assert final(metrics, "reward", "records_out_total") == 13
     assert final(metrics, "reward", "dead_lettered_total", reason="CorruptRecordError") == 1
+    # The apps sign their metrics with the apps' key: status believes them (docs/security.md).
+    from astraflow.ops.status import collect_status
+
+    report = collect_status(kafka, exp2)
+    assert {"reward", "curate"} <= {a.component for a in report.apps}
+    assert not [m for m in report.unverified if m.component in ("reward", "curate")]
 
 
 def test_code_rewards_run_concurrently_in_the_sandbox_without_blocking(kafka: KafkaSettings, exp2: str) -> None:

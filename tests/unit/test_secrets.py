@@ -19,6 +19,7 @@ SASL_PW = "sasl-Pa55word-7c1e"
 S3_PW = "s3SecretKey/with+chars"
 KEY_PW = "tls-key-pass-91"
 REG_PW = "registry-pw-42"
+BASIC_PW = "basic-auth-pw-58"
 
 
 def test_urls_lose_their_password_and_keep_the_rest() -> None:
@@ -36,6 +37,7 @@ def _secret_env() -> dict[str, str]:
         "ASTRAFLOW__KAFKA__SASL_PASSWORD": SASL_PW,
         "ASTRAFLOW__KAFKA__SCHEMA_REGISTRY_URL": f"https://reg:{REG_PW}@registry.example:8081",
         "ASTRAFLOW__KAFKA__CLIENT_EXTRA": json.dumps({"ssl.key.password": KEY_PW, "socket.timeout.ms": "30000"}),
+        "ASTRAFLOW__KAFKA__SCHEMA_REGISTRY_CONFIG": json.dumps({"basic.auth.user.info": f"reg:{BASIC_PW}"}),
     }
 
 
@@ -44,7 +46,7 @@ def test_astraflow_config_masks_every_secret() -> None:
     res = subprocess.run([sys.executable, "-m", "astraflow_cli.main", "config"], capture_output=True, text=True,
                          timeout=60, env=env)
     assert res.returncode == 0, res.stderr
-    for secret in (SASL_PW, REG_PW, KEY_PW):
+    for secret in (SASL_PW, REG_PW, KEY_PW, BASIC_PW):
         assert secret not in res.stdout + res.stderr
     shown = json.loads(res.stdout)
     assert shown["kafka"]["sasl_username"] == "raas"  # what is not secret stays readable
@@ -55,7 +57,7 @@ def test_astraflow_config_masks_every_secret() -> None:
 def test_resolved_config_files_mask_every_secret(tmp_path: Path) -> None:
     cfg = load_config(env=_secret_env())
     out = write_resolved(cfg, tmp_path).read_text()
-    for secret in (SASL_PW, REG_PW, KEY_PW):
+    for secret in (SASL_PW, REG_PW, KEY_PW, BASIC_PW):
         assert secret not in out
     assert cfg.kafka.client_config()["sasl.password"] == SASL_PW  # the clients still get the real one
 
@@ -96,7 +98,8 @@ def test_metrics_endpoint_listens_on_loopback_unless_told_otherwise() -> None:
 def test_secret_fields_are_named_like_secrets_and_nothing_else_is() -> None:
     from astraflow.secrets import is_secret_key
 
-    for key in ("sasl_password", "ssl.key.password", "aws_secret_access_key", "api-key", "access_token", "sasl.jaas.config"):
+    for key in ("sasl_password", "ssl.key.password", "aws_secret_access_key", "api-key", "access_token", "sasl.jaas.config",
+                "basic.auth.user.info"):
         assert is_secret_key(key), key
     for key in ("max_tokens", "max_new_tokens", "passes", "compass", "tokenizer", "sasl_username", "key"):
         assert not is_secret_key(key), key
