@@ -233,6 +233,9 @@ class CuratorApp(AppHandler):
             self.fleet = RegionFleet({"": self.tasks_topic, **{r: worker.topics.tasks_of(r) for r in shares}},
                                      self.task_shares, self.options.n_samples, self.options.region_dead_s,
                                      time.monotonic())
+            from astraflow.ops.provenance import Provenance
+
+            self._provenance = Provenance(worker.topics.experiment)
             self._fleet_reader = fleet_reader(worker.kafka, reader_group("curator_lag", self._run + "-fleet"),
                                               worker.topics.metrics, worker.topics.rollouts, self.options.region_dead_s)
         log.info("curator: %d prompts, %d tasks issued so far", len(self.pool), self.issued)
@@ -400,7 +403,8 @@ class CuratorApp(AppHandler):
             from stream_apps.region_fleet import feed_fleet
 
             msgs, self._fleet_msgs = self._fleet_msgs, []
-            feed_fleet(self.fleet, msgs, self.worker.serde, self.worker.topics.metrics, time.monotonic(), time.time())
+            feed_fleet(self.fleet, msgs, self.worker.serde, self.worker.topics.metrics, time.monotonic(), time.time(),
+                       self._provenance)
 
     def tick(self, now: float) -> Awaitable[None] | None:
         """Issues what the count allows; measures the backlogs first when due (then returns that work)."""

@@ -13,9 +13,10 @@ mirrors B's `metrics` and `rollouts` to A):
 
 Both are read by one reader that never commits (assign only), polled from the curator's
 measuring thread. Values of `rollouts` are not decoded (only keys count), metrics are decoded and
-anything that is not a raas Metric is skipped: the records are untrusted, and a forged metric
-can only make the curator send a region more or fewer new tasks, never lose one (a task given
-back is re-issued, not dropped).
+anything that is not a raas Metric signed by the experiment's `raas` key is skipped (and
+counted in `bad_metrics`): the records are untrusted; a RaaS node holding the key can still
+make the curator send a region more or fewer new tasks, never lose one (a task given back is
+re-issued, not dropped).
 
 Tasks this process issued to a region that went dark (`dead_regions`) are **given back**:
 written again, the same Task (same task and group ids, `metadata.given_back_from` added) to a
@@ -36,6 +37,7 @@ from collections import Counter
 from typing import Any
 
 from astraflow.dataflow.region_shares import NodeSeen, capacities, choose, dead_regions, shares
+from astraflow.ops.provenance import Provenance
 from astraflow.records import Metric, Task
 
 log = logging.getLogger("astraflow.stream.curator")
@@ -142,16 +144,22 @@ class RegionFleet:
 
 
 def feed_fleet(fleet: RegionFleet, msgs: list[Any], serde: Any, metrics_topic: str, now: float,
-               wall_now: float) -> None:
+               wall_now: float, provenance: Provenance | None = None) -> None:
     """Feeds `fleet` the messages a reader of the metrics and rollouts topics returned (the
     curator reads them in its measuring thread and applies them in its event loop). A metric
-    counts as seen when it was written (its `ts`, at most `now`: read late, it is no younger)."""
+    counts as seen when it was written (its `ts`, at most `now`: read late, it is no younger),
+    and, with `provenance`, only when the `raas` key signed it: a forged node's metrics could
+    otherwise keep a dark region "live" and its outstanding tasks would never be given back."""
     for msg in msgs:
         if msg.topic() == metrics_topic:
             try:
                 m = serde.loads(msg.value(), Metric)
             except Exception:  # untrusted bytes: skipped, counted
                 fleet.bad_metrics += 1
+                continue
+            if m.component == "raas" and provenance is not None and not provenance.metric(
+                    m, msg.key(), msg.value(), list(msg.headers() or [])):
+                fleet.bad_metrics += 1  # no valid signature of the raas key: not a node we know
                 continue
             fleet.on_metric(m, now - max(0.0, wall_now - m.ts / 1000.0))
         elif msg.key() is not None:

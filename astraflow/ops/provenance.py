@@ -26,10 +26,12 @@ class Provenance:
     host without one believes nothing)."""
 
     def __init__(self, experiment: str) -> None:
-        store = KeyStore(experiment)
-        self.verifier = Verifier(experiment, store) if store.exists() else None
+        self.experiment, self.store = experiment, KeyStore(experiment)
+        self.verifier: Verifier | None = None
 
     def _check(self, stream: str, key: bytes | None, value: bytes | None, headers: list[Any], role: str | None) -> bool:
+        if self.verifier is None and self.store.exists():  # looked for again until it is there
+            self.verifier = Verifier(self.experiment, self.store)
         if self.verifier is None or role is None:
             return False
         try:

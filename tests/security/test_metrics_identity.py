@@ -73,3 +73,37 @@ def test_a_writer_claiming_another_nodes_identity_is_shown_unverified_and_counts
     assert [(p.policy, p.version, p.trainer.get("loss")) for p in r.policies] == [("policy", version, 0.5)]
     assert r.refused_versions == 1
     assert all(m.component != "raas" or m.value != 1e6 for m in r.metrics)
+
+
+def test_a_forged_node_cannot_keep_a_dark_region_alive_for_the_curator(kafka: KafkaSettings, experiment: str) -> None:
+    """The curator's region shares (`--region-share`) follow the nodes' metrics: a forged node
+    "reading" region B's tasks would keep B live, and B's outstanding tasks would never be given
+    back. The curator's reader believes only metrics the `raas` key signed."""
+    from astraflow.ops.provenance import Provenance
+    from astraflow.serde import AvroSerde
+    from stream_apps.region_fleet import RegionFleet, feed_fleet, fleet_reader
+
+    t, out = Topics(experiment), Outsider(kafka.bootstrap_servers)
+    a, b = t.tasks, t.tasks_of("b")
+    now = time.monotonic()
+    fleet = RegionFleet({"": a, "b": b}, {a: 0.5, b: 0.5}, n_samples=1, dead_after_s=5.0, now=now - 60)
+    reader = fleet_reader(kafka, f"af-curator-{experiment}", t.metrics, t.rollouts, since_s=60)
+    honest = RecordProducer(kafka)
+    ts = int(time.time() * 1000)
+    honest.send(t.metrics, Metric("rollouts_per_s", 2.0, "raas", "node-a", {"region": "local"}), key="node-a")
+    honest.flush(30)
+    forged = _metric("rollouts_per_s", 9.0, "raas", "node-b", ts, tasks_region="b")
+    out.send(t.metrics, forged, b"node-b")  # unsigned
+    out.send(t.metrics, forged, b"node-b", list(Signer(experiment, "trainer").headers(METRICS, b"node-b", forged).items()))
+    out.send(t.metrics, forged, b"node-b", forged_signature())
+    msgs: list = []
+    deadline = time.monotonic() + 30
+    try:
+        while len(msgs) < 4 and time.monotonic() < deadline:
+            msgs += [m for m in reader.consume(50, 0.5) if m.error() is None]
+    finally:
+        reader.close()
+    assert len(msgs) == 4
+    feed_fleet(fleet, msgs, AvroSerde(), t.metrics, time.monotonic(), time.time(), Provenance(experiment))
+    assert set(fleet.nodes) == {"node-a"} and fleet.bad_metrics == 3
+    assert fleet.dead == {b} and fleet.next_topic() == a  # B is dark: it gets nothing, its tasks go back
