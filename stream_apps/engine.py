@@ -175,7 +175,10 @@ class StreamEngine(EngineLifecycle):
         )
         self.exactly_once = settings.guarantee == "exactly_once"
         self.serde = AvroSerde.for_kafka(self.kafka)  # registers its schemas with the registry, if one is set
-        self._dlq_serde = AvroSerde(self.serde.catalog, max_record_bytes=settings.topics.max_message_bytes)  # the DLQ topic's
+        # What the DLQ topic takes and this worker's producer can send (an original over it is left
+        # out of its letter: a 10 MB record must not make the dead-lettering itself fail).
+        self._dlq_serde = AvroSerde(self.serde.catalog,
+                                    max_record_bytes=min(settings.topics.max_message_bytes, self.serde.max_record_bytes))
         self.source = self.topics.stream(handler.sources[0]) if handler.sources else None
         self.stats = WorkerStats()
         self.log = logging.getLogger(f"astraflow.stream.{handler.name}")

@@ -103,7 +103,9 @@ class DeadLetterWriter:
         self.producer = producer
         self.topic = dlq_topic
         self.component = component
-        self._serde = AvroSerde(producer.serde.catalog, max_record_bytes=dlq_max_bytes)
+        # No larger than the producer can send: an original over it is left out of its letter
+        # (a 10 MB record must not make the dead-lettering itself fail).
+        self._serde = AvroSerde(producer.serde.catalog, max_record_bytes=min(dlq_max_bytes, producer.serde.max_record_bytes))
         self.count = 0
 
     def send(self, received: Received[Any], error: BaseException | str, strategy: str | None = None) -> None:
