@@ -112,6 +112,7 @@ class CompactedReader:
         on_record: Callable[[str, Any], None] | None = None,
         signed: tuple[str, str] | None = None,
         component: str = "reader",
+        keep: bool = True,
     ) -> None:
         from astraflow.serde import AvroSerde
 
@@ -119,7 +120,8 @@ class CompactedReader:
         self.serde = serde or AvroSerde.for_kafka(kafka)
         self.expect = expect
         self.on_record = on_record
-        self.latest: dict[str, Any] = {}  # key -> decoded record
+        self.latest: dict[str, Any] = {}  # key -> decoded record (kept only with keep=True; on_record sees all)
+        self._keep = keep
         self.errors: list[str] = []  # why records were skipped (bounded)
         self.refused = 0  # records refused (signature, replay), each dead-lettered
         self.component = component
@@ -263,7 +265,7 @@ class CompactedReader:
                 return
         if signed is not None and not self._fresh(key, msg, record, signed):
             return
-        if record is None:
+        if record is None or not self._keep:
             self.latest.pop(key, None)
         else:
             self.latest[key] = record

@@ -101,3 +101,39 @@ def read_records(kafka: KafkaSettings, topics: list[str], until: Callable[[list[
     finally:
         c.close()
     return out
+
+
+def task_of(traj: Trajectory) -> Task:
+    """The task a synthetic trajectory claims to come from (its task id, group, prompt and size),
+    as the curator would have issued it."""
+    return Task(
+        task_id=traj.task_id, group_id=traj.group_id, prompt_id=traj.prompt_id, dataset=traj.dataset,
+        workflow=traj.workflow, prompt="synthetic", reference=traj.reference, policies=sorted(
+            {s.policy for s in traj.segments}), n_samples=traj.group_size, created_at=now_ms(),
+    )
+
+
+def issue_tasks(kafka: KafkaSettings, experiment: str, trajectories: list[Trajectory]) -> int:
+    """Writes, signed with the experiment's curator key, the task of every group among
+    `trajectories` to its tasks topic, as the curator does before anything is rolled out: curate
+    takes each group's size and members from it (`stream_apps.task_book`). For tests and
+    benchmarks that write trajectories themselves, with no nodes reading the tasks. Returns how
+    many tasks it wrote."""
+    tasks = {t.group_id: task_of(t) for t in reversed(trajectories)}
+    return send_tasks(kafka, experiment, list(tasks.values()))
+
+
+def send_tasks(kafka: KafkaSettings, experiment: str, tasks: list[Task]) -> int:
+    """Writes `tasks` to the experiment's tasks topic keyed by group, signed with its curator key
+    as the curator signs them; returns how many."""
+    from astraflow.kafka.clients import RecordProducer
+    from astraflow.kafka.signing import Signer
+    from astraflow.kafka.topics import Topics
+
+    signer, producer = Signer(experiment, "curator"), RecordProducer(kafka)
+    topic = Topics(experiment).tasks
+    for task in tasks:
+        value = producer.serde.dumps(task)
+        producer.send_raw(topic, value, task.group_id, signer.headers("tasks", task.group_id, value))
+    producer.flush()
+    return len(tasks)

@@ -50,10 +50,10 @@ from astraflow.kafka.received import Received, dead_letter_bytes
 from astraflow.kafka.topics import Topics
 from astraflow.records import GroupDropped, PromptStats, StrategyRef, Trajectory
 from astraflow.serde import AvroSerde
-from stream_apps.curate import LateTrajectoryError, UnscoredTrajectoryError
+from stream_apps.curate import GroupClaimError, LateTrajectoryError, UnscoredTrajectoryError
 from stream_apps.curate_samples import IncompleteGroupError
 from stream_apps.engine import EngineSettings
-from stream_apps.groups import Group, GroupStore, policy_reward, train_samples, trained_policies
+from stream_apps.groups import Group, GroupStore, TaskClaim, policy_reward, train_samples, trained_policies
 from stream_apps.reward_codec import RewardCodec
 
 Out = tuple[str, "bytes | None", bytes]  # topic, key, value
@@ -118,10 +118,12 @@ class HandCurate(_Step):
 
     def __init__(self, experiment: str, serde: AvroSerde, dlq_serde: AvroSerde, policies: Sequence[str],
                  current_version: Callable[[str], int | None] = lambda policy: None, *, group_timeout_s: float = 300.0,
-                 min_group_size: int = 2, stats_alpha: float = 0.3, source: str | None = None) -> None:
+                 min_group_size: int = 2, stats_alpha: float = 0.3, source: str | None = None,
+                 claim: Callable[[str], TaskClaim | None] = lambda group_id: None) -> None:
         super().__init__(experiment, serde, dlq_serde)
         self.source = source or self.topics.scored  # the topic read (a dead letter names it)
         self.policies = tuple(policies)
+        self.claim = claim  # group id -> its task's claims (curate's TaskBook)
         self.current_version = current_version
         self.group_timeout_s, self.min_group_size, self.stats_alpha = group_timeout_s, min_group_size, stats_alpha
         self.store = GroupStore({}, {}, lambda value: serde.loads(value, Trajectory), lambda partition, offsets: {},
@@ -140,7 +142,9 @@ class HandCurate(_Step):
         if traj.reward is None:
             return [self.dlq(inc, UnscoredTrajectoryError(
                 f"trajectory {traj.trajectory_id} has no reward; curate reads the reward app's output"))]
-        added = self.store.add(traj, inc.value or b"", inc.partition, inc.offset, time.time())
+        added = self.store.add(traj, inc.value or b"", inc.partition, inc.offset, time.time(), self.claim(traj.group_id))
+        if added.status == "refused":
+            return [self.dlq(inc, GroupClaimError(f"[{added.rule}] {added.reason}"))]
         if added.status == "late":
             info = added.emitted or {}
             return [self.dlq(inc, LateTrajectoryError(

@@ -245,7 +245,10 @@ def hand_curate(kafka: KafkaSettings, exp: str, src: str, serde: AvroSerde) -> t
         pv = versions.latest.get(policy)
         return None if pv is None else int(pv.version)
     dlq = AvroSerde(serde.catalog, max_record_bytes=TopicSettings().max_message_bytes)
-    return HandCurate(exp, serde, dlq, ["policy"], current, source=src), versions
+    from stream_apps.task_book import TaskBook
+
+    book = TaskBook(kafka, exp, serde, "hand-curate")  # the groups' tasks, as curate reads them
+    return HandCurate(exp, serde, dlq, ["policy"], current, source=src, claim=book.claim), versions
 
 
 def our_stage(kafka: KafkaSettings, app: str, experiment: str, src: str, n: int, options: AppOptions | None,
@@ -293,9 +296,14 @@ def restart(kafka: KafkaSettings, app: str, experiment: str, src: str, options: 
 
 def fill(kafka: KafkaSettings, topic: str, n: int, tokens: int, group_size: int) -> int:
     """Produces `_common.trajectories` to `topic`; returns the encoded size of one."""
+    from astraflow.kafka.topics import experiment_of
+    from astraflow.testing import issue_tasks
+
     producer = RecordProducer(kafka)
     size = 0
-    for t in _common.trajectories(n, tokens, group_size):
+    trajs = _common.trajectories(n, tokens, group_size)
+    issue_tasks(kafka, experiment_of(topic), trajs)  # curate takes each group from its task, as the curator signed it
+    for t in trajs:
         data = producer.serde.dumps(t)
         size = len(data)
         producer.send_raw(topic, data, key=t.group_id)

@@ -109,6 +109,9 @@ def main() -> None:
     rprobe = reader(cfg.kafka, f"probe-{exp}")
     producer = RecordProducer(cfg.kafka)
     trajs = _common.trajectories((args.steps + 1) * PER_STEP, args.tokens, GROUP)
+    from astraflow.testing import issue_tasks
+
+    issue_tasks(cfg.kafka, exp, trajs)  # curate takes each group from its task, as the curator signed it
     data = [(producer.serde.dumps(t), t.group_id) for t in trajs]
     try:
         # Warm-up: one step, until curate committed it (both apps joined, tables recovered).

@@ -147,6 +147,9 @@ def ours_run(kafka: KafkaSettings, trajs: list[Trajectory], timeout_s: float) ->
     specs = topic_specs(exp, ["policy"], TopicSettings(partitions=PARTITIONS))
     admin = TopicAdmin(kafka)
     admin.create(specs)
+    from astraflow.testing import issue_tasks
+
+    issue_tasks(kafka, exp, trajs)  # curate takes each group from its task, as the curator signed it
     workers = [build_worker("reward", EngineSettings(exp, kafka, metrics_interval_s=60.0)),
                build_worker("curate", EngineSettings(exp, kafka, metrics_interval_s=60.0), AppOptions(policies=["policy"]))]
     threads = [w.start_thread() for w in workers]

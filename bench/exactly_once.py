@@ -108,6 +108,9 @@ def run_crash(kafka: Any, app: str, *, guarantee: str = "exactly_once", kills: i
     topics = Topics(experiment)
     if app == "curate":
         records, per_group = curate_input(run, rng)
+        from astraflow.testing import issue_tasks
+
+        issue_tasks(kafka, experiment, records)  # curate takes each group from its task, as the curator signed it
         source, sink = topics.scored, topics.train("policy")
         expected_ids = {f"{t.trajectory_id}#policy" for t in records if per_group[t.group_id]}
         args = ["--policy", "policy", "--group-timeout", str(group_timeout_s), "--min-group-size", "2"]

@@ -5,18 +5,24 @@
 
 For every group (records keyed by `group_id`, so a group lives on one partition):
 
-1. **Assemble** by `group_id` until `group_size` distinct trajectories arrived, or
+1. **Assemble** by `group_id` until the `n_samples` members its task asked for arrived, or
    `--group-timeout` seconds after its first one (then it is emitted if it has at least
-   `--min-group-size` members, dead-lettered as `IncompleteGroupError` otherwise). A trajectory
-   of a group already emitted is dropped when it was among the members emitted (a redelivery:
-   `redelivered_trajectory`), and dead-lettered as `LateTrajectoryError` when its group left
-   without it (a timeout): no trajectory leaves curate unseen, neither trained nor in the DLQ.
+   `--min-group-size` members, dead-lettered as `IncompleteGroupError` otherwise). The group's
+   size and members come from the task its curator signed, read from the tasks topics
+   (`stream_apps.task_book`), never from its trajectories: one whose claims disagree with its
+   task (no task issued its group, another size, a sample index out of range, another task or
+   trajectory id, a second trajectory for a sample already taken) is dead-lettered as
+   `GroupClaimError` naming the rule (`stream_apps.groups.claims_broken`), and its group goes on
+   without it. The same trajectory again (a redelivered or re-issued task: same ids), before or
+   after its group left, is `superseded`: counted and dropped. A trajectory of a group emitted
+   without it (a timeout) is dead-lettered as `LateTrajectoryError`: no trajectory leaves
+   curate unseen, neither trained nor in the DLQ.
 2. **Feedback.** For every policy that trained tokens in the group, the prompt's statistics are
    updated (`update_prompt_stats`: pass rate, EWMA, zero-variance streak, ...) and published
    to `feedback` keyed `<policy>/<prompt_id>` — for every group, whatever the filters keep,
    since curators choose prompts by how they went.
 3. **Dedupe** (slot `filter.dedupe`, off by default): the groups table already drops a
-   redelivered trajectory (`duplicate_in_group`, `late_trajectory`), exactly-once; the `dedupe`
+   redelivered trajectory (`superseded`, `late_trajectory`), exactly-once; the `dedupe`
    strategy's memory of ids is not transactional, so after an aborted transaction it would drop
    the members of a group emitted again (a split group). Set it to `dedupe` only for inputs
    that repeat ids across groups.
@@ -104,6 +110,12 @@ class LateTrajectoryError(AstraflowError):
     node's session timeout, a restart)."""
 
 
+class GroupClaimError(AstraflowError):
+    """A trajectory's claims disagree with the task its curator issued (the message starts with
+    the rule broken, `stream_apps.groups.claims_broken`); its group goes on without it. Many
+    from one node mean that node is broken or hostile."""
+
+
 class CurateApp(GroupSamples, AppHandler):
     """Assembles groups and routes training samples (see the module doc; the samples of a
     complete group: `stream_apps.curate_samples.GroupSamples`)."""
@@ -163,6 +175,9 @@ class CurateApp(GroupSamples, AppHandler):
         )
         self.versions.catch_up()
         self.feedback.catch_up()
+        from stream_apps.task_book import TaskBook
+
+        self.tasks = TaskBook(worker.kafka, worker.settings.experiment, worker.serde, self.name)
 
     @property
     def store(self) -> GroupStore:
@@ -211,24 +226,26 @@ class CurateApp(GroupSamples, AppHandler):
         traj: Trajectory = inc.record
         if traj.reward is None:
             raise UnscoredTrajectoryError(f"trajectory {traj.trajectory_id} has no reward; curate reads the reward app's output")
-        added = self.store.add(traj, inc.value or b"", inc.partition, inc.offset, self._now())
-        if added.status == "late":
+        task = self.tasks.claim(traj.group_id)
+        added = self.store.add(traj, inc.value or b"", inc.partition, inc.offset, self._now(), task)
+        if added.status == "refused":
+            self.worker.dead_letter(inc, GroupClaimError(f"[{added.rule}] {added.reason}"))
+        elif added.status == "late":
             self.worker.drop("late_trajectory")
             info = added.emitted or {}
             self.worker.dead_letter(inc, LateTrajectoryError(
                 f"trajectory {traj.trajectory_id} arrived after its group {traj.group_id} was emitted without it "
                 f"({len(info.get('members', ()))} of {traj.group_size} members, after the {self.group_timeout_s:g} s "
                 "group timeout); raise curate's --group-timeout if this is frequent"))
-        elif added.status == "redelivered":
-            self.worker.drop("redelivered_trajectory")
-        elif added.status == "duplicate":
-            self.worker.drop("duplicate_in_group")
+        elif added.status == "superseded":
+            self.worker.drop("superseded")
         elif added.group is not None:
             self._emit(added.group)
 
     async def tick(self, now: float) -> None:
         self.versions.refresh()
         self.feedback.refresh()
+        self.tasks.refresh()
         wall = self._now()
         for p in self.store.expired(wall):
             await self.worker.in_partition(p.partition, lambda p=p: self._expire(p.group_id))
@@ -322,7 +339,7 @@ class CurateApp(GroupSamples, AppHandler):
         }
 
     def close(self) -> None:
-        for reader in (getattr(self, "versions", None), getattr(self, "feedback", None)):
+        for reader in (getattr(self, "versions", None), getattr(self, "feedback", None), getattr(self, "tasks", None)):
             if reader is not None:
                 reader.close()
 

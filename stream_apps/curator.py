@@ -192,6 +192,7 @@ class CuratorApp(AppHandler):
         self._readers: dict[str, Any] = {}  # trainer group -> consumer that reads its committed offsets
         self._recovered = False  # the prompt_stats table was recovered: statistics are known
         self.placer: Any = None  # region A's tasks: partition of each (astraflow.kafka.task_placer)
+        self._signer: Any = None  # astraflow.kafka.signing.Signer of the curator role (`signer`)
         self._place_due = 0.0  # next observation of the nodes' progress (placement)
         self.fleet: Any = None  # with --region-share: shares that follow the regions' nodes (stream_apps.region_fleet)
         self._fleet_reader: Any = None
@@ -205,6 +206,7 @@ class CuratorApp(AppHandler):
 
         super().bind(worker)
         self.slot = Slot(worker.control, self.name, "curator", "curator", self.defaults["curator"])
+        self.signer  # noqa: B018  (made now: a host without the curator's key says so at start)
         self.tasks_topic = worker.topics.tasks
         # Tasks of a region with a cluster of its own (MirrorMaker 2 carries them there): a topic of
         # their own, which region A's nodes never read, so no task is rolled out in two regions.
@@ -459,12 +461,23 @@ class CuratorApp(AppHandler):
     def _send(self, topic: str, task: Task) -> None:
         """Writes `task` to `topic` (region A's: to the partition the placement chooses)."""
         partition = self.placer.choose() if self.placer is not None and topic == self.tasks_topic else None
-        self.worker.send(topic, task, task.group_id, partition)
+        value = self.worker.serde.dumps(task)
+        self.worker.send_encoded(topic, value, task.group_id, partition, self.signer.headers("tasks", task.group_id, value))
         if partition is not None:
             self.placer.sent(partition)
         if self.fleet is not None:
             self.fleet.sent(topic, task)
         self.issued_to[topic] = self.issued_to.get(topic, 0) + 1
+
+    @property
+    def signer(self) -> Any:
+        """Signs every task: curate takes each group's size and members from its task, and only
+        from one its curator signed (stream_apps.task_book)."""
+        if self._signer is None:
+            from astraflow.kafka.signing import Signer
+
+            self._signer = Signer(self.worker.topics.experiment, "curator")
+        return self._signer
 
     def _task(self, row: DatasetRow, ref: Any) -> Task:
         task_id = f"{self._run}-{self.issued_here}"

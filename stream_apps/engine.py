@@ -118,7 +118,7 @@ class _Out:
     partition: int | None = None  # changelog writes (co-partitioned with the source), placed tasks (curator)
     table: bool = False  # a table's changelog write: only the last one per key of a hand-over is sent
     born: bool = False  # ...and the table did not hold its key before it (`_last_table_writes`)
-    headers: list[tuple[str, bytes]] | None = None  # a signed metric's `af-sig` (untransacted sends only)
+    headers: list[tuple[str, bytes]] | None = None  # a signature: a metric's, the curator's on a task
 
 
 _OUTBOX: contextvars.ContextVar[list[_Out] | None] = contextvars.ContextVar("astraflow_outbox", default=None)
@@ -217,9 +217,12 @@ class StreamEngine(EngineLifecycle):
         self.stats.records_out += 1
         self.stats.last_out_at = time.monotonic()
 
-    def send_encoded(self, topic: str, value: bytes, key: str | bytes | None = None) -> None:
-        """Queues one output of the current record, already encoded (the reward app's short path)."""
-        self._outbox().append(_Out(topic, _key(key), value))
+    def send_encoded(self, topic: str, value: bytes, key: str | bytes | None = None, partition: int | None = None,
+                     headers: dict[str, str] | None = None) -> None:
+        """Queues one output of the current record, already encoded (the reward app's short path;
+        the curator's signed tasks, whose `headers` sign exactly these bytes)."""
+        hdrs = [(k, v.encode()) for k, v in headers.items()] if headers else None
+        self._outbox().append(_Out(topic, _key(key), value, partition, headers=hdrs))
         self.stats.records_out += 1
         self.stats.last_out_at = time.monotonic()
 
@@ -426,10 +429,10 @@ class StreamEngine(EngineLifecycle):
         for (topic, dest), outs in by_tp.items():
             batch = txp.create_batch()
             for out in outs:
-                if batch.append(key=out.key, value=out.value, timestamp=None) is None:  # full: send it, start another
+                if batch.append(key=out.key, value=out.value, timestamp=None, headers=out.headers or []) is None:  # full: send it
                     (await txp.send_batch(batch, topic, partition=dest)).add_done_callback(self._delivered)
                     batch = txp.create_batch()
-                    batch.append(key=out.key, value=out.value, timestamp=None)  # the first record always fits
+                    batch.append(key=out.key, value=out.value, timestamp=None, headers=out.headers or [])  # always fits
             (await txp.send_batch(batch, topic, partition=dest)).add_done_callback(self._delivered)
 
     def _send_lingered(self, partition: int) -> None:

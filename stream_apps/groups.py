@@ -1,11 +1,18 @@
 """Pure parts of curate: assembling GRPO groups from scored trajectories, and TrainSamples per policy.
 
-`GroupStore` collects trajectories by `group_id` until `group_size` distinct ones arrived
-(complete) or `timeout_s` passed since the first one (expired: curate emits it if it still has
-`min_size` members). It remembers emitted group ids, so a trajectory arriving after its group
-left (a redelivery, or a straggler past the timeout) is recognised as late. Its state lives in
-plain mappings of bytes, which curate backs with Faust tables; they hold where each member is
-in the source topic, not the member itself.
+`GroupStore` collects trajectories by `group_id` until the `n_samples` members their task asked
+for arrived (complete) or `timeout_s` passed since the first one (expired: curate emits it if
+it still has `min_size` members). The group is what its task says (`TaskClaim`, from the task
+the curator signed: `stream_apps.task_book`), never what its members claim: a trajectory whose
+claims disagree with its task (`claims_broken`: no task issued its group, another group size,
+a sample index out of range, another task, prompt or trajectory id), or a second trajectory for
+a (group, sample_index) already taken, is `refused` with the rule it broke, and the group goes
+on without it. The same trajectory id again (the task redelivered, or issued again: same task,
+same ids) is `superseded`: counted and dropped. It remembers emitted group ids, so a trajectory
+arriving after its group left is recognised (superseded when it was emitted, late when its
+group left without it after a timeout). Its state lives in plain mappings of bytes, which
+curate backs with Faust tables; they hold where each member is in the source topic, not the
+member itself.
 
 `train_samples(trajectory, policy, ...)` makes one TrainSample per training sequence of the
 policy (`astraflow.dataflow.sequences.policy_sequences`): the policy's own segments, in order,
@@ -36,6 +43,48 @@ from astraflow.records import Segment, StrategyRef, TrainSample, Trajectory
 from astraflow.records.base import FLOAT32, INT32, UINT8
 
 
+@dataclass(frozen=True, slots=True)
+class TaskClaim:
+    """What the task the curator issued says its group is."""
+
+    task_id: str
+    group_id: str
+    prompt_id: str
+    n_samples: int
+
+    @staticmethod
+    def of(task: Any) -> TaskClaim:
+        return TaskClaim(task.task_id, task.group_id, task.prompt_id, int(task.n_samples))
+
+
+# Rules a member breaks against its task (the DLQ names them).
+NO_TASK = "group.no_task"
+WRONG_SIZE = "group.size"
+BAD_INDEX = "group.sample_index"
+NOT_ITS_TASK = "group.identity"
+DUPLICATE_SAMPLE = "group.duplicate_sample"
+
+
+def claims_broken(traj: Trajectory, task: TaskClaim | None) -> tuple[str, str] | None:
+    """(rule, reason) when `traj`'s claims disagree with its group's task; None when they agree."""
+    gid = traj.group_id
+    if task is None:
+        return NO_TASK, (f"trajectory {traj.trajectory_id} claims group {gid}, which no task signed by the curator "
+                         "issued (a forged group, or its task is older than the tasks topic's retention)")
+    if traj.group_size != task.n_samples:
+        return WRONG_SIZE, (f"trajectory {traj.trajectory_id} claims group_size {traj.group_size}; its task "
+                            f"{task.task_id} asked for {task.n_samples} samples")
+    if not 0 <= traj.sample_index < task.n_samples:
+        return BAD_INDEX, (f"trajectory {traj.trajectory_id} claims sample_index {traj.sample_index}; its task "
+                           f"{task.task_id} has samples 0..{task.n_samples - 1}")
+    expected = Trajectory.make_id(task.task_id, traj.sample_index)
+    if traj.task_id != task.task_id or traj.prompt_id != task.prompt_id or traj.trajectory_id != expected:
+        return NOT_ITS_TASK, (f"trajectory {traj.trajectory_id} (task {traj.task_id}, prompt {traj.prompt_id}) is not "
+                              f"sample {traj.sample_index} of task {task.task_id} (prompt {task.prompt_id}), "
+                              f"whose id is {expected}")
+    return None
+
+
 @dataclass
 class Member:
     """Where a group member came from: enough to dead-letter its original bytes."""
@@ -50,7 +99,7 @@ class Group:
     """A group that is ready (complete, or timed out)."""
 
     group_id: str
-    expected: int  # group_size of its trajectories
+    expected: int  # n_samples of its task
     partition: int  # source partition (a group lives on one partition: key = group_id)
     first_seen: float  # wall-clock time of its first member
     members: dict[str, tuple[Trajectory, Any]] = field(default_factory=dict)  # trajectory_id -> (trajectory, Member)
@@ -70,9 +119,11 @@ class Group:
 class Added:
     """What `GroupStore.add` did with a trajectory."""
 
-    status: str  # held | complete | duplicate | redelivered | late
+    status: str  # held | complete | superseded | late | refused
     group: Group | None = None  # the ready group when status == complete
-    emitted: dict[str, Any] | None = None  # late / redelivered: what `emitted` holds of its group
+    emitted: dict[str, Any] | None = None  # late / superseded after its group left: what `emitted` holds of it
+    rule: str | None = None  # refused: the rule broken (`claims_broken`, DUPLICATE_SAMPLE)
+    reason: str | None = None  # refused: why, for the dead letter
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,15 +186,28 @@ class GroupStore:
                                                       "first_seen": p.first_seen, "members": list(p.members),
                                                       "offsets": list(p.offsets)}).encode()
 
-    def add(self, traj: Trajectory, value: bytes, partition: int, offset: int, now: float) -> Added:
+    def add(self, traj: Trajectory, value: bytes, partition: int, offset: int, now: float,
+            task: TaskClaim | None) -> Added:
+        """Takes one trajectory of the group `task` (the task its curator issued; None: none did)."""
         gid = traj.group_id
+        broken = claims_broken(traj, task)
         emitted = self.emitted.get(gid.encode())
+        if broken is not None:
+            if broken[0] == NOT_ITS_TASK and task is not None:  # another trajectory for a sample already taken?
+                holder = Trajectory.make_id(task.task_id, traj.sample_index)
+                taken = json.loads(emitted).get("members", ()) if emitted is not None else (
+                    p.members if (p := self.pending(gid)) is not None else ())
+                if holder in taken:
+                    broken = (DUPLICATE_SAMPLE, f"trajectory {traj.trajectory_id} is a second trajectory for sample "
+                                                f"{traj.sample_index} of group {gid}, which {holder} already holds")
+            return Added("refused", rule=broken[0], reason=broken[1])
+        assert task is not None
         if emitted is not None:
             info = json.loads(emitted)
-            return Added("redelivered" if traj.trajectory_id in info.get("members", ()) else "late", emitted=info)
-        p = self.pending(gid) or Pending(gid, max(traj.group_size, 1), partition, now, (), ())
+            return Added("superseded" if traj.trajectory_id in info.get("members", ()) else "late", emitted=info)
+        p = self.pending(gid) or Pending(gid, max(task.n_samples, 1), partition, now, (), ())
         if traj.trajectory_id in p.members:
-            return Added("duplicate")
+            return Added("superseded")
         self.held[_member_key(gid, traj.trajectory_id)] = (traj, value)
         p = Pending(gid, p.expected, p.partition, p.first_seen, (*p.members, traj.trajectory_id), (*p.offsets, offset))
         if len(p.members) >= p.expected:

@@ -120,6 +120,7 @@ def role_grants(experiment: str, policies: list[str]) -> list[Grant]:
     g("curate", "TOPIC", t.scored, (READ,), "scored trajectories")
     g("curate", "TOPIC", t.feedback, (READ, WRITE), "per-prompt statistics")
     g("curate", "TOPIC", t.policies, (READ,), "latest version per policy (staleness)")
+    g("curate", "TOPIC", t.tasks, (READ,), "the curator's signed tasks: each group's size and members")
     g("curate", "TOPIC", t.lineage, (WRITE,), "groups it dropped, with the filter and the reason (trace)")
     for p in policies:
         g("curate", "TOPIC", t.train(p), (WRITE,), "training samples")

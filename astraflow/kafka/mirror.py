@@ -28,7 +28,7 @@ free port): each batch it copies and its source offsets are committed in one tra
 target, so a restarted MM2 copies nothing twice (every reader here is read_committed). Without
 it (`exactly_once=False`) MM2 is at-least-once (a restart replays from its last committed source
 offset) and curate drops a trajectory id it has already seen in its group
-(`duplicate_in_group`, `redelivered_trajectory`).
+(`superseded`).
 
 Weights are published in transactions: MM2 reads them `read_committed`, so aborted chunks never
 cross; but transaction markers take offsets in A and are not copied, so offsets differ between

@@ -2,7 +2,8 @@
 
 Topics are written by many machines, and on the default local cluster (no ACLs) by anyone who
 reaches the broker. Records that carry authority (a policy's weights and its version on
-`policies`: its trainer's; commands on `control`: the operator's) are therefore signed by the
+`policies`: its trainer's; commands on `control`: the operator's; the tasks on `tasks` and
+`tasks.<region>`, which say what each GRPO group is: the curator's) are therefore signed by the
 role that owns them, with an Ed25519 key of that role *and* experiment, and every reader
 verifies the signature before the record changes anything. ACLs are a second wall.
 
@@ -53,9 +54,10 @@ from astraflow.errors import AstraflowError, ConfigError
 from astraflow.kafka.topics import check_name
 
 HEADER = "af-sig"
-# Roles that sign: weights and `policies` (trainer), `control` (operator), and each its own
-# `metrics` records (trainer, raas: the RaaS nodes, apps: the stream apps and processors).
-ROLES = ("trainer", "operator", "raas", "apps")
+# Roles that sign: weights and `policies` (trainer), `control` (operator), the tasks on `tasks`
+# and `tasks.<region>` (curator), and each its own `metrics` records (trainer, raas: the RaaS
+# nodes, apps: the stream apps and processors).
+ROLES = ("trainer", "operator", "raas", "apps", "curator")
 METRICS = "metrics"  # the logical stream metric signatures cover
 _DOMAIN = b"astraflow-sig-v1"
 log = logging.getLogger("astraflow.signing")
@@ -77,9 +79,11 @@ def keys_dir() -> Path:
 
 
 def stream_role(stream: str) -> str:
-    """The role that owns an authority stream (`control`, `policies`, `<policy>.weights`)."""
+    """The role that owns an authority stream (`control`, `policies`, `<policy>.weights`, `tasks`)."""
     if stream == "control":
         return "operator"
+    if stream == "tasks":  # every tasks topic, region A's and each region's own (one logical stream)
+        return "curator"
     if stream == "policies" or stream.endswith(".weights"):
         return "trainer"
     raise ValueError(f"{stream!r} is not an authority stream")
@@ -260,6 +264,10 @@ class Signer:
     def __init__(self, experiment: str, role: str, store: KeyStore | None = None) -> None:
         self.experiment, self.role = experiment, role
         self.store = (store or KeyStore(experiment)).ensure()
+        if not any(k.role == role for k in self.store.trusted().values()):
+            # A role the experiment's keys predate (made before that role signed): its first key is
+            # made here, as `ensure` does for a new experiment; other hosts need the new trust.json.
+            self.store.create(role)
         self.key_id, self._key = self.store.signing_key(role)
 
     def headers(self, stream: str, key: bytes | str | None, value: bytes | None) -> dict[str, str]:

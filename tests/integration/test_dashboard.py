@@ -29,7 +29,7 @@ from astraflow.config import KafkaSettings
 from astraflow.kafka.clients import RecordProducer
 from astraflow.kafka.topics import Topics
 from astraflow.records import DeadLetter, Metric, Trajectory
-from astraflow.testing import make_trajectory
+from astraflow.testing import issue_tasks, make_trajectory
 from stream_apps.engine import EngineSettings
 from stream_apps.launch import AppOptions, build_processor_worker, build_worker
 
@@ -119,6 +119,7 @@ def test_the_page_shows_the_run_as_the_topics_count_it(kafka: KafkaSettings, exp
         for i in range(4):
             t = make_trajectory(96, task_id=f"g{g}", sample_index=i, group_size=4, policy=POLICY, seed=i, version=2)
             t.group_id, t.final_answer = f"g{g}", ("4" if i % 2 else "5")
+            issue_tasks(kafka, exp, [t])  # its group's task, as the curator issued it
             producer.send(topics.rollouts, t, key=t.group_id)
     producer.send(topics.dlq, DeadLetter(b"x", topics.rollouts, 0, 0, "CorruptRecordError", "not an Avro record", "reward"))
     producer.send(topics.metrics, Metric("policy_version", 2.0, "raas", "node-a", {"node_id": "node-a", "region": "eu-west",

@@ -24,7 +24,7 @@ from astraflow.dataflow.registry import register
 from astraflow.kafka.clients import RecordProducer
 from astraflow.kafka.topics import TopicAdmin, Topics, topic_specs
 from astraflow.records import DeadLetter, Metric, PromptStats, Segment, TrainSample, Trajectory
-from astraflow.testing import make_trajectory, read_records
+from astraflow.testing import issue_tasks, make_trajectory, read_records
 from stream_apps.engine import EngineSettings, StreamEngine
 from stream_apps.launch import AppOptions, build_worker
 
@@ -97,6 +97,7 @@ def test_trajectories_to_train_samples_per_policy_with_dlq_and_metrics(kafka: Ka
         group("boom", ["4", "5"], prompt="boom"),  # the explode filter raises on this group
         group("flat", ["5", "5", "5"]),  # all wrong: zero variance, dropped
     ]
+    issue_tasks(kafka, exp2, [bad, *(t for batch in batches for t in batch)])  # the tasks, as the curator issued them
     for batch in batches:
         for t in batch:
             producer.send(topics.rollouts, t, key=t.group_id)
@@ -205,6 +206,7 @@ def test_curate_restart_resumes_pending_groups_from_its_tables(kafka: KafkaSetti
     topics = Topics(exp2)
     producer = RecordProducer(kafka)
     first, second = group("done", ["4", "5"]), group("half", ["4", "5", "4", "5"])
+    issue_tasks(kafka, exp2, [*first, *second])
     for t in [*first, *second[:2]]:  # a complete group, and half of another
         t.reward = 1.0 if t.final_answer == "4" else 0.0
         producer.send(topics.scored, t, key=t.group_id)

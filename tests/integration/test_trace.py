@@ -15,7 +15,7 @@ from astraflow.config import KafkaSettings
 from astraflow.kafka.clients import RecordProducer
 from astraflow.kafka.topics import Topics
 from astraflow.records import DeadLetter, Task, TrainSample, Trajectory
-from astraflow.testing import make_trajectory, read_records
+from astraflow.testing import make_trajectory, read_records, send_tasks
 from stream_apps.engine import EngineSettings
 from stream_apps.launch import AppOptions, build_worker
 from trainers.publishing import trained_records
@@ -50,10 +50,8 @@ def test_trace_follows_samples_drops_and_dead_letters_hop_by_hop(kafka: KafkaSet
     producer = RecordProducer(kafka)
     groups = {"ok": group("ok", ["4", "5", "4", "5"]), "flat": group("flat", ["5", "5", "5"]), "bad": group("bad", ["4"])}
     groups["bad"][0].reference = "this is not json"  # the reward dead-letters it
-    for name, trajs in groups.items():
-        producer.send(topics.tasks, Task(name, name, f"p-{name}", "synthetic", "tool_use", "Q: 2+2?", [POLICY], len(trajs)),
-                      key=name)
-    producer.flush()
+    send_tasks(kafka, exp, [Task(name, name, f"p-{name}", "synthetic", "tool_use", "Q: 2+2?", [POLICY], len(trajs))
+                            for name, trajs in groups.items()])  # signed, as the curator signs them
     for trajs in groups.values():
         for t in trajs:
             producer.send(topics.rollouts, t, key=t.group_id)

@@ -22,6 +22,7 @@ from astraflow.serde import AvroSerde
 from astraflow.testing import make_trajectory
 from stream_apps.curate import CurateApp
 from stream_apps.curator import CuratorApp, CuratorOptions
+from stream_apps.groups import TaskClaim
 from stream_apps.slots import Slot
 
 EXP = "unit"
@@ -74,7 +75,8 @@ class FakeWorker:
     def send(self, topic: str, record: Any, key: Any = None, partition: int | None = None) -> None:
         self.sent.append((topic, record, key))
 
-    def send_encoded(self, topic: str, value: bytes, key: Any = None) -> None:
+    def send_encoded(self, topic: str, value: bytes, key: Any = None, partition: int | None = None,
+                     headers: dict[str, str] | None = None) -> None:
         self.encoded.append(value)
         self.sent.append((topic, self.serde.loads(value), key))
 
@@ -131,6 +133,7 @@ def make_curate(policies: tuple[str, ...] = ("a", "b"), versions: dict[str, int]
     app._train_topics = dict.fromkeys(policies, True)
     app.versions = Latest({p: PolicyVersion(p, v, WeightKind.DELTA, "bf16", 0, 0, "", "", 0, 0) for p, v in (versions or {}).items()})
     app.feedback = Latest({})
+    app.tasks = Issued()
     w.tables["prompt_stats"] = {}
     app.on_recovered("prompt_stats")
     return app, w
@@ -146,9 +149,29 @@ class Latest:
         return 0
 
 
-def feed(app: CurateApp, trajs: list[Trajectory]) -> list[Received[Any]]:
+class Issued:
+    """Stands in for a TaskBook: the tasks the curator issued, group id -> claims."""
+
+    def __init__(self) -> None:
+        self.claims: dict[str, TaskClaim] = {}
+
+    def issue(self, task_id: str, group_id: str, prompt_id: str, n_samples: int) -> None:
+        self.claims[group_id] = TaskClaim(task_id, group_id, prompt_id, n_samples)
+
+    def claim(self, group_id: str) -> TaskClaim | None:
+        return self.claims.get(group_id)
+
+    def refresh(self) -> None:
+        pass
+
+
+def feed(app: CurateApp, trajs: list[Trajectory], issue: bool = True) -> list[Received[Any]]:
+    """Hands `trajs` to curate; with `issue`, each group's task is issued first (as the curator
+    would have: what its first trajectory says), unless one was issued already."""
     incs = [incoming(t, i) for i, t in enumerate(trajs)]
-    for inc in incs:
+    for inc, t in zip(incs, trajs, strict=True):
+        if issue and t.group_id not in app.tasks.claims:
+            app.tasks.issue(t.task_id, t.group_id, t.prompt_id, t.group_size)
         app.handle(inc)
     return incs
 
@@ -169,6 +192,7 @@ def curator_on_fake_worker(options: CuratorOptions) -> tuple[CuratorApp, FakeWor
     app.slot = Slot(w.control, "curator", "curator", "curator", app.defaults["curator"])
     app.tasks_topic, app.trainer_groups = Topics(EXP).tasks, {}
     app.feedback = Latest({})
+    app.tasks = Issued()
     w.tables["prompt_stats"] = {}
     app.on_recovered("prompt_stats")  # the worker recovered the curator's (empty) statistics table
     return app, w

@@ -10,12 +10,12 @@ from typing import Any
 import _common
 import pytest
 from _apps_hand import HandCurate, HandReward
-from stream_fakes import FakeControl, Latest
+from stream_fakes import FakeControl, Issued, Latest
 
 from astraflow.config import KafkaSettings, TopicSettings
 from astraflow.kafka.received import Received
 from astraflow.kafka.topics import Topics
-from astraflow.records import PolicyVersion, WeightKind
+from astraflow.records import PolicyVersion, Trajectory, WeightKind
 from astraflow.serde import AvroSerde
 from stream_apps.curate import CurateApp
 from stream_apps.engine import _OUTBOX, _PARTITION, EngineSettings, StreamEngine
@@ -107,7 +107,11 @@ def test_hand_written_curate_gives_the_apps_records(frozen_clock: list[float]) -
     app._train_topics = {"policy": True}
     app.versions = Latest({})
     app.feedback = Latest({})
-    hand = HandCurate(EXP, serde, dlq, ["policy"], group_timeout_s=30.0)
+    app.tasks = Issued()  # the curator issued every group's task
+    for _, _, value in inputs[:-2]:
+        t = serde.loads(value, Trajectory)
+        app.tasks.issue(t.task_id, t.group_id, t.prompt_id, t.group_size)
+    hand = HandCurate(EXP, serde, dlq, ["policy"], group_timeout_s=30.0, claim=app.tasks.claim)
 
     ours, theirs = [], []
     for offset, (_, key, value) in enumerate(inputs):

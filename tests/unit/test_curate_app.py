@@ -78,7 +78,7 @@ def test_curate_timeouts_emit_big_enough_partial_groups_and_drop_small_ones() ->
     assert {k for t, _, k in w.side if t == Topics(EXP).feedback} == {"a/prompt-big", "a/prompt-small"}  # stats even for the dropped group
     # A member arriving after its group left without it is dead-lettered too; a redelivered one is dropped.
     late = feed(app, [two_policy_traj("big", 3, 4, 3.0, False), two_policy_traj("big", 0, 4, 0.0, False)])
-    assert w.dropped["late_trajectory"] == 1 and w.dropped["redelivered_trajectory"] == 1
+    assert w.dropped["late_trajectory"] == 1 and w.dropped["superseded"] == 1
     assert w.dead[-1][0].value == late[0].value and "emitted without it" in w.dead[-1][1] and len(w.dead) == 2
     assert len(w.sent) == 3
     assert not [x for x in w.side if x[0] == Topics(EXP).lineage]  # the DLQ says why, not the lineage topic
@@ -114,7 +114,7 @@ def test_curate_drops_duplicates_late_records_and_unrouted_policies() -> None:
     app, w = make_curate(policies=("a",))
     t0, t1 = (two_policy_traj("g", i, 2, float(i), with_b=True) for i in range(2))
     feed(app, [t0, t0, t1, t1])
-    assert w.dropped["duplicate_in_group"] == 1 and w.dropped["redelivered_trajectory"] == 1 and not w.dead
+    assert w.dropped["superseded"] == 2 and not w.dead
     assert {s.policy for _, s, _ in w.sent} == {"a"} and w.dropped["unrouted_policy"] == 2
 
 

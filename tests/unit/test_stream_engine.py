@@ -267,7 +267,7 @@ class _Batch:
     def __init__(self, capacity: int) -> None:
         self.capacity, self.values = capacity, []  # type: list[bytes | None]
 
-    def append(self, *, key: bytes | None, value: bytes | None, timestamp: None) -> object | None:
+    def append(self, *, key: bytes | None, value: bytes | None, timestamp: None, headers: list[tuple[str, bytes]]) -> object | None:
         if len(self.values) >= self.capacity and self.values:
             return None
         self.values.append(value)

@@ -11,7 +11,19 @@ import pytest
 from astraflow.records import NodeInfo, Segment, StrategyRef, Timings, Trajectory
 from astraflow.serde import AvroSerde
 from astraflow.testing import make_trajectory
-from stream_apps.groups import GroupStore, forget_partitions, policy_reward, train_samples, trained_policies
+from stream_apps.groups import (
+    BAD_INDEX,
+    DUPLICATE_SAMPLE,
+    NO_TASK,
+    NOT_ITS_TASK,
+    WRONG_SIZE,
+    GroupStore,
+    TaskClaim,
+    forget_partitions,
+    policy_reward,
+    train_samples,
+    trained_policies,
+)
 
 
 def gen(policy: str, ids: list[int], version: int, logp: float = -0.5) -> Segment:
@@ -40,23 +52,57 @@ def store(timeout_s: float) -> GroupStore:
     return GroupStore({}, {}, lambda b: serde.loads(b, Trajectory), from_source, timeout_s)
 
 
-def add(st: GroupStore, t: Trajectory, now: float, partition: int = 0, offset: int = 0) -> Any:
+def add(st: GroupStore, t: Trajectory, now: float, partition: int = 0, offset: int = 0,
+        task: TaskClaim | str | None = "own") -> Any:
+    """Adds `t`; its group's task is, by default, the one its claims describe (an honest member)."""
     value = AvroSerde().dumps(t)
     SOURCE[(partition, offset)] = value
-    return st.add(t, value, partition, offset, now)
+    claim = TaskClaim(t.task_id, t.group_id, t.prompt_id, t.group_size) if task == "own" else task
+    return st.add(t, value, partition, offset, now, claim)  # type: ignore[arg-type]
 
 
 def test_group_completes_when_all_distinct_members_arrived() -> None:
     st = store(timeout_s=10)
     assert add(st, traj("g", 0, 3), 0.0, offset=5).status == "held"
-    assert add(st, traj("g", 0, 3), 0.1).status == "duplicate"  # redelivered
+    assert add(st, traj("g", 0, 3), 0.1).status == "superseded"  # redelivered
     assert add(st, traj("g", 2, 3), 0.2, offset=7).status == "held"
     done = add(st, traj("g", 1, 3), 0.3, offset=9)
     assert done.status == "complete" and done.group.complete
     assert [t.sample_index for t in done.group.trajectories] == [0, 1, 2]
     assert sorted(m.offset for m in done.group.tokens) == [5, 7, 9]  # where each member came from, for the DLQ
-    assert add(st, traj("g", 1, 3), 0.4).status == "redelivered"  # its group already left, with it
+    assert add(st, traj("g", 1, 3), 0.4).status == "superseded"  # its group already left, with it
     assert not st.groups and not st.held and list(st.emitted) == [b"g"]
+
+
+def test_the_group_is_its_task_and_members_that_disagree_are_refused_by_rule() -> None:
+    st = store(timeout_s=10)
+    task = TaskClaim("g", "g", "p", 3)
+    assert add(st, traj("g", 0, 3), 0.0, offset=1, task=task).status == "held"
+    # A hijack: the group's id with group_size=1, which would have completed it alone.
+    hijack = add(st, traj("g", 1, 1), 0.1, offset=2, task=task)
+    assert (hijack.status, hijack.rule) == ("refused", WRONG_SIZE) and "asked for 3" in hijack.reason
+    assert add(st, traj("g", 3, 3), 0.1, task=task).rule == BAD_INDEX
+    assert add(st, traj("g", -1, 3), 0.1, task=task).rule == BAD_INDEX
+    other = traj("g", 1, 3)
+    other.trajectory_id = "evil/1"  # sample 1 is still free: an id that is not the task's
+    assert add(st, other, 0.1, task=task).rule == NOT_ITS_TASK
+    dup = traj("g", 0, 3)
+    dup.trajectory_id = "evil/0"  # sample 0 is taken by g/0
+    refused = add(st, dup, 0.1, task=task)
+    assert refused.rule == DUPLICATE_SAMPLE and "g/0 already holds" in refused.reason
+    wrong_prompt = traj("g", 1, 3)
+    wrong_prompt.prompt_id = "q"
+    assert add(st, wrong_prompt, 0.1, task=task).rule == NOT_ITS_TASK
+    assert add(st, traj("nobody", 0, 1), 0.1, task=None).rule == NO_TASK
+    assert list(st.groups) == [b"g"] and json.loads(st.groups[b"g"])["members"] == ["g/0"]  # refusals changed nothing
+    assert add(st, traj("g", 0, 3), 0.2, task=task).status == "superseded"  # the task redelivered: same id
+    assert add(st, traj("g", 1, 3), 0.3, offset=3, task=task).status == "held"
+    done = add(st, traj("g", 2, 3), 0.4, offset=4, task=task)  # the honest members complete the group
+    assert done.status == "complete" and [t.trajectory_id for t in done.group.trajectories] == ["g/0", "g/1", "g/2"]
+    late_dup = traj("g", 2, 3)
+    late_dup.trajectory_id = "evil/2"
+    assert add(st, late_dup, 0.5, task=task).rule == DUPLICATE_SAMPLE  # after it left, too
+    assert add(st, traj("g", 2, 3), 0.5, task=task).status == "superseded"  # re-issued: dropped, not an attack
 
 
 def test_groups_expire_after_the_timeout_oldest_first() -> None:
@@ -71,7 +117,7 @@ def test_groups_expire_after_the_timeout_oldest_first() -> None:
     assert [p.group_id for p in st.expired(8.0)] == ["g2"]
     late = add(st, traj("g1", 1, 4), 9.0)  # its group left without it: curate dead-letters it
     assert late.status == "late" and late.emitted["members"] == ["g1/0"] and not late.emitted["complete"]
-    assert add(st, traj("g1", 0, 4), 9.5).status == "redelivered"
+    assert add(st, traj("g1", 0, 4), 9.5).status == "superseded"
 
 
 def test_state_is_plain_bytes_so_another_worker_resumes_it_reading_members_again() -> None:
