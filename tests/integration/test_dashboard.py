@@ -158,11 +158,12 @@ def test_the_page_shows_the_run_as_the_topics_count_it(kafka: KafkaSettings, exp
     assert counts["train"] == 12 and counts["scored"] == 12 and counts["long-answers"] == 6
     assert f">{exp}<" in dom and "live," in dom, dom[:3000]
     # The roles that run and the topics they use are drawn, with the records the topics hold
-    # (transactional topics: records, not offsets); no archive, curator or trainer runs here.
+    # (transactional topics: records, not offsets); no archive or trainer runs here (the groups'
+    # tasks are on `tasks`, signed as the curator signs them: the curator is drawn).
     for node in ("role-reward", "role-curate", "role-proc.long-answers", "topic-rollouts", "topic-long-answers",
-                 "topic-dlq"):
+                 "topic-dlq", "role-curator", "topic-tasks"):
         assert f'id="{node}"' in dom, node
-    for node in ("role-archive", "role-curator", "role-trainer"):
+    for node in ("role-archive", "role-trainer"):
         assert f'id="{node}"' not in dom, node
     assert 'data-from="role:archive"' not in dom and 'data-to="role:archive"' not in dom
     for stream, n in counts.items():
