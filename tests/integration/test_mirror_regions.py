@@ -27,7 +27,7 @@ from astraflow.kafka.topics import TopicAdmin, Topics, topic_specs
 from astraflow.records import Task, Trajectory
 from astraflow.serde import AvroSerde
 from astraflow.testing import make_task, make_trajectory
-from stream_apps.groups import GroupStore
+from stream_apps.groups import GroupStore, TaskClaim
 
 pytestmark = pytest.mark.slow
 
@@ -138,10 +138,12 @@ def test_mirror_carries_region_b_tasks_and_weights_out_and_rollouts_back(kafka: 
         emitted: list[str] = []
         dropped = 0
         for offset, (_, v) in enumerate(back):
-            added = store.add(serde.loads(v, Trajectory), v, 0, offset, time.time())
+            traj = serde.loads(v, Trajectory)
+            task = TaskClaim(traj.task_id, traj.group_id, traj.prompt_id, 2)  # as the curator issued it: 2 samples
+            added = store.add(traj, v, 0, offset, time.time(), task)
             if added.status == "complete":
                 emitted += [m.trajectory_id for m in added.group.trajectories]
-            elif added.status in ("duplicate", "redelivered"):
+            elif added.status == "superseded":
                 dropped += 1
             else:
                 assert added.status == "held", added.status

@@ -240,8 +240,8 @@ def test_curate_restart_resumes_pending_groups_from_its_tables(kafka: KafkaSetti
     # The new records, and maybe the half group's first two again: a restarted worker can be
     # handed records again at startup (Faust seeks its partitions back after table recovery, or
     # the last transactional offset commit is not visible yet). Those two are in the recovered
-    # table already, so they are dropped as redelivered, never trained twice.
+    # table already, so they are dropped as superseded, never trained twice.
     reread = again.stats.records_in - 2
-    assert reread in (0, 2) and again.stats.dropped.get("redelivered_trajectory", 0) == reread, again.stats
+    assert reread in (0, 2) and again.stats.dropped.get("superseded", 0) == reread, again.stats
     assert sorted(s.trajectory_id for s in samples) == ["done/0", "done/1", "half/0", "half/1", "half/2", "half/3"]
     assert sorted(s.advantage for s in samples if s.group_id == "half") == pytest.approx([-1, -1, 1, 1], abs=1e-5)
