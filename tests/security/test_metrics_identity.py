@@ -73,6 +73,12 @@ def test_a_writer_claiming_another_nodes_identity_is_shown_unverified_and_counts
     assert [(p.policy, p.version, p.trainer.get("loss")) for p in r.policies] == [("policy", version, 0.5)]
     assert r.refused_versions == 1
     assert all(m.component != "raas" or m.value != 1e6 for m in r.metrics)
+    # The dashboard's page reads the same report: the claims are in its own table, not in nodes.
+    from astraflow.ops.dashboard import DashboardState
+
+    snap = DashboardState(kafka, experiment).refresh()
+    assert [(n["node_id"], n["rollouts_per_s"]) for n in snap["nodes"]] == [("node-1", 3.0)]
+    assert ("raas", "node-1", 1e6) in {(m["component"], m["instance"], m["value"]) for m in snap["unverified"]}
 
 
 def test_a_forged_node_cannot_keep_a_dark_region_alive_for_the_curator(kafka: KafkaSettings, experiment: str) -> None:
