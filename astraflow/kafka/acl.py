@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from astraflow.errors import ConfigError
-from astraflow.kafka.topics import Topics, check_name
+from astraflow.kafka.topics import SHARED_STREAMS, Topics, check_name
 
 if TYPE_CHECKING:
     from confluent_kafka.admin import AdminClient
@@ -77,9 +77,13 @@ def principal_of(role: str, experiment: str, policy: str | None = None) -> str:
 
 def _check_policies(experiment: str, policies: list[str]) -> None:
     """A policy named like a stream app's prefix (`curate-x`) would put its train and weights
-    topics under that app's prefix grant (`af.<exp>.curate-`): refused."""
+    topics under that app's prefix grant (`af.<exp>.curate-`), one named `tasks` under the
+    regions' tasks prefix (`af.<exp>.tasks.`): refused."""
     for p in policies:
         check_name("policy", p)
+        if p in SHARED_STREAMS:
+            raise ConfigError(f"policy name {p!r} is the name of a stream of every experiment "
+                              f"(af.{experiment}.{p}); choose another name")
         for app in STREAM_APPS:
             if p.startswith(f"{app}-"):
                 raise ConfigError(f"policy name {p!r} starts with {app}-, the prefix of the {app} app's own topics "
@@ -112,6 +116,7 @@ def role_grants(experiment: str, policies: list[str]) -> list[Grant]:
         g(app, "TRANSACTIONAL_ID", f"{app_id}-", (WRITE,), "Faust exactly-once transactions", "PREFIXED")
     g("curator", "TOPIC", t.feedback, (READ,), "per-prompt statistics")
     g("curator", "TOPIC", t.tasks, (WRITE,), "tasks (and their end offsets: tasks issued)")
+    g("curator", "TOPIC", t.region_tasks_prefix, (WRITE,), "each region's own tasks (--region-share)", "PREFIXED")
     g("curator", "GROUP", READER_GROUPS["curator_lag"], (DESCRIBE,), "its offset reader's group (assign only)", "PREFIXED")
     g("curator", "TOPIC", t.metrics, (READ,), "nodes' metrics: live nodes and speed per region (--region-share)")
     g("curator", "TOPIC", t.rollouts, (READ,), "trajectories' keys: tasks outstanding per region (--region-share)")
@@ -121,6 +126,7 @@ def role_grants(experiment: str, policies: list[str]) -> list[Grant]:
     g("curate", "TOPIC", t.feedback, (READ, WRITE), "per-prompt statistics")
     g("curate", "TOPIC", t.policies, (READ,), "latest version per policy (staleness)")
     g("curate", "TOPIC", t.tasks, (READ,), "the curator's signed tasks: each group's size and members")
+    g("curate", "TOPIC", t.region_tasks_prefix, (READ,), "the signed tasks given to each region", "PREFIXED")
     g("curate", "TOPIC", t.lineage, (WRITE,), "groups it dropped, with the filter and the reason (trace)")
     for p in policies:
         g("curate", "TOPIC", t.train(p), (WRITE,), "training samples")
@@ -129,6 +135,7 @@ def role_grants(experiment: str, policies: list[str]) -> list[Grant]:
 
     worker("raas")
     g("raas", "TOPIC", t.tasks, (READ,), "tasks")
+    g("raas", "TOPIC", t.region_tasks_prefix, (READ,), "a region's own tasks (raas serve --tasks-region)", "PREFIXED")
     g("raas", "GROUP", t.raas_group, (READ,), "nodes share the tasks in one group")
     g("raas", "TOPIC", t.rollouts, (WRITE,), "trajectories")
     g("raas", "TOPIC", t.policies, (READ,), "where to start following each policy")

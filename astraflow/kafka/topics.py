@@ -80,6 +80,11 @@ class Topics:
         return self._t(f"tasks.{check_name('region', region)}")
 
     @property
+    def region_tasks_prefix(self) -> str:
+        """What every `tasks_of(region)` starts with (ACLs grant the regions' tasks by it)."""
+        return self._t("tasks.")
+
+    @property
     def rollouts(self) -> str:
         return self._t("rollouts")
 

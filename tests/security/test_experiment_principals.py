@@ -177,3 +177,21 @@ def test_a_processor_cannot_write_where_it_only_reads(two: TwoExperiments) -> No
         "TOPIC_AUTHORIZATION_FAILED", "TOPIC_AUTHORIZATION_FAILED", None]
     values, errors = _read(curate, t.scored, t.group("curate"), want=1, subscribe=True)
     assert values == [b"scored"] and not errors
+
+
+def test_a_regions_tasks_are_its_experiments_alone(two: TwoExperiments) -> None:
+    """Region tasks topics (`af.<exp>.tasks.<region>`, `--region-share`) are granted by prefix:
+    a's curator writes a's and not b's, a's node reads a's and not b's."""
+    from astraflow.kafka.topics import TopicSpec
+
+    ta, tb = Topics(A), Topics(B)
+    for exp, t in ((A, ta), (B, tb)):
+        TopicAdmin(two.as_("operator", exp)).create([TopicSpec(t.tasks_of("east"), 1)])
+    task = f"east-{uuid.uuid4().hex[:6]}".encode()
+    assert _produce(two.as_("curator", A), [(tb.tasks_of("east"), b"x"), (ta.tasks_of("east"), task)]) == [
+        "TOPIC_AUTHORIZATION_FAILED", None]
+    values, errors = _read(two.as_("raas", A), tb.tasks_of("east"), ta.raas_group, want=1, subscribe=True, timeout_s=20)
+    assert not values and errors and errors <= DENIED, (values, errors)
+    assert _read(two.as_("raas", A), ta.tasks_of("east"), ta.raas_group, want=1, subscribe=True) == ([task], set())
+    values, errors = _read(two.as_("curate", A), ta.tasks_of("east"), f"af-reader-{uuid.uuid4().hex[:6]}", want=1)
+    assert values == [task] and not errors

@@ -89,6 +89,19 @@ def test_control_is_written_by_the_operator_only() -> None:
     assert writers == {"e.operator"}
 
 
-def test_a_policy_named_like_an_apps_prefix_is_refused() -> None:
+def test_a_policy_named_like_an_apps_prefix_or_a_stream_is_refused() -> None:
     with pytest.raises(ConfigError, match="curate-"):
         role_grants("e", ["curate-x"])
+    with pytest.raises(ConfigError, match="stream of every experiment"):
+        role_grants("e", ["tasks"])
+
+
+def test_the_regions_tasks_are_granted_by_their_prefix_and_nothing_else_is_under_it() -> None:
+    t = Topics("e")
+    region = t.tasks_of("b")
+    grants = role_grants("e", ["solver"])
+    under = {(g.principal, g.operations) for g in grants if g.resource == "TOPIC" and g.name == t.region_tasks_prefix}
+    assert under == {("e.curator", ("WRITE",)), ("e.raas", ("READ",)), ("e.curate", ("READ",))}
+    assert region.startswith(t.region_tasks_prefix) and not t.tasks.startswith(t.region_tasks_prefix)
+    for spec in topic_specs("e", ["solver"], TopicSettings()):  # no topic of the experiment falls under it
+        assert not spec.name.startswith(t.region_tasks_prefix), spec.name
