@@ -20,6 +20,7 @@ from astraflow.config import KafkaSettings
 from astraflow.kafka.clients import reader
 from astraflow.kafka.counts import RecordCounter
 from astraflow.kafka.topics import Topics, reader_group
+from astraflow.ops.provenance import Provenance
 from astraflow.processor import COMPONENT_PREFIX
 from astraflow.records import DeadLetter, Metric, Trajectory
 from astraflow.serde import AvroSerde
@@ -61,6 +62,7 @@ class Monitor:
     def __post_init__(self) -> None:
         self.topics = Topics(self.experiment)
         self.serde = AvroSerde()
+        self._provenance = Provenance(self.experiment)
         self.rows: list[dict] = []  # one per scored trajectory
         self.evals: list[dict] = []  # one per evaluation
         self.versions_by_node: dict[str, int] = {}
@@ -94,7 +96,7 @@ class Monitor:
             while not self._stop.is_set():
                 for msg in c.consume(500, 0.5):
                     if msg.error() is None:
-                        self._handle(msg.topic(), msg.value())
+                        self._handle(msg.topic(), msg.value(), msg.key(), list(msg.headers() or []))
                 if time.monotonic() - last_lag > 2.0:
                     self.lags = self._lags()
                     last_lag = time.monotonic()
@@ -104,11 +106,13 @@ class Monitor:
                 self._probe.close()
             self._counter.close()
 
-    def _handle(self, topic: str, value: bytes) -> None:
+    def _handle(self, topic: str, value: bytes, key: bytes | None = None, headers: list | None = None) -> None:
         try:
             rec = self.serde.loads(value)
         except Exception:  # the monitor only watches; bad records are the DLQ's business
             return
+        if isinstance(rec, Metric) and not self._provenance.metric(rec, key, value, headers or []):
+            return  # no key of the role it names signed it (astraflow.ops.provenance): not believed
         now = time.monotonic() - self.t0
         with self._lock:
             self._apply(rec, now)

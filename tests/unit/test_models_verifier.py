@@ -56,6 +56,7 @@ def test_the_verification_prompt_keeps_one_short_line_of_proposal() -> None:
 def test_the_pair_monitor_keeps_each_policys_figures() -> None:
     from astraflow.config import KafkaSettings
     from astraflow.demo.pair_report import PairMonitor
+    from astraflow.kafka.signing import MetricSigner
     from astraflow.records import Metric
     from astraflow.serde import AvroSerde
     from astraflow.testing import make_trajectory
@@ -67,7 +68,12 @@ def test_the_pair_monitor_keeps_each_policys_figures() -> None:
     for name, value, labels in (("eval_success_greedy", 0.5, {"policy": "verifier", "version": "3"}),
                                 ("eval_success", 0.75, {"policy": "verifier", "version": "3"}),
                                 ("trainer.policy_version", 3, {"policy": "verifier"})):
-        m._handle("metrics", serde.dumps(Metric(name, float(value), "eval" if "eval" in name else "trainer", "i", labels)))
+        metric = Metric(name, float(value), "eval" if "eval" in name else "trainer", "i", labels)
+        value = serde.dumps(metric)
+        signed = MetricSigner().headers(m.topics.metrics, b"i", value, metric.component)  # as the roles sign them
+        m._handle(m.topics.metrics, value, b"i", list(signed.items()))
+    forged = serde.dumps(Metric("trainer.policy_version", 99.0, "trainer", "i", {"policy": "verifier"}))
+    m._handle(m.topics.metrics, forged, b"i", [])  # unsigned: not believed
     assert len(m.rows) == 1 and [r for _, r in m.rewards_by["verifier"]] == [0.0]
     assert m.evals_by["verifier"][0]["success"] == 0.75 and m.evals_by["verifier"][0]["greedy"] == 0.5
     assert m.version_by == {"verifier": 3} and "verifier: v3" in m.line()
