@@ -18,7 +18,7 @@ from astraflow_cli.common import console, handle_errors
 app = typer.Typer(help="Make, list, rotate and revoke an experiment's signing keys.", no_args_is_help=True)
 
 EXPERIMENT = typer.Option(..., "--experiment", "-e", help="Experiment name.")
-ROLE = typer.Option(None, "--role", "-r", help="trainer, operator, raas or apps; every signing role when left out.")
+ROLE = typer.Option(None, "--role", "-r", help="trainer, operator, raas, apps or curator; every signing role when left out.")
 
 
 def _roles(role: str | None) -> tuple[str, ...]:
