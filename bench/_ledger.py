@@ -242,6 +242,8 @@ class Ledger:
         self.trained_log = trained_log
         self.tasks: dict[str, IssuedTask] = {}
         self.duplicate_tasks = 0  # one task id written twice to the tasks topic
+        # every Task record as written: (task id, topic, Kafka timestamp ms, metadata given_back_from or None)
+        self.written: list[tuple[str, str, int, str | None]] = []
         self.accounted: dict[str, str] = {}  # sample id -> reason it was not trained
         self.unattributed_dead_letters: list[str] = []  # dead letters that name no task, trajectory or sample
         self.steps: list[Step] = []
@@ -255,6 +257,7 @@ class Ledger:
         for r in self.tasks_readers:
             for rec, ts, partition, _ in r.read_located(timeout_s):
                 if isinstance(rec, Task):
+                    self.written.append((rec.task_id, r.topic, ts, rec.metadata.get("given_back_from")))
                     if rec.task_id in self.tasks:
                         self.duplicate_tasks += 1
                     else:

@@ -140,7 +140,7 @@ class RegionsRun:
             self.step("setup_mirror")
         for role in pipeline_roles(self.exp, self.spec, role_env(self.kafka.bootstrap), nodes=0):
             if role.name == "curator" and self.kafka_b is not None:  # a fixed share of the tasks for region B
-                role.cmd += ["--region-share", f"b={a.region_share}"]
+                role.cmd += ["--region-share", f"b={a.region_share}", "--region-dead-s", str(a.region_dead_s)]
             self.sup.start(role)
         from confluent_kafka.admin import AdminClient
 
@@ -298,11 +298,14 @@ class RegionsRun:
 
     def mixed(self) -> None:
         t = time.time()
+        running = {n for n, r in self.nodes.items() if r.proc is not None and r.proc.poll() is None}
         for name, _ in self.node_specs:
-            self.start_node(name)
+            if name not in running:  # --outage: region A's nodes run since its alone phase
+                self.start_node(name)
         for name, _ in self.node_specs:
-            self.first_after(name, t)
-            self.apply_quota(name)
+            if name not in running:
+                self.first_after(name, t)
+                self.apply_quota(name)
         self.refresh()
         self.marks["mixed_start"] = time.time()
         self.wait(self.a.mixed_s)

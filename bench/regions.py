@@ -55,6 +55,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _regions_outage
 from _regions_run import RegionsRun, print_table
 
 
@@ -94,16 +95,30 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-calibrate", action="store_true",
                     help="skip phase 1 (no alone speeds, no expected shares: the test suite's short run)")
     ap.add_argument("--no-elastic", action="store_true")
+    ap.add_argument("--outage", action="store_true",
+                    help="with --via mm2: region A alone, then both, then every node of region B killed for "
+                         "--outage-s and restarted (bench/_regions_outage.py; replaces the elastic phase)")
+    ap.add_argument("--outage-s", type=float, default=None, help="the outage (default 120; quick 30)")
+    ap.add_argument("--alone-s", type=float, default=None, help="--outage: region A alone (default 40; quick 30)")
+    ap.add_argument("--region-dead-s", type=float, default=15.0,
+                    help="curator: a region silent this long is dark (no new tasks, its tasks given back)")
     ap.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "astraflow-regions"))
     ap.add_argument("--json", default=None, help="where to write the figures (default bench/results/regions.json)")
     a = ap.parse_args(argv)
-    if a.via == "mm2" and not a.no_calibrate:
+    if a.via == "mm2" and not a.no_calibrate and not a.outage:
         # Each node alone in region A would leave region B's fixed share of the tasks unconsumed:
         # they fill the curator's --max-ahead window and issuing stops (the next node then waits
         # 180 s for a task that never comes).
         ap.error("--via mm2 needs --no-calibrate: the curator sends region B its fixed --region-share "
                  "of the tasks, so a node calibrated alone leaves that share waiting and the curator's "
                  "--max-ahead window fills with it")
+    if a.outage and a.via != "mm2":
+        ap.error("--outage needs --via mm2 (over a direct WAN link region B's nodes are members of A's group: "
+                 "their partitions go to A's nodes after the session, the elastic phase measures that)")
+    if a.outage:
+        a.no_calibrate = a.no_elastic = True
+    a.outage_s = a.outage_s or (30.0 if a.quick else 120.0)
+    a.alone_s = a.alone_s or (30.0 if a.quick else 40.0)
     a.calib_s = a.calib_s or (20.0 if a.quick else 40.0)
     a.mixed_s = a.mixed_s or (40.0 if a.quick else 90.0)
     a.hold_s = a.hold_s or (20.0 if a.quick else 30.0)
@@ -126,9 +141,13 @@ def main(argv: list[str] | None = None) -> dict:
         follower.start()
         if not a.no_calibrate:
             run.calibrate()
+        if a.outage:
+            _regions_outage.alone(run)
         run.mixed()
         if not a.no_elastic:
             run.elastic()
+        if a.outage:
+            _regions_outage.outage(run)
         run.drain()
         stop.set()
         follower.join(timeout=10)
@@ -143,6 +162,12 @@ def main(argv: list[str] | None = None) -> dict:
                 run.save_raw(out.with_suffix(".raw.pickle"))
                 report = run.report()
                 report["completed"] = "drained" in run.marks
+                if a.outage:
+                    o = _regions_outage.figures(run, report)
+                    f = report["figures"]
+                    report.update(outage=o, outage_a_vs_alone=o.get("outage_a_vs_alone"),
+                                  rebalance_s=o.get("rebalance_s"), lost=f.get("samples_lost"),
+                                  trained_twice=f.get("samples_trained_twice"))
                 run.step("report")
                 report["timing_s"] = dict(run.timing)
                 out.parent.mkdir(parents=True, exist_ok=True)

@@ -98,6 +98,9 @@ class RegionFleet:
         cap = capacities(self.nodes.values(), self.topics, now, self.dead_after_s)
         seen = {n.region for n in self.nodes.values()}
         dead = dead_regions(self.nodes.values(), self.topics, now, self.started, self.dead_after_s)
+        if dead == set(self.topics):  # no node heard from anywhere (none started yet, or metrics unreadable):
+            self.dead, self.share = set(), dict(self.prior)  # issue as configured, give nothing back
+            return
         for t in dead - self.dead:
             log.warning("regions: no live node reads %s for %.0f s: it gets no new tasks, and its %d outstanding "
                         "tasks are given back", t, self.dead_after_s, len(self.outstanding[t]))

@@ -24,6 +24,9 @@ has nodes that publish their metrics every few seconds (`raas` metrics: `rollout
 * **Dead region.** A region that had live nodes and has none, or has had none for `dead_after_s`
   since the curator started, is dead: its outstanding tasks are given back (re-issued to the
   live regions by the same rule, with the same group ids), as long as some region is live.
+  While no region is live (no node started yet, or the metrics cannot be read), the configured
+  shares hold and nothing is given back (`stream_apps.region_fleet`): the fleet's view can only
+  move tasks between live regions, never stop the curator on its own.
 """
 
 from __future__ import annotations

@@ -125,14 +125,15 @@ def test_a_dark_regions_tasks_are_given_back_with_their_group_ids_and_its_share_
     assert g not in fleet.outstanding[A]
 
 
-def test_nothing_is_given_back_while_no_region_is_live() -> None:
+def test_with_no_region_live_the_configured_shares_hold() -> None:
     fleet = RegionFleet({"": A, "b": B}, {A: 0.5, B: 0.5}, n_samples=1, dead_after_s=5.0, now=0.0)
     fleet.on_metric(beat("a1", "", 1.0), 1.0)
     fleet.on_metric(beat("b1", "b", 1.0), 1.0)
     fleet.refresh(1.0)
     fleet.sent(B, task(1))
-    fleet.refresh(30.0)
-    assert fleet.dead == {A, B} and fleet.next_topic() is None and fleet.to_give_back() == []
+    fleet.refresh(30.0)  # every node silent: the configured shares hold, nothing is given back
+    assert fleet.dead == set() and fleet.share == {A: 0.5, B: 0.5} and fleet.to_give_back() == []
+    assert fleet.next_topic() == A
 
 
 def test_metrics_of_other_components_and_names_are_ignored() -> None:
