@@ -238,8 +238,9 @@ class CuratorApp(AppHandler):
             from astraflow.ops.provenance import Provenance
 
             self._provenance = Provenance(worker.topics.experiment)
-            self._fleet_reader = fleet_reader(worker.kafka, reader_group("curator_lag", self._run + "-fleet"),
-                                              worker.topics.metrics, worker.topics.rollouts, self.options.region_dead_s)
+            self._fleet_reader, unread = fleet_reader(worker.kafka, reader_group("curator_lag", self._run + "-fleet"),
+                                                      worker.topics.metrics, worker.topics.rollouts, self.options.region_dead_s)
+            self.fleet.expect_metrics(unread)
         log.info("curator: %d prompts, %d tasks issued so far", len(self.pool), self.issued)
 
     def on_recovered(self, table: str) -> None:

@@ -64,6 +64,24 @@ class RegionFleet:
         self.dead: set[str] = set()
         self.share: dict[str, float] = dict(prior)
         self.bad_metrics = 0
+        self.unread: dict[int, int] = {}  # metrics partition -> end offset at start, not read up to yet
+        self.refreshed = False
+
+    def expect_metrics(self, unread: dict[int, int]) -> None:
+        """The metrics that were on the topic when the reader started (partition -> end offset).
+        Until they are read no region is taken for dark: an old metric read before its node's
+        newer ones would make a live region look dead, and a region whose metrics simply were not
+        fetched yet would look like one without nodes. The grace of `dead_after_s` for regions
+        never seen starts once they are read."""
+        self.unread = {p: end for p, end in unread.items() if end > 0}
+
+    def read_metric_at(self, partition: int, offset: int, now: float) -> None:
+        """A metric at `offset` of `partition` was read."""
+        end = self.unread.get(partition)
+        if end is not None and offset + 1 >= end:
+            del self.unread[partition]
+            if not self.unread:
+                self.started = now
 
     def topic_of(self, labels: dict[str, str]) -> str:
         """The tasks topic a node reads, from its metric's labels."""
@@ -94,10 +112,16 @@ class RegionFleet:
             del self.back[group]
 
     def refresh(self, now: float) -> None:
-        """Shares and dead regions as of `now`."""
+        """Shares and dead regions as of `now`. The grace for regions never seen starts at the
+        latest of the fleet's start, its first refresh (the curator reads no metric before its
+        tables are recovered) and the moment the metrics there at the start were read."""
+        if not self.refreshed:
+            self.refreshed, self.started = True, max(self.started, now)
         cap = capacities(self.nodes.values(), self.topics, now, self.dead_after_s)
         seen = {n.region for n in self.nodes.values()}
         dead = dead_regions(self.nodes.values(), self.topics, now, self.started, self.dead_after_s)
+        if self.unread:  # still reading the metrics that were there at the start: nothing known to be dark
+            dead = set()
         if dead == set(self.topics):  # no node heard from anywhere (none started yet, or metrics unreadable):
             self.dead, self.share = set(), dict(self.prior)  # issue as configured, give nothing back
             return
@@ -155,6 +179,7 @@ def feed_fleet(fleet: RegionFleet, msgs: list[Any], serde: Any, metrics_topic: s
     otherwise keep a dark region "live" and its outstanding tasks would never be given back."""
     for msg in msgs:
         if msg.topic() == metrics_topic:
+            fleet.read_metric_at(msg.partition(), msg.offset(), now)
             try:
                 m = serde.loads(msg.value(), Metric)
             except Exception:  # untrusted bytes: skipped, counted
@@ -170,12 +195,15 @@ def feed_fleet(fleet: RegionFleet, msgs: list[Any], serde: Any, metrics_topic: s
     fleet.refresh(now)
 
 
-def fleet_reader(kafka: Any, group: str, metrics_topic: str, rollouts_topic: str, since_s: float) -> Any:
+def fleet_reader(kafka: Any, group: str, metrics_topic: str, rollouts_topic: str,
+                 since_s: float) -> tuple[Any, dict[int, int]]:
     """A reader assigned to every partition of the metrics topic from `since_s` seconds ago (nodes
-    live now are seen at once) and of the rollouts topic from its end (tasks issued from now on)."""
+    live now are seen at once) and of the rollouts topic from its end (tasks issued from now on),
+    and the metrics it has to read to be caught up (partition -> end offset, for
+    `RegionFleet.expect_metrics`)."""
     import time
 
-    from confluent_kafka import OFFSET_END, TopicPartition
+    from confluent_kafka import TopicPartition
 
     from astraflow.kafka.clients import reader
 
@@ -183,6 +211,14 @@ def fleet_reader(kafka: Any, group: str, metrics_topic: str, rollouts_topic: str
     parts = {t: list(consumer.list_topics(t, timeout=10.0).topics[t].partitions) for t in (metrics_topic, rollouts_topic)}
     since_ms = int((time.time() - since_s) * 1000)
     at = consumer.offsets_for_times([TopicPartition(metrics_topic, p, since_ms) for p in parts[metrics_topic]], timeout=10.0)
-    consumer.assign([TopicPartition(metrics_topic, tp.partition, tp.offset if tp.offset >= 0 else OFFSET_END) for tp in at]
-                    + [TopicPartition(rollouts_topic, p, OFFSET_END) for p in parts[rollouts_topic]])
-    return consumer
+    unread, start = {}, []
+    for tp in at:  # numeric offsets: a logical end is resolved at the first fetch, and what came before it is lost
+        end = consumer.get_watermark_offsets(TopicPartition(metrics_topic, tp.partition), timeout=10.0)[1]
+        if tp.offset >= 0:  # metrics written since then: read up to the end as it is now
+            unread[tp.partition] = end
+        start.append(TopicPartition(metrics_topic, tp.partition, tp.offset if tp.offset >= 0 else end))
+    for p in parts[rollouts_topic]:
+        start.append(TopicPartition(rollouts_topic, p,
+                                    consumer.get_watermark_offsets(TopicPartition(rollouts_topic, p), timeout=10.0)[1]))
+    consumer.assign(start)
+    return consumer, unread

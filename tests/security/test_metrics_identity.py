@@ -93,7 +93,7 @@ def test_a_forged_node_cannot_keep_a_dark_region_alive_for_the_curator(kafka: Ka
     a, b = t.tasks, t.tasks_of("b")
     now = time.monotonic()
     fleet = RegionFleet({"": a, "b": b}, {a: 0.5, b: 0.5}, n_samples=1, dead_after_s=5.0, now=now - 60)
-    reader = fleet_reader(kafka, f"af-curator-{experiment}", t.metrics, t.rollouts, since_s=60)
+    reader, _ = fleet_reader(kafka, f"af-curator-{experiment}", t.metrics, t.rollouts, since_s=60)
     honest = RecordProducer(kafka)
     ts = int(time.time() * 1000)
     honest.send(t.metrics, Metric("rollouts_per_s", 2.0, "raas", "node-a", {"region": "local"}), key="node-a")

@@ -82,6 +82,8 @@ def test_region_shares_are_checked(tmp_path) -> None:
 def test_curator_sends_region_b_its_share_on_its_own_topic(tmp_path) -> None:
     from stream_fakes import EXP, curator_on_fake_worker, tick
 
+    from astraflow.ops.provenance import Provenance
+
     data = tmp_path / "d.jsonl"
     data.write_text("".join(f'{{"prompt": "q{i}", "answer": "{i}"}}\n' for i in range(5)))
     app, w = curator_on_fake_worker(CuratorOptions([data], ["solver"], n_samples=2, max_ahead=10, trainer_group="none",
@@ -89,6 +91,7 @@ def test_curator_sends_region_b_its_share_on_its_own_topic(tmp_path) -> None:
     t = Topics(EXP)
     app.task_shares, app.issued_to = {t.tasks: 0.6, t.tasks_of("b"): 0.4}, {t.tasks: 0, t.tasks_of("b"): 0}  # as bind sets them
     app.fleet = RegionFleet({"": t.tasks, "b": t.tasks_of("b")}, app.task_shares, 2, 15.0, time.monotonic())
+    app._provenance = Provenance(EXP)
     tick(app, 0.0)  # no node heard from yet: the configured shares  # the curator's tick may measure first (an awaitable), then issue
     topics = [topic for topic, _, _ in w.sent]
     assert len(topics) == 10 and topics.count(t.tasks_of("b")) == 4 and topics.count(t.tasks) == 6

@@ -145,3 +145,33 @@ def test_metrics_of_other_components_and_names_are_ignored() -> None:
     fleet.on_metric(Metric("rollouts_per_s", 1.0, "raas", "old-b", {"region": "b"}), 1.0)
     fleet.on_metric(Metric("rollouts_per_s", 1.0, "raas", "old-a", {"region": "eu"}), 1.0)
     assert fleet.nodes["old-b"].region == B and fleet.nodes["old-a"].region == A
+
+
+def test_no_region_is_dark_until_the_metrics_there_at_the_start_are_read() -> None:
+    # The reader starts a few seconds back: B's oldest metric may be read before its newer ones
+    # (or before B's partition is fetched at all); B must not look dark meanwhile.
+    fleet = RegionFleet({"": A, "b": B}, {A: 0.5, B: 0.5}, n_samples=1, dead_after_s=5.0, now=0.0)
+    fleet.expect_metrics({0: 3, 1: 10, 2: 0})  # partition 2 empty: nothing to wait for
+    fleet.sent(B, task(1))
+    fleet.on_metric(beat("a1", "", 1.0), 20.0)
+    fleet.on_metric(beat("b1", "b", 1.0), 1.0)  # old: 19 s before now
+    fleet.read_metric_at(0, 2, 20.0)
+    fleet.refresh(20.0)
+    assert fleet.dead == set() and fleet.to_give_back() == []
+    fleet.read_metric_at(1, 9, 21.0)  # caught up: from now on B's silence counts
+    fleet.refresh(21.0)
+    assert fleet.dead == {B} and [t.group_id for t, _ in fleet.to_give_back()] == [task(1).group_id]
+
+
+def test_a_region_never_seen_gets_its_grace_from_when_the_metrics_are_read() -> None:
+    fleet = RegionFleet({"": A, "b": B}, {A: 0.5, B: 0.5}, n_samples=1, dead_after_s=5.0, now=0.0)
+    fleet.expect_metrics({0: 1})
+    fleet.on_metric(beat("a1", "", 1.0), 9.0)
+    fleet.read_metric_at(0, 0, 9.0)  # caught up at 9 s (and first refreshed at 12 s, as a curator
+    fleet.refresh(12.0)  # recovering its tables reads nothing before): B, no node yet, is not dark before 17 s
+    assert fleet.dead == set()
+    fleet.on_metric(beat("a1", "", 1.0), 16.0)
+    fleet.refresh(16.0)
+    assert fleet.dead == set()
+    fleet.refresh(17.5)
+    assert fleet.dead == {B}
