@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -47,9 +48,33 @@ pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(3600)]
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "compose.sh"
 EXPERIMENT = "ci"
-# Host ports of this test's stack (loopback only), apart from `make compose`'s defaults.
-KAFKA_PORT, METRICS_PORT, PROMETHEUS_PORT = 49192, 49193, 49194
+PROJECT_PREFIX = "afci"  # this test's compose projects; one left by a killed run is removed first
 CURATE_FILTERS = ("filter.zero_variance", "filter.length", "filter.staleness")
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _remove_stale_projects() -> None:
+    """Containers, networks and volumes of this test's earlier projects (a run killed before its
+    `down -v`): a container that restarts with the engine would hold the host's ports and memory."""
+    docker = _client()
+    label = '{{.Label "com.docker.compose.project"}}'
+    for ls, rm in ((["ps", "-a", "--format", "{{.ID}} " + label], ["rm", "-f"]),
+                   (["network", "ls", "--format", "{{.ID}} " + label], ["network", "rm"]),
+                   (["volume", "ls", "--format", "{{.Name}} " + label], ["volume", "rm", "-f"])):
+        rows = subprocess.run([docker, *ls], capture_output=True, text=True, timeout=60).stdout.splitlines()
+        stale = [row.split()[0] for row in rows if len(row.split()) == 2 and row.split()[1].startswith(PROJECT_PREFIX)]
+        if stale:
+            subprocess.run([docker, *rm, *stale], capture_output=True, timeout=300)
 
 
 def _engine_answers() -> bool:
@@ -66,14 +91,16 @@ class Stack:
     """One compose project: `dc(...)` runs docker-compose on it, `query(...)` asks its Prometheus."""
 
     def __init__(self) -> None:
-        self.project = f"afci{uuid.uuid4().hex[:8]}"
+        self.project = f"{PROJECT_PREFIX}{uuid.uuid4().hex[:8]}"
+        # Host ports (loopback only) the system has free now, not fixed ones another stack may hold.
+        self.kafka_port, self.metrics_port, self.prometheus_port = _free_ports(3)
         self.env = {
             **os.environ,
             "AF_PROJECT": self.project,
             "AF_EXPERIMENT": EXPERIMENT,
-            "AF_KAFKA_HOST_PORT": str(KAFKA_PORT),
-            "AF_METRICS_PORT": str(METRICS_PORT),
-            "AF_PROMETHEUS_PORT": str(PROMETHEUS_PORT),
+            "AF_KAFKA_HOST_PORT": str(self.kafka_port),
+            "AF_METRICS_PORT": str(self.metrics_port),
+            "AF_PROMETHEUS_PORT": str(self.prometheus_port),
             # A small counted workload: groups of 4, single-turn, short answers, a step per 16 samples.
             "AF_WORKFLOW": "rlvr",
             "AF_N_SAMPLES": "4",
@@ -84,7 +111,7 @@ class Stack:
             "AF_TRAINER_BATCH": "16",
             "AF_TRAINER_THREADS": "1",
         }
-        self.kafka = KafkaSettings(bootstrap_servers=f"127.0.0.1:{KAFKA_PORT}")
+        self.kafka = KafkaSettings(bootstrap_servers=f"127.0.0.1:{self.kafka_port}")
         self.crashed: set[str] = set()  # containers the test crashed on purpose (full ids), until back
 
     def script(self, *args: str, timeout: float = 3600) -> str:
@@ -100,7 +127,7 @@ class Stack:
 
     def astraflow(self, *args: str) -> str:
         """The host's CLI against the stack's Kafka (published on the loopback)."""
-        cmd = [sys.executable, "-m", "astraflow_cli.main", "--set", f"kafka.bootstrap_servers=127.0.0.1:{KAFKA_PORT}", *args]
+        cmd = [sys.executable, "-m", "astraflow_cli.main", "--set", f"kafka.bootstrap_servers=127.0.0.1:{self.kafka_port}", *args]
         res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert res.returncode == 0, f"astraflow {' '.join(args)}: {res.stdout}\n{res.stderr}"
         return res.stdout
@@ -117,7 +144,7 @@ class Stack:
         return self.dc(*args).split()
 
     def query(self, promql: str) -> list[dict]:
-        url = f"http://127.0.0.1:{PROMETHEUS_PORT}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+        url = f"http://127.0.0.1:{self.prometheus_port}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
         with urllib.request.urlopen(url, timeout=10) as resp:
             body = json.load(resp)
         assert body["status"] == "success", body
@@ -250,6 +277,7 @@ def stack() -> Iterator[Stack]:
         if os.environ.get("ASTRAFLOW_REQUIRE_DOCKER") == "1":
             pytest.fail("no Docker engine answers (scripts/test.sh starts one: bash scripts/compose.sh engine)")
         pytest.skip("no Docker engine (bash scripts/compose.sh engine starts one)")
+    _remove_stale_projects()
     s = Stack()
     t0 = time.monotonic()
     s.script("base")
