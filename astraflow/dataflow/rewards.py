@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Protocol
 
+from astraflow.data.columns import last_boxed
 from astraflow.dataflow.registry import REGISTRY, Strategy, register
 from astraflow.errors import RewardError
 from astraflow.records import StrategyRef, Trajectory
@@ -97,22 +98,6 @@ def reference_answers(ref: Mapping[str, Any], key: str, trajectory_id: str) -> l
     if isinstance(many, list) and many:
         return [str(a) for a in many]
     raise RewardError(f"trajectory {trajectory_id}: reference has no {key!r} (nor a list {key + 's'!r})")
-
-
-def last_boxed(text: str) -> str | None:
-    r"""Content of the last \boxed{...} (braces balanced), or None."""
-    start = text.rfind("\\boxed")
-    if start < 0:
-        return None
-    i = text.find("{", start)
-    if i < 0:
-        return None
-    depth = 0
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i + 1 : j]
-    return None
 
 
 _ANSWER_PREFIX = re.compile(r"^(?:the\s+)?(?:final\s+)?answer\s*(?:is\s*)?:?\s*", re.IGNORECASE)
