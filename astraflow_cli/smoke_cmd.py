@@ -37,20 +37,21 @@ def smoke(ctx: typer.Context, records: int = typer.Option(100, help="Trajectorie
         producer.send_raw(topics.rollouts, b"\x00\x01 corrupt", key=b"bad")
         producer.flush()
         dlq = DeadLetterWriter(producer, topics.dlq, component="smoke")
-        consumer = RecordConsumer(cfg.kafka, f"{exp}-g", [topics.rollouts], component="smoke", dlq=dlq, expect=Trajectory)
+        consumer = RecordConsumer(cfg.kafka, topics.group("smoke"), [topics.rollouts], component="smoke", dlq=dlq, expect=Trajectory)
         got: set[str] = set()
         deadline = time.monotonic() + 30
         while (len(got) < records or consumer.dead_lettered < 1) and time.monotonic() < deadline:
             got.update(r.record.trajectory_id for r in consumer.poll_batch(500, 0.5))
         consumer.commit()
         consumer.close()
-        dl_consumer = RecordConsumer(cfg.kafka, f"{exp}-d", [topics.dlq], component="smoke", dlq=None, expect=DeadLetter)
+        dl_consumer = RecordConsumer(cfg.kafka, topics.group("smoke-dlq"), [topics.dlq], component="smoke", dlq=None, expect=DeadLetter)
         letters = []
         while not letters and time.monotonic() < deadline:
             letters = dl_consumer.poll_batch(10, 0.5)
         dl_consumer.close()
     finally:
         admin.delete([s.name for s in specs])
+        admin.delete_groups([topics.group("smoke"), topics.group("smoke-dlq")])
     ok = len(got) == records and len(letters) == 1
     console.print(
         f"{'[green]OK[/]' if ok else '[red]FAILED[/]'} {len(got)}/{records} trajectories round-tripped through "
