@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmarks: machine description and JSON output.
+"""Helpers shared by the benchmarks: the results file (figures with commit, machine, terms) and data.
 
 A benchmark runs as `python bench/NAME.py`, so `bench/` comes first on `sys.path`: no file here
 may be named like a package the benchmarks import (`stream_apps`, `trainers`, `astraflow`).
@@ -14,30 +14,61 @@ import time
 from pathlib import Path
 from typing import Any
 
+RESULTS = Path("bench/results")  # full runs: the results behind the docs' figures, committed
+QUICK_RESULTS = RESULTS / "quick"  # --quick runs: git-ignored, never overwrite the full results
+
 
 def machine() -> dict[str, Any]:
-    cpu = "unknown"
+    """What ran the benchmark: cores, CPU model, memory and Python."""
+    cpu, mem_kib = "unknown", None
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    except OSError:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_kib = int(line.split()[1])
+                break
+    except (OSError, ValueError):
         pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "commit": commit,
+    return {"cores": os.cpu_count(), "cpu": cpu, "memory_gib": round(mem_kib / 2**20, 1) if mem_kib else None,
+            "python": platform.python_version()}
+
+
+# What a benchmark runs: a change outside these (docs, results, scripts) does not make a result "+dirty".
+CODE_PATHS = ("astraflow", "astraflow_cli", "stream_apps", "trainers", "bench", ":(exclude)bench/results", "schemas",
+              "pyproject.toml")
+
+
+def commit() -> str:
+    """`git rev-parse HEAD` of the code that ran, with "+dirty" when that code had uncommitted changes."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+
+    head = git("rev-parse", "HEAD") or "unknown"
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS) else "")
+
+
+def write_json(path: str | None, name: str, figures: dict[str, Any], *, terms: dict[str, str], quick: bool) -> Path:
+    """Write a benchmark's figures with what they need to be trusted: the code (`commit`), the
+    `machine`, the `terms` of the comparison (the benchmark's TERMS: what against what, on what
+    settings) and whether it was a `--quick` run. Default path: bench/results/NAME.json for a full
+    run, bench/results/quick/NAME.json for a quick one. Benchmarks with seeds put their per-seed
+    values in `figures` (key `per_seed`)."""
+    if not {"ours", "against", "settings"} <= set(terms):
+        raise ValueError(f"{name}: terms need 'ours', 'against' and 'settings', got {sorted(terms)}")
+    out = Path(path) if path else (QUICK_RESULTS if quick else RESULTS) / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    head = {"benchmark": name, "commit": commit(), "machine": machine(), "terms": terms, "quick": bool(quick),
             "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None}
-
-
-def write_json(path: str | None, name: str, figures: dict[str, Any]) -> None:
-    out = Path(path) if path else Path("bench/results") / f"{name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": name, "machine": machine(), **figures}, indent=2) + "\n")
+    out.write_text(json.dumps({**head, **figures}, indent=2) + "\n")
     print(f"wrote {out}")
+    return out
 
 
 def trajectories(n: int, tokens: int, group_size: int) -> list[Any]:

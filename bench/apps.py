@@ -77,6 +77,13 @@ from stream_apps.launch import AppOptions, build_worker
 
 write_json = _common.write_json
 
+TERMS = {  # what the figures compare (written into the results JSON)
+    "ours": "the reward + curate Faust apps, exactly-once (and at-least-once)",
+    "against": "plain confluent-kafka copy loops (and hand-written exactly-once loops doing the same job)",
+    "settings": "the same 4,096-token trajectories through every side, one broker, best of --repeats per stage",
+}
+
+
 PARTITIONS = 2
 
 # Where a py-spy sample's time went: the first frame from the leaf whose file matches (in this
@@ -408,7 +415,7 @@ def main() -> None:
         ("curate restarted (tables recovered): start to first record, s", f"{r2:.2f}"),
     ]
     _common.print_rows(rows)
-    write_json(args.json, "stream_apps", {
+    write_json(args.json, "apps", {
         "records": n, "tokens": args.tokens, "bytes": size, "partitions": PARTITIONS, "repeats": repeats, "compression": codec,
         "stage_seconds": times,
         "plain_stage1_per_s": n / p1, "plain_stage2_per_s": n / p2, "reward_per_s": n / o1, "curate_per_s": n / o2,
@@ -423,7 +430,7 @@ def main() -> None:
         "reward_restart_s": r1, "curate_restart_s": r2,
         "cpu_us_per_record": {STAGE_LABELS[k]: min(v) for k, v in cpu_us.items()},
         "profile_shares": {STAGE_LABELS[k]: v for k, v in profiles.items()} if args.profile else None,
-    })
+    }, terms=TERMS, quick=args.quick)
     if args.profile:
         for k, label in STAGE_LABELS.items():
             if k in profiles:

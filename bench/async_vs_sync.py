@@ -42,6 +42,14 @@ import _common
 import _rl
 import torch
 
+TERMS = {  # what the figures compare (written into the results JSON)
+    "ours": "dataflow: AstraFlow's schedule in one process, and pipeline-dataflow: the real roles on Kafka",
+    "against": "sync: a synchronous loop (roll out a whole batch, train, push weights), in one process and as pipeline-sync",
+    "settings": "the demo's tiny model, same prompts in the same order, 16 steps x 64 samples (quick 6), lr 3e-4, "
+                "PPO-clip, one 64-slot rollout engine, 1 torch thread per role; curate's filters off in the pipeline",
+}
+
+
 MODES = ("sync", "dataflow", "pipeline-sync", "pipeline-dataflow")
 
 
@@ -66,7 +74,7 @@ def cases(args: argparse.Namespace) -> list[tuple[str, float]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="workload b at sigma 1.0 only, 6 steps")
-    ap.add_argument("--json", default=None, help="default bench/results/async_vs_sync.json")
+    ap.add_argument("--json", default=None, help="default bench/results/[quick/]async_vs_sync.json")
     ap.add_argument("--workloads", default=None, help="a (single-turn, compute-bound) and/or b (agentic); default a,b")
     ap.add_argument("--sigmas", default=None, help="workload b: log-normal sigmas of the tool delay (default 0.5,1.0,1.5)")
     ap.add_argument("--modes", default=None, help=f"subset of {','.join(MODES)} (default all; quick: in-process)")
@@ -124,7 +132,7 @@ def main() -> None:
         "workloads": {w: _rl.WORKLOADS[w]["label"] for w in args.workloads.split(",")}, "median_s": args.median_s,
         "steps": args.steps, "samples_per_step": _rl.SLOTS, "lr": _rl.LR, "staleness": args.staleness,
         "modes": modes, "rows": rows, "headline": headline,
-    })
+    }, terms=TERMS, quick=args.quick)
 
 
 if __name__ == "__main__":

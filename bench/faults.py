@@ -49,11 +49,17 @@ from pathlib import Path
 from _fault_report import print_report
 from _harness import Harness
 
+TERMS = {  # what the figures compare (written into the results JSON)
+    "ours": "the real pipeline as processes under kill -9, broker restarts, outages and rebalances",
+    "against": "exact counts: tasks issued vs samples trained, lost, trained twice and dead-lettered",
+    "settings": "the harness's own Kafka (--brokers), curate's dropping filters off, one phase per fault kind",
+}
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one phase of 5 role kills, one broker restart")
-    ap.add_argument("--json", default=None, help="where to write the figures (default bench/results/faults.json)")
+    ap.add_argument("--json", default=None, help="where to write the figures (default bench/results/[quick/]faults.json)")
     ap.add_argument("--only", type=lambda s: s.split(","), default=None, help="phases to run, comma-separated, in that order")
     ap.add_argument("--port", type=int, default=22000,
                     help="the harness's own Kafka: node i on port + 2(i-1), its controller one above")
@@ -108,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     print_report(report)
     from _common import write_json
 
-    write_json(args.json, "faults", asdict(report))
+    write_json(args.json, "faults", asdict(report), terms=TERMS, quick=args.quick)
     if not args.keep and report.clean:
         shutil.rmtree(Path(report.settings["work_dir"]), ignore_errors=True)
     elif not report.clean:

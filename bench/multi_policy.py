@@ -129,6 +129,16 @@ from astraflow.raas.workflows.builtin import solver_verifier
 from astraflow.records import NodeInfo, SamplingParams, Task, Trajectory
 from astraflow.rl.loss_config import PolicyLossConfig
 
+TERMS = {  # what the figures compare (written into the results JSON)
+    "ours": "the dataflow schedule: pipeline (the real roles on Kafka, one trainer per policy) or dataflow (in one process)",
+    "against": "a trainer-centred loop: roll out both policies, wait for all, train one then the other (in one process)",
+    "settings": "the solver-verifier demo job, 64 samples per step per policy, calculator behind a log-normal delay "
+                "(median 0.2 s), tool calls cut at 10 s; the pipeline's trainer loss is decoupled PPO, the loop's "
+                "learners PPO-clip; --trainer-loss and --max-staleness as recorded in this file (staleness acts only "
+                "in the pipeline)",
+}
+
+
 MODES = ("trainer-centred", "dataflow", "pipeline")  # pipeline: the real roles on Kafka (`--modes`)
 TOOL_TIMEOUT_S = _rl.TOOL_TIMEOUT_S  # the pipeline's node's, for every schedule
 PIPELINE_MAX_STALENESS = "none"  # curate's per-policy staleness limits in the pipeline (module doc)
@@ -446,7 +456,7 @@ def models() -> dict[str, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="both sigmas, 4 steps, 32 held-out items (about 2 min)")
-    ap.add_argument("--json", default=None, help="default bench/results/multi_policy.json")
+    ap.add_argument("--json", default=None, help="default bench/results/[quick/]multi_policy.json")
     ap.add_argument("--sigmas", default=None, help="log-normal sigmas of the tool delay (default 0.5,1.5)")
     ap.add_argument("--median-s", type=float, default=0.2, help="median tool delay (s)")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps of 64 samples per policy (default 10, quick 4)")
@@ -540,7 +550,17 @@ def main() -> None:
         "target_rule": {"frac": args.target_frac, "smooth": args.smooth, "old_target_gain": args.target_gain},
         "rows": rows, "headline": headline,
         "over_seeds": [{k: v for k, v in line.items() if k != "text"} for line in summary], "load_average": _loadavg(),
-    })
+        "per_seed": per_seed(rows),
+    }, terms=TERMS, quick=args.quick)
+
+
+def per_seed(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per seed, each schedule's ratios against that seed's trainer-centred run, by sigma and policy."""
+    out: dict[str, dict[str, Any]] = {}
+    for x in rows:
+        if "vs_trainer_centred" in x:
+            out.setdefault(str(x["seed"]), {})[f"sigma {x['sigma']} {x['mode']}"] = x["vs_trainer_centred"]
+    return out
 
 
 def _x(ratio: float | None) -> str:

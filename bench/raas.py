@@ -51,6 +51,12 @@ from astraflow.raas.node import NodeSettings, RaasNode
 from astraflow.records import SamplingParams
 from astraflow.testing import make_task
 
+TERMS = {  # what the figures compare (written into the results JSON)
+    "ours": "a RaaS node serving tasks from Kafka, its torch engine in its own process",
+    "against": "plain transformers model.generate on the same prompts (batched by 16; num_return_sequences for groups)",
+    "settings": "the tiny model, 32 new tokens, temperature 1, one torch thread each; ratios of tokens/s",
+}
+
 
 @dataclass
 class Row:
@@ -172,7 +178,7 @@ def plain_run(model_dir: Path, tasks: int, tokens: int, batch: int, group: int, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer tasks")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="default bench/results/[quick/]raas.json")
     ap.add_argument("--bootstrap", default=None, help="Kafka to use (default: the local one, started if needed)")
     ap.add_argument("--tokens", type=int, default=32, help="new tokens per rollout")
     ap.add_argument("--group", type=int, default=8, help="samples per task of the grouped case")
@@ -195,7 +201,7 @@ def main() -> None:
     if args.backend == "vllm":
         import _raas_vllm
 
-        _raas_vllm.main(kafka, 64 if args.quick else 256, args.tokens, args.inflight, args.json)
+        _raas_vllm.main(kafka, 64 if args.quick else 256, args.tokens, args.inflight, args.json, args.quick)
         return
     from astraflow.models.tiny import init_tiny
 
@@ -224,7 +230,8 @@ def main() -> None:
                   "mean_new_tokens": r.tokens / r.rollouts, "ttft_ms": r.ttft_ms, "engine_rows_per_step": r.mean_batch,
                   "engine_busy_share": r.busy} for r in rows],
         "ratio_node16_vs_plain_batched_tokens": single, "ratio_grouped_node16_vs_plain_tokens": group,
-        "ratio_engine_vs_plain_batched_tokens": engine_single, "ratio_grouped_engine_vs_plain_tokens": engine_group})
+        "ratio_engine_vs_plain_batched_tokens": engine_single, "ratio_grouped_engine_vs_plain_tokens": engine_group},
+        terms=TERMS, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,12 @@ from _common import write_json
 from _harness import Harness
 from faults import parse_args
 
+TERMS = {  # what the figures compare (written into the results JSON)
+    "ours": "the nodes' consumer session timeout of AstraFlow's config",
+    "against": "librdkafka's default session timeout (45 s)",
+    "settings": "the fault harness's kill-nodes phase, each node killed --kills times, one after the other",
+}
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -51,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         shown = ", ".join(f"{w:.1f}" for w in waits)
         top = f"{max(waits):.1f}" if waits else "-"
         print(f"{session:>9g}  {len(waits):>5}  {shown:<40}  {top:>5}  {issued:>6}  {lost:>4}  {twice:>5}  {clean}")
-    write_json(a.json, "session_timeout", {"runs": runs})
+    write_json(a.json, "session_timeout", {"runs": runs}, terms=TERMS, quick=False)
     return 0 if all(r[-1] for r in rows) else 1
 
 

@@ -47,6 +47,15 @@ import torch
 
 from astraflow.rl import PolicyLossConfig
 
+TERMS = {  # what the figures compare (written into the results JSON)
+    "ours": "the dataflow schedule at staleness bound K with each off-policy correction (in one process)",
+    "against": "the sync loop (staleness 0) on the same seeds",
+    "settings": "workload b at sigma 1.0, 64 samples per batch in --minibatches optimizer steps, same sample budget; "
+                "the rollout engine gets the weights K - 1 versions late (simulated staleness, not the real pipeline); "
+                "the dataflow trains the first groups to complete",
+}
+
+
 BASE = {"eps_low": 0.2, "eps_high": 0.28}  # the trainer's default clip (trainers/config.py)
 CORRECTIONS: dict[str, dict[str, Any]] = {
     "ppo": {"mode": "ppo"},  # ratio against the behaviour policy, dual clip
@@ -95,6 +104,15 @@ def success_at(row: dict[str, Any], t: float) -> float:
     """Held-out success of the last snapshot taken by wall time `t`."""
     got = [s for _, ts, s in row["success"] if ts <= t + 1e-9]
     return got[-1] if got else row["success"][0][2]
+
+
+def per_seed(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per seed and setting: samples/s, staleness and held-out success after the full budget."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        out.setdefault(str(r["seed"]), {})[r["setting"]] = {
+            "samples_per_s": r["samples_per_s"], "staleness_mean": r["staleness_mean"], "final_success": r["success"][-1][2]}
+    return out
 
 
 def mean_sem(values: list[float]) -> tuple[float, float]:
@@ -184,7 +202,9 @@ def main() -> None:
     ap.add_argument("--minibatches", type=int, default=2, help="optimizer steps per batch")
     ap.add_argument("--no-lag", action="store_true",
                     help="no weight lag: the plain dataflow schedule at bound K (samples then 1-3 versions stale)")
-    ap.add_argument("--json", default="bench/results/staleness.json")
+    ap.add_argument("--quick", action="store_true",
+                    help="K=8, decoupled and m2po, seeds 0,1, 4 batches, 64 held-out problems (what `make bench-quick` runs)")
+    ap.add_argument("--json", default=None, help="default bench/results/[quick/]staleness.json")
     ap.add_argument("--plot", default="bench/results/staleness.png",
                     help="where to draw the plot (docs/img/staleness.png is the documented figure: pass it to replace that)")
     ap.add_argument("--heldout", type=int, default=_rl.N_HELDOUT, help="held-out problems (2 episodes each) per snapshot")
@@ -195,6 +215,8 @@ def main() -> None:
         rows = unique_rows([r for path in args.report.split(",") for r in json.loads(Path(path).read_text())["rows"]])
         report(rows, Path(args.plot))
         return
+    if args.quick:
+        args.staleness, args.corrections, args.seeds, args.steps, args.heldout = "8", "decoupled,m2po", "0,1", 4, 64
     corrections = args.corrections.split(",")
     if bad := [c for c in corrections if c not in CORRECTIONS]:
         ap.error(f"unknown correction(s) {bad}; choose from {', '.join(CORRECTIONS)}")
@@ -225,9 +247,11 @@ def main() -> None:
         print(f"[{i}/{len(plan)} {time.monotonic() - t_start:.0f}s] seed {seed} {setting}: {run.wall_s:.1f}s "
               f"{row['samples_per_s']:.1f} samples/s staleness {row['staleness_mean']:.2f}/{row['staleness_max']:.0f} "
               "success " + " ".join(f"{s:.3f}" for _, _, s in run.success), flush=True)
-        _common.write_json(args.json, "staleness", {**meta, "completed_runs": len(rows), "rows": rows})
+        _common.write_json(args.json, "staleness", {**meta, "completed_runs": len(rows), "rows": rows,
+                                                     "per_seed": per_seed(rows)}, terms=TERMS, quick=args.quick)
     figures = report(rows, Path(args.plot))
-    _common.write_json(args.json, "staleness", {**meta, "completed_runs": len(rows), "rows": rows, "figures": figures})
+    _common.write_json(args.json, "staleness", {**meta, "completed_runs": len(rows), "rows": rows, "per_seed": per_seed(rows),
+                                                 "figures": figures}, terms=TERMS, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,13 @@ QWEN2_05B = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads":
              "intermediate_size": 4864, "vocab_size": 151936, "max_position_embeddings": 4096, "tie_word_embeddings": True}
 
 
+TERMS = {  # what the figures compare (written into the results JSON)
+    "ours": "astraflow train on N ranks (DDP on CPU, gloo)",
+    "against": "the same trainer on one rank",
+    "settings": "one pre-filled train topic, the tiny model, batches of --batch; --big: the 0.5B weight path",
+}
+
+
 def peak_rss_gb() -> float:
     """This process's peak resident memory (VmHWM). Not getrusage's ru_maxrss: Linux keeps that across
     fork and exec, so the follower, started by the trainer's process, would report the trainer's peak."""
@@ -206,7 +213,7 @@ def main() -> None:
                                                   args.batch)}
     if args.big:
         figures["qwen2_0_5b_weight_path"] = big_run(args.big_seq, args.big_rows)
-    write_json(args.out, "trainer_scale", figures)
+    write_json(args.out, "trainer_scale", figures, terms=TERMS, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -81,6 +81,14 @@ import torch
 from astraflow.raas.tools import ToolBox, calculator, slow_tool
 from astraflow.records import Task
 
+TERMS = {  # what the figures compare (written into the results JSON)
+    "ours": "astraflow (AstraFlow's schedule in one process) and pipeline (the real roles on Kafka)",
+    "against": "TRL GRPOTrainer (TRL 1.16, CPU, fp32), same model and data",
+    "settings": "the demo's tiny model, same prompts and reward, group 8, 64 completions per step, lr 3e-4, no KL, "
+                "token-mean PPO-clip; TRL 2 torch threads, AstraFlow 1 per role; AstraFlow trains up to --staleness "
+                "versions off policy, TRL exactly on policy",
+}
+
 
 class ToolRollout:
     """TRL `rollout_func`: the `tool_use` protocol for one generation batch (see the docstring)."""
@@ -250,7 +258,7 @@ def _clone(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="4 steps, snapshots every 2")
-    ap.add_argument("--json", default=None, help="default bench/results/vs_trl.json")
+    ap.add_argument("--json", default=None, help="default bench/results/[quick/]vs_trl.json")
     ap.add_argument("--workloads", default="a,b", help="a (single turn), b (agentic), or both")
     ap.add_argument("--sigmas", default="1.0", help="workload b: log-normal sigmas of the tool delay")
     ap.add_argument("--median-s", type=float, default=0.2, help="workload b: median tool delay (s)")
@@ -348,7 +356,7 @@ def main() -> None:
         "threads": {"astraflow": "1 per role (decode, trainer)", "pipeline_trainer": trainer_threads,
                     "trl": args.trl_threads},
         "rows": rows, "ratios": ratios,
-    })
+    }, terms=TERMS, quick=args.quick)
     print("AstraFlow vs TRL, samples/s: " + ", ".join(
         f"{c} {r['samples_per_s_astraflow_over_trl']:.2f}x" for c, r in ratios.items()))
     print("AstraFlow vs TRL, steady samples/s (after the first snapshot): " + ", ".join(

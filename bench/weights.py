@@ -10,7 +10,8 @@ Printed per learning rate: changed fraction, bytes per changed element of our de
 reference format (uint32 index + bf16 value = 6 bytes per changed element) and vs a full bf16
 snapshot, and encode / apply throughput in MB/s of bf16 weights (2 bytes x parameters /
 seconds). The last line is the headline ratio, reference bytes / our bytes (worst learning
-rate). ``--json OUT`` writes the same figures.
+rate). ``--json OUT`` writes the same figures
+(default bench/results/[quick/]weights.json).
 
     python bench/weights.py [--quick] [--json OUT] [--lr 1e-5 1e-6]
 """
@@ -18,12 +19,18 @@ rate). ``--json OUT`` writes the same figures.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass
+
+import _common
+
+TERMS = {  # what the figures compare (written into the results JSON)
+    "ours": "AstraFlow's sparse bf16 weight delta between consecutive versions, applied and checked bit for bit",
+    "against": "the reference format: uint32 index + bf16 value, 6 bytes per changed element",
+    "settings": "a >= 100M-parameter state dict (quick about 13M) trained with Adam at each --lr, published in bf16 every step",
+}
 
 
 @dataclass
@@ -50,7 +57,7 @@ class Row:
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="about 13M parameters instead of 100M")
-    p.add_argument("--json", metavar="OUT", help="write the figures as JSON here")
+    p.add_argument("--json", metavar="OUT", help="default bench/results/[quick/]weights.json")
     p.add_argument("--lr", type=float, nargs="+", default=[1e-5, 1e-6], help="Adam learning rates")
     p.add_argument("--warmup", type=int, default=3, help="Adam steps before measuring")
     p.add_argument("--steps", type=int, default=3, help="measured deltas per learning rate")
@@ -189,27 +196,17 @@ def main() -> None:
         "(other processes share these CPUs: MB/s scale with what is left)"
     )
     print(_table(rows))
-    if args.json:
-        meta = {
-            "quick": args.quick,
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "load_average_before": load_before,
-            "load_average_after": load_after,
-            "seconds": time.perf_counter() - t0,
-        }
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "meta": meta,
-                    "rows": [asdict(r) for r in rows],
-                    "headline_reference_over_ours": min(r.reference_over_ours for r in rows),
-                },
-                f,
-                indent=2,
-            )
+    meta = {
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+        "seconds": time.perf_counter() - t0,
+    }
+    _common.write_json(args.json, "weights", {
+        "meta": meta, "rows": [asdict(r) for r in rows],
+        "headline_reference_over_ours": min(r.reference_over_ours for r in rows),
+    }, terms=TERMS, quick=args.quick)
 
 
 if __name__ == "__main__":
