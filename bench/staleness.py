@@ -205,12 +205,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="K=8, decoupled and m2po, seeds 0,1, 4 batches, 64 held-out problems (what `make bench-quick` runs)")
     ap.add_argument("--json", default=None, help="default bench/results/[quick/]staleness.json")
-    ap.add_argument("--plot", default="bench/results/staleness.png",
-                    help="where to draw the plot (docs/img/staleness.png is the documented figure: pass it to replace that)")
+    ap.add_argument("--plot", default=None,
+                    help="where to draw the plot (default: beside the JSON, .png; docs/img/staleness.png is the "
+                         "documented figure: pass it to replace that)")
     ap.add_argument("--heldout", type=int, default=_rl.N_HELDOUT, help="held-out problems (2 episodes each) per snapshot")
     ap.add_argument("--report", default=None, help="only re-make table and plot from these JSON files (comma-separated)")
     ap.add_argument("--no-sync", action="store_true", help="skip the sync runs (when another invocation of the grid made them)")
     args = ap.parse_args()
+    if args.plot is None:
+        json_path = Path(args.json) if args.json else (_common.QUICK_RESULTS if args.quick else _common.RESULTS) / "staleness.json"
+        args.plot = str(json_path.with_suffix(".png"))
     if args.report:
         rows = unique_rows([r for path in args.report.split(",") for r in json.loads(Path(path).read_text())["rows"]])
         report(rows, Path(args.plot))
