@@ -9,7 +9,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/prepare.sh"  # repository root, system packages, venv on PATH
 
 echo "== ruff"
-ruff check astraflow astraflow_cli stream_apps trainers tests bench
+ruff check astraflow astraflow_cli stream_apps trainers tests bench scripts
 
 echo "== unit tests"
 python -m pytest -p no:cacheprovider -m "unit and not slow" -q --durations=5 tests/unit "$@"

@@ -15,7 +15,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/prepare.sh"  # repository root, system packages, venv on PATH
 
 echo "== ruff"
-ruff check astraflow astraflow_cli stream_apps trainers tests bench
+ruff check astraflow astraflow_cli stream_apps trainers tests bench scripts
 
 STARTED=0
 DOCKER_STARTED=0
