@@ -151,6 +151,8 @@ def weights(d: dict[str, Any]) -> tuple[str, Rows]:
 
 
 def staleness(d: dict[str, Any]) -> tuple[str, Rows]:
+    if "figures" not in d:  # it writes after every run: a stopped grid has rows but no summary
+        return f"incomplete: {d['completed_runs']} of {d['planned_runs']} runs", []
     rows: Rows = [(f["setting"], f"{f['seeds']} seed{'s' * (f['seeds'] > 1)}; samples/s {f['samples_per_s']:.1f} "
                    f"({_x(f['x_sync'])} sync); staleness mean {f['staleness_mean']:.2f} / max {f['staleness_max']:.0f}; "
                    f"held-out success after the budget {_pm(f['final_mean'], f['final_sem'])}")
@@ -198,10 +200,10 @@ def serde(d: dict[str, Any]) -> tuple[str, Rows]:
 
 def faults(d: dict[str, Any]) -> tuple[str, Rows]:
     t = d["totals"]
-    rows: Rows = [(p["phase"], f"{p['faults']} faults, {p['tasks_issued']} tasks issued, {p['lost']} lost, "
-                   f"{p['trained_twice']} trained twice") for p in d["phases"]]
+    rows: Rows = [(p["phase"], f"{len(p['faults'])} faults, {p['tasks_issued']} tasks issued, {p['lost']} lost, "
+                   f"{p['trained_twice']} trained twice, {len(p['exits'])} roles exited") for p in d["phases"]]
     return (f"{t['lost']} lost, {t['trained_twice']} trained twice of {t['samples_expected']:,} samples "
-            f"({sum(p['faults'] for p in d['phases'])} faults)"), rows
+            f"({sum(len(p['faults']) for p in d['phases'])} faults)"), rows
 
 
 HEADLINES = (
@@ -265,7 +267,7 @@ def readme_block(found: dict[str, dict[str, Any]]) -> str:
             d = found[h.name]
             figure = h.render(d)[0] + (" (quick run)" if d["quick"] else "")
             out.append(f"| {h.title} | {figure} | {d['terms']['against']} | `{h.command(d['quick'])}` |")
-    missing = [f"`{h.name}`" for h in HEADLINES if h.readme and h.name not in found] + list(NO_RESULTS_FILE)
+    missing = [f"{h.title} (`{h.name}`)" for h in HEADLINES if h.readme and h.name not in found] + list(NO_RESULTS_FILE)
     out += ["", f"No committed result yet, so no figure here: {'; '.join(missing)}."]
     return "\n".join(out) + "\n"
 

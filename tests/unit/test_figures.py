@@ -126,3 +126,12 @@ def test_multi_policy_counts_every_seed_and_says_which_missed_the_target() -> No
     assert headline == ("sigma 2.0: time to target solver 4.00x, verifier 4.00x (geometric mean over the seeds "
                         "that reached the target: solver 2 of 2, verifier 1 of 2); samples/s 3.00x")
     assert ("sigma 2.0, pipeline: verifier time to target, per seed", "seed 0 4.00x, seed 1 -") in rows
+
+
+def test_a_stopped_staleness_grid_and_a_faults_report_read_as_what_they_are() -> None:
+    assert figures.staleness({"completed_runs": 3, "planned_runs": 8, "rows": []}) == ("incomplete: 3 of 8 runs", [])
+    phase = {"phase": "kill-curate", "faults": [{"kind": "kill"}, {"kind": "kill"}], "tasks_issued": 51, "lost": 0,
+             "trained_twice": 1, "exits": []}
+    headline, rows = figures.faults({"totals": {"lost": 0, "trained_twice": 1, "samples_expected": 2040}, "phases": [phase]})
+    assert headline == "0 lost, 1 trained twice of 2,040 samples (2 faults)"
+    assert rows == [("kill-curate", "2 faults, 51 tasks issued, 0 lost, 1 trained twice, 0 roles exited")]
