@@ -74,23 +74,23 @@ def multi_policy(d: dict[str, Any]) -> tuple[str, Rows]:
     """Per sigma and schedule: time-to-target ratios against the trainer-centred run, geometric
     mean over the seeds that reached the target (the figure says how many did), and per seed."""
     rows: Rows = []
-    headline = ""
+    heads = []
     for sigma, mode in dict.fromkeys((x["sigma"], x["mode"]) for x in d["rows"] if x["mode"] != "trainer-centred"):
         runs = [x for x in d["rows"] if (x["sigma"], x["mode"]) == (sigma, mode)]
-        parts, counts, per_seed = [], [], []
+        means, counts, per_seed = [], [], []
         for p in ("solver", "verifier"):
             ttt = [x["vs_trainer_centred"][p]["time_to_target"] for x in runs]
             reached = [v for v in ttt if v]
-            parts.append(f"{p} {_x(_geo(reached)) if reached else 'not reached'}")
+            means.append(_x(_geo(reached)) if reached else "not reached")
             counts.append(f"{p} {len(reached)} of {len(ttt)}")
             per_seed.append((f"sigma {sigma}, {mode}: {p} time to target, per seed",
                              ", ".join(f"seed {x['seed']} {_x(v)}" for x, v in zip(runs, ttt, strict=True))))
         sps = statistics.fmean(x["vs_trainer_centred"][p]["samples_per_s"] for x in runs for p in ("solver", "verifier"))
-        figure = (f"time to target {', '.join(parts)} (geometric mean over the seeds that reached the target: "
-                  f"{', '.join(counts)}); samples/s {_x(sps)}")
-        rows += [(f"sigma {sigma}, {mode} vs trainer-centred", figure), *per_seed]
-        headline = headline or f"sigma {sigma}: {figure}"
-    return headline, rows
+        rows += [(f"sigma {sigma}, {mode} vs trainer-centred",
+                  f"time to target solver {means[0]}, verifier {means[1]} (geometric mean over the seeds that "
+                  f"reached the target: {', '.join(counts)}); samples/s {_x(sps)}"), *per_seed]
+        heads.append(f"{' / '.join(means)} (sigma {sigma}, {mode}, {len(runs)} seed{'s' * (len(runs) > 1)})")
+    return "time to target, solver / verifier: " + "; ".join(heads), rows
 
 
 def async_vs_sync(d: dict[str, Any]) -> tuple[str, Rows]:

@@ -123,8 +123,9 @@ def test_multi_policy_counts_every_seed_and_says_which_missed_the_target() -> No
 
     base = [{"sigma": 2.0, "mode": "trainer-centred", "seed": s} for s in (0, 1)]
     headline, rows = figures.multi_policy({"rows": [*base, row(0, 2.0, 4.0), row(1, 8.0, None)]})
-    assert headline == ("sigma 2.0: time to target solver 4.00x, verifier 4.00x (geometric mean over the seeds "
-                        "that reached the target: solver 2 of 2, verifier 1 of 2); samples/s 3.00x")
+    assert headline == "time to target, solver / verifier: 4.00x / 4.00x (sigma 2.0, pipeline, 2 seeds)"
+    assert ("sigma 2.0, pipeline vs trainer-centred", "time to target solver 4.00x, verifier 4.00x (geometric mean "
+            "over the seeds that reached the target: solver 2 of 2, verifier 1 of 2); samples/s 3.00x") in rows
     assert ("sigma 2.0, pipeline: verifier time to target, per seed", "seed 0 4.00x, seed 1 -") in rows
 
 
