@@ -249,8 +249,10 @@ def load(results: Path) -> dict[str, dict[str, Any]]:
 def _run_words(d: dict[str, Any]) -> str:
     m = d["machine"]
     kind = "quick run" if d["quick"] else "full run"
-    seeds = f", seeds {', '.join(map(str, d['seeds']))}" if isinstance(d.get("seeds"), list) else ""
-    return f"{kind}{seeds}; {m['cores']} cores ({m['cpu']}), {m['memory_gib']} GiB"
+    seeds = d.get("seeds")
+    seeds = f", seed{'s' * (len(seeds) > 1)} {', '.join(map(str, seeds))}" if isinstance(seeds, list) and seeds else ""
+    load = f", load average {d['load_avg_1m']} at its end" if d.get("load_avg_1m") is not None else ""
+    return f"{kind}{seeds}; {m['cores']} cores ({m['cpu']}), {m['memory_gib']} GiB{load}"
 
 
 def _missing(found: dict[str, Any]) -> list[str]:
