@@ -115,13 +115,19 @@ def async_vs_sync(d: dict[str, Any]) -> tuple[str, Rows]:
     return (f"trained samples/s {', '.join(best[where])}, {where}" if best else "no agentic case in this run"), rows
 
 
+def _case(label: str) -> str:
+    """vs_trl's case label, e.g. "b (sigma 1.0) #2", without the workload: "sigma 1.0 #2"."""
+    return label.removeprefix("b (").replace(")", "", 1) if label.startswith("b (") else label
+
+
 def vs_trl(d: dict[str, Any]) -> tuple[str, Rows]:
     rows: Rows = [(f"{case}: {side} vs TRL", f"samples/s {_x(r['samples_per_s_astraflow_over_trl'])}; time to target "
-                   f"{_x(r['time_to_target_trl_over_astraflow'])}")
+                   + (_x(r["time_to_target_trl_over_astraflow"]) if r["time_to_target_trl_over_astraflow"]
+                      else "not reached by both"))
                   for name, r in d["ratios"].items() for case, side in [name.rsplit(" ", 1)]]
     sides = {name.rsplit(" ", 1)[1] for name in d["ratios"]}
     side = "pipeline" if "pipeline" in sides else "astraflow"
-    picked = [f"{_x(r['samples_per_s_astraflow_over_trl'])} ({name.rsplit(' ', 1)[0]})"
+    picked = [f"{_x(r['samples_per_s_astraflow_over_trl'])} ({_case(name.rsplit(' ', 1)[0])})"
               for name, r in d["ratios"].items() if name.endswith(" " + side)]
     return f"samples/s {', '.join(picked)}, {side}", rows
 
@@ -132,10 +138,11 @@ def vs_trl_single(d: dict[str, Any]) -> tuple[str, Rows]:
     headline = ""
     for name, s in summary.items():
         every = s["every"]
-        figure = (f"samples/s {_x(s['mean'])} mean, {_x(s['median'])} median of {len(every)} pair{'s' * (len(every) > 1)} "
-                  f"({_x(min(every))}–{_x(max(every))})")
-        rows.append((f"{name} vs TRL, alternated pairs", figure))
-        rows.append((f"{name} vs TRL, every pair", ", ".join(_x(x) for x in every)))
+        figure = (f"samples/s {_x(s['mean'])} mean, {_x(s['median'])} median of {len(every)} pairs "
+                  f"({_x(min(every))}–{_x(max(every))})") if len(every) > 1 else f"samples/s {_x(every[0])} (1 pair)"
+        side = name.rsplit(" ", 1)[1]
+        rows.append((f"{side} vs TRL, alternated pairs", figure))
+        rows.append((f"{side} vs TRL, every pair", ", ".join(_x(x) for x in every)))
         headline = headline or figure
     return headline, rows
 
@@ -165,7 +172,8 @@ def staleness(d: dict[str, Any]) -> tuple[str, Rows]:
 
 
 def raas(d: dict[str, Any]) -> tuple[str, Rows]:
-    rows: Rows = [(r["setup"], f"{r['tokens_per_s']:,.0f} tokens/s, {r['rollouts_per_s']:.1f} rollouts/s")
+    rows: Rows = [(r["setup"], f"{r['tokens_per_s']:,.0f} tokens/s, {r['rollouts_per_s']:.1f} rollouts/s, "
+                                f"{r['mean_new_tokens']:.1f} tokens a rollout")
                   for r in d["rows"]]
     return (f"tokens/s {_x(d['ratio_node16_vs_plain_batched_tokens'])} (single-sample), "
             f"{_x(d['ratio_grouped_node16_vs_plain_tokens'])} (groups of {d['group']})"), rows
