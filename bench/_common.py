@@ -41,6 +41,15 @@ CODE_PATHS = ("astraflow", "astraflow_cli", "stream_apps", "trainers", "bench", 
               "pyproject.toml")
 
 
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc; None elsewhere): a benchmark's wall time."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        return round(float(Path("/proc/uptime").read_text().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK"), 1)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def commit() -> str:
     """`git rev-parse HEAD` of the code that ran, with "+dirty" when that code had uncommitted changes."""
     def git(*args: str) -> str:
@@ -64,7 +73,7 @@ def write_json(path: str | None, name: str, figures: dict[str, Any], *, terms: d
     out = Path(path) if path else (QUICK_RESULTS if quick else RESULTS) / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     head = {"benchmark": name, "commit": commit(), "machine": machine(), "terms": terms, "quick": bool(quick),
-            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "wall_s": process_age_s(),
             "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None}
     out.write_text(json.dumps({**head, **figures}, indent=2) + "\n")
     print(f"wrote {out}")

@@ -204,7 +204,7 @@ def main() -> None:
     ap.add_argument("--big", action="store_true", help="also the 0.5B weight path (~12 GB of memory)")
     ap.add_argument("--big-seq", type=int, default=128)
     ap.add_argument("--big-rows", type=int, default=4)
-    ap.add_argument("--quick", action="store_true", help="fewer samples (what `make bench` runs); never the 0.5B model")
+    ap.add_argument("--quick", action="store_true", help="fewer samples; never the 0.5B model")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.quick:

@@ -260,7 +260,8 @@ def _run_words(d: dict[str, Any]) -> str:
     seeds = d.get("seeds")
     seeds = f", seed{'s' * (len(seeds) > 1)} {', '.join(map(str, seeds))}" if isinstance(seeds, list) and seeds else ""
     load = f", load average {d['load_avg_1m']} at its end" if d.get("load_avg_1m") is not None else ""
-    return f"{kind}{seeds}; {m['cores']} cores ({m['cpu']}), {m['memory_gib']} GiB{load}"
+    wall = f", {d['wall_s'] / 60:.1f} min" if d.get("wall_s") is not None else ""
+    return f"{kind}{seeds}{wall}; {m['cores']} cores ({m['cpu']}), {m['memory_gib']} GiB{load}"
 
 
 def _missing(found: dict[str, Any]) -> list[str]:
