@@ -260,12 +260,13 @@ def _run_words(d: dict[str, Any]) -> str:
     seeds = d.get("seeds")
     seeds = f", seed{'s' * (len(seeds) > 1)} {', '.join(map(str, seeds))}" if isinstance(seeds, list) and seeds else ""
     load = f", load average {d['load_avg_1m']} at its end" if d.get("load_avg_1m") is not None else ""
-    wall = f", {d['wall_s'] / 60:.1f} min" if d.get("wall_s") is not None else ""
+    w = d.get("wall_s")
+    wall = "" if w is None else f", {w:.0f} s" if w < 120 else f", {w / 60:.1f} min"
     return f"{kind}{seeds}{wall}; {m['cores']} cores ({m['cpu']}), {m['memory_gib']} GiB{load}"
 
 
-def _missing(found: dict[str, Any]) -> list[str]:
-    lines = [f"`{h.name}` (`{h.command(False)}`)" for h in HEADLINES if h.name not in found]
+def _missing(found: dict[str, Any], quick: bool = False) -> list[str]:
+    lines = [f"`{h.name}` (`{h.command(quick)}`)" for h in HEADLINES if h.name not in found]
     lines += [f"{what}: {why}" for what, why, _ in NO_RESULTS_FILE]
     return lines
 
@@ -283,7 +284,7 @@ def readme_block(found: dict[str, dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
-def docs_block(found: dict[str, dict[str, Any]]) -> str:
+def docs_block(found: dict[str, dict[str, Any]], missing: str = "No committed result yet:", quick: bool = False) -> str:
     out = []
     for h in HEADLINES:
         if h.name not in found:
@@ -295,7 +296,7 @@ def docs_block(found: dict[str, dict[str, Any]]) -> str:
                 f"- **ours**: {t['ours']}", f"- **against**: {t['against']}", f"- **settings**: {t['settings']}", "",
                 "| | figure |", "|---|---|", f"| **headline** | **{headline}** |",
                 *(f"| {what} | {figure} |" for what, figure in rows), ""]
-    out += ["No committed result yet:", "", *(f"- {line}" for line in _missing(found))]
+    out += [missing, "", *(f"- {line}" for line in _missing(found, quick))]
     return "\n".join(out) + "\n"
 
 
@@ -359,11 +360,11 @@ def main() -> None:
             path.write_text(text)
             print(f"wrote the figures of {path.relative_to(ROOT)}")
     elif args.cmd == "print":
-        print(docs_block(load(args.results)))
+        print(docs_block(load(args.results), f"No result in {args.results}:"))
     else:
         failed = run(args.names, args.quick)
         if args.quick:
-            print(docs_block(load(ROOT / "bench" / "results" / "quick")))
+            print(docs_block(load(ROOT / "bench" / "results" / "quick"), "No quick result (it failed or did not run):", True))
         else:
             for path, text in expected(ROOT).items():
                 path.write_text(text)
