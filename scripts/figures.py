@@ -259,10 +259,9 @@ def _run_words(d: dict[str, Any]) -> str:
     kind = "quick run" if d["quick"] else "full run"
     seeds = d.get("seeds")
     seeds = f", seed{'s' * (len(seeds) > 1)} {', '.join(map(str, seeds))}" if isinstance(seeds, list) and seeds else ""
-    load = f", load average {d['load_avg_1m']} at its end" if d.get("load_avg_1m") is not None else ""
     w = d.get("wall_s")
     wall = "" if w is None else f", {w:.0f} s" if w < 120 else f", {w / 60:.1f} min"
-    return f"{kind}{seeds}{wall}; {m['cores']} cores ({m['cpu']}), {m['memory_gib']} GiB{load}"
+    return f"{kind}{seeds}{wall}; {m['cores']} cores ({m['cpu']}), {m['memory_gib']} GiB"
 
 
 def _missing(found: dict[str, Any], quick: bool = False) -> list[str]:
