@@ -60,12 +60,10 @@ def peak_rss_gb() -> float:
 
 
 def ranks_run(bootstrap: str, ranks: list[int], n_samples: int, batch: int) -> list[dict[str, Any]]:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
-    from test_trainer_ddp import send, train_cmd, train_env, varied_samples
-
     from astraflow.config import KafkaSettings, TopicSettings
     from astraflow.kafka.topics import TopicAdmin, Topics, topic_specs
     from astraflow.models.tiny import init_tiny
+    from trainers.cpu_ranks import send, train_cmd, train_env, varied_samples
 
     kafka = KafkaSettings(bootstrap_servers=bootstrap)
     admin = TopicAdmin(kafka)
@@ -82,8 +80,7 @@ def ranks_run(bootstrap: str, ranks: list[int], n_samples: int, batch: int) -> l
                 cmd = train_cmd(kafka, exp, model, run_dir, n, "ddp" if n > 1 else "auto", f"trainer.batch_size={batch}",
                                 "trainer.logger=csv", "trainer.stop_when_idle_s=3", "trainer.publish_every_steps=1")
                 t = time.perf_counter()
-                proc = subprocess.run(cmd, env={**train_env(), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                                      timeout=900)
+                proc = subprocess.run(cmd, env=train_env(), capture_output=True, text=True, timeout=900)
                 wall = time.perf_counter() - t
                 if proc.returncode != 0:
                     raise SystemExit(f"{n} rank(s) failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")

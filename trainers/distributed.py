@@ -60,6 +60,29 @@ def _fsdp_strategy() -> type:
             )
             return model
 
+        def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+            # torch gathers each optimizer state (AdamW's exp_avg, then exp_avg_sq) into one reused
+            # buffer and, with offload_to_cpu, keeps `.cpu()` of its views: on a CPU device that is
+            # the buffer itself, so every state came out as the last one gathered (exp_avg saved as
+            # exp_avg_sq: a resume at any world size trained with wrong moments). Without offload
+            # torch copies each state; on CPU there is nothing to offload anyway.
+            if self.root_device.type != "cpu" or self.world_size < 2:
+                return super().optimizer_state(optimizer)
+            from lightning.pytorch.core.optimizer import LightningOptimizer
+            from torch.distributed.fsdp import FullStateDictConfig, OptimStateKeyType, StateDictType
+            from torch.distributed.fsdp.api import FullOptimStateDictConfig
+
+            if isinstance(optimizer, LightningOptimizer):
+                optimizer = optimizer._optimizer
+            with FullyShardedDataParallel.state_dict_type(
+                self.model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=True),
+                FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True),
+            ):
+                state = FullyShardedDataParallel.optim_state_dict(self.model, optimizer)
+                if self.global_rank == 0:  # the standard format (parameter ids), as Lightning saves it
+                    state = FullyShardedDataParallel.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, self.model)
+                return state
+
         def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
             # Lightning loads a whole checkpoint into the module it wrapped, in FSDP's full-state
             # context only when that module is the FSDP root; here the root is inside it.

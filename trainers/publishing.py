@@ -42,6 +42,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from astraflow.errors import ModelError
 from astraflow.records import TrainedSamples
 from astraflow.weights.bits import StateManifest
 from astraflow.weights.publish import NonFiniteWeightsError, WeightPublisher, check_finite, published_state
@@ -155,8 +156,11 @@ class DurablePublication(L.Callback):
         sample_log: TrainedSampleLog,
         requests: SnapshotRequests | None = None,
         crash: CrashPoints | None = None,
+        resuming: bool = False,
     ) -> None:
         self.publisher, self.checkpoint_dir, self.keep = publisher, Path(checkpoint_dir), keep
+        # Whether the run restores a checkpoint (`trainer.fit(ckpt_path=...)`); see `on_fit_start`.
+        self.resuming = resuming
         self.publish_every, self.checkpoint_every = publish_every, checkpoint_every
         self.sample_log, self.requests = sample_log, requests
         self.crash = crash or CrashPoints("")
@@ -182,6 +186,9 @@ class DurablePublication(L.Callback):
                 "batches": self.batches}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self._started:  # the topic was reconciled with other weights: its decisions would not hold
+            raise ModelError("a checkpoint was restored after the trainer reconciled its weights with the weights "
+                             "topic; pass resuming=True to DurablePublication when fit() restores a checkpoint")
         self.version = state_dict.get("version")
         self.pending = bool(state_dict.get("pending", False))
         self.unpublished = [list(x) for x in state_dict.get("unpublished", [])]
@@ -332,9 +339,12 @@ class DurablePublication(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # A fresh run publishes before Lightning waits for the first batch, so followers have a
-        # version at once; a resumed run waits for on_train_start, when step counters are back.
+        # version at once; a resumed run waits for on_train_start, when its whole state is back.
+        # Not `trainer.ckpt_path`: a strategy that restores after its setup (FSDP) sets it only
+        # after this hook, and reconciling the initial weights here republished them under a new
+        # number and kept the checkpoint's unpublished samples for a second version.
         self._started = False
-        if trainer.ckpt_path is None:
+        if not self.resuming and trainer.ckpt_path is None:
             self.reconcile(trainer, pl_module, resumed=False)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -164,7 +164,7 @@ def run_training(config: TrainRunConfig) -> TrainSummary:
     durable = DurablePublication(
         publisher, ckpt_dir, publish_every=tc.publish_every_steps, checkpoint_every=tc.checkpoint_every_steps,
         keep=tc.keep_checkpoints, sample_log=TrainedSampleLog(config.trained_log()),
-        requests=SnapshotRequests(config.kafka, topics, tc.policy), crash=crash,
+        requests=SnapshotRequests(config.kafka, topics, tc.policy), crash=crash, resuming=resume is not None,
     )
     metrics_producer = RecordProducer(config.kafka, **TRAINER_PRODUCER)
     metrics = KafkaMetrics(metrics_producer, topics, tc.policy, tc.metrics_every_steps)

@@ -13,70 +13,17 @@ global mean (`astraflow.rl.data_parallel_normaliser`). The checkpoint keeps its 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from astraflow.config import KafkaSettings
-from astraflow.kafka.clients import RecordProducer
 from astraflow.kafka.topics import Topics
 from astraflow.models.tiny import init_tiny
-from astraflow.records import TrainSample
 from trainers.callbacks import newest_checkpoint
-
-
-def varied_samples(n: int, seed: int = 0, prefix: str = "s") -> list[TrainSample]:
-    """`n` samples of varied lengths and trained-token counts (so a per-rank token mean differs
-    from the global one), random advantages, behaviour logprobs near the tiny model's."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        length = int(rng.integers(6, 20))
-        gen = int(rng.integers(1, length - 2))
-        mask = np.r_[np.zeros(length - gen, np.uint8), np.ones(gen, np.uint8)]
-        out.append(TrainSample(
-            f"{prefix}-{i}", f"t-{prefix}-{i}", f"g-{prefix}-{i // 4}", "p", "policy",
-            rng.integers(3, 500, length, dtype=np.int32), mask,
-            np.where(mask == 1, -6.2, 0.0).astype(np.float32), np.where(mask == 1, 0, -1).astype(np.int32),
-            float(rng.normal()), float(rng.random()), 0,
-        ))
-    return out
-
-
-def send(kafka: KafkaSettings, topic: str, samples: list[TrainSample], key: str | None = None) -> None:
-    """Each sample keyed by its group, or all by `key` (one partition: batches independent of timing)."""
-    producer = RecordProducer(kafka)
-    for s in samples:
-        producer.send(topic, s, key=key or s.group_id)
-    producer.flush()
-
-
-def train_cmd(kafka: KafkaSettings, experiment: str, model: Path, run_dir: Path, devices: int, strategy: str,
-              *extra: str) -> list[str]:
-    sets = [
-        f"kafka.bootstrap_servers={kafka.bootstrap_servers}", f"run_dir={run_dir}", "topics.partitions=2",
-        "trainer.batch_size=8", "trainer.max_wait_s=1", "trainer.logger=none", "trainer.progress_bar=false",
-        "trainer.lr=1e-3", "trainer.max_staleness=null", "trainer.collective_timeout_s=60",
-        *extra,
-    ]
-    cmd = [sys.executable, "-m", "astraflow_cli.main", "train", "-e", experiment, "-p", "policy", "-m", str(model),
-           "--devices", str(devices), "--strategy", strategy, "--accelerator", "cpu"]
-    for s in sets:
-        cmd += ["--set", s]
-    return cmd
-
-
-def train_env(crash: str | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "ASTRAFLOW_TRAINER_CRASH_AT"}
-    env["OMP_NUM_THREADS"] = "1"
-    if crash:
-        env["ASTRAFLOW_TRAINER_CRASH_AT"] = crash
-    return env
+from trainers.cpu_ranks import send, train_cmd, train_env, varied_samples
 
 
 def run_train(cmd: list[str], timeout: float = 300) -> str:
@@ -105,19 +52,32 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+def moments_diff(a: dict, b: dict) -> float:
+    """The largest difference between AdamW's moments (exp_avg, exp_avg_sq) of checkpoints `a`
+    and `b`, relative to the largest of that moment in `b`; their step counts must be equal."""
+    sa, sb = a["optimizer_states"][0]["state"], b["optimizer_states"][0]["state"]
+    assert sa.keys() == sb.keys()
+    assert {float(sa[k]["step"]) for k in sa} == {float(sb[k]["step"]) for k in sb}, "AdamW's step counts differ"
+    worst = 0.0
+    for name in ("exp_avg", "exp_avg_sq"):
+        scale = max(float(sb[k][name].abs().max()) for k in sb)
+        worst = max(worst, max(float((sa[k][name].float() - sb[k][name].float()).abs().max()) for k in sb) / scale)
+    return worst
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_ranks_train_what_one_rank_trains_ddp_fsdp(kafka: KafkaSettings, experiment: str, tmp_path: Path,
                                                         strategy: str) -> None:
     model = init_tiny(tmp_path / "tiny", vocab_size=512, hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64)
     send(kafka, Topics(experiment).train("policy"), varied_samples(24), key="one-partition")
-    states, steps = {}, {}
+    states, steps, ckpts = {}, {}, {}
     for devices in (1, 2):
         run_dir = tmp_path / f"runs-{devices}"
         out = run_train(train_cmd(kafka, experiment, model, run_dir, devices, strategy if devices > 1 else "auto",
                                   "trainer.max_steps=3"))
         assert "trained 3 steps, 24 samples" in out, out[-3000:]
-        states[devices], ckpt = final_state(run_dir, experiment)
+        states[devices], ckpt = ckpts[devices] = final_state(run_dir, experiment)
         steps[devices] = trained_steps(run_dir, experiment)
         assert ckpt["astraflow"]["world_size"] == devices
         assert ckpt["global_step"] == 3
@@ -127,8 +87,81 @@ def test_two_ranks_train_what_one_rank_trains_ddp_fsdp(kafka: KafkaSettings, exp
     start = {f"model.{k}": v.float() for k, v in AutoModelForCausalLM.from_pretrained(model).state_dict().items()}
     moved = max_diff({k: start[k] for k in states[1]}, states[1])
     diff = max_diff(states[1], states[2])
-    print(f"\n{strategy}: max |1 rank - 2 ranks| = {diff:.2e}; max change over 3 steps = {moved:.2e}")
+    moments = moments_diff(ckpts[2][1], ckpts[1][1])
+    print(f"\n{strategy}: max |1 rank - 2 ranks| = {diff:.2e}; max change over 3 steps = {moved:.2e}; "
+          f"AdamW moments in the checkpoints differ by {moments:.1e} of their largest")
+    # The checkpoint holds the whole optimizer state, whatever the strategy (FSDP gathers it).
+    assert moments < 1e-3, f"the 2-rank ({strategy}) checkpoint's AdamW moments differ from 1 rank's by {moments}"
     assert moved > 1e-3, "training did not move the parameters"
     # Adam divides by sqrt(v): where a gradient is ~0, summation-order noise moves a weight by up to
     # lr x 1e-3; a per-rank mean moves them by a good part of lr (tests/unit/test_rl_data_parallel.py).
     assert diff < 0.01 * moved, f"2 ranks ({strategy}) differ from 1 rank by {diff} (training moved them by {moved})"
+
+
+def committed_versions(kafka: KafkaSettings, experiment: str) -> list[tuple[int, str]]:
+    """(version, state checksum) of every version committed to the policy's version stream, in order."""
+    from test_trainer_resume import _read
+
+    from astraflow.records import PolicyVersion
+    from astraflow.weights.versions import STREAM_PARTITION
+
+    return [(r.version, r.state_checksum) for r in _read(kafka, Topics(experiment).weights("policy"), "read_committed",
+                                                          [STREAM_PARTITION]) if isinstance(r, PolicyVersion)]
+
+
+FIRST, MORE = 2, 2  # batches (one optimizer step each) before the stop, and after the resume
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_resume_across_world_sizes_ddp_fsdp(kafka: KafkaSettings, make_experiment, tmp_path: Path,
+                                            strategy: str) -> None:
+    """FIRST batches at world size 2, resumed at world size 1 for MORE (and 1 -> 2), end where one
+    uninterrupted rank ends after FIRST + MORE batches of the same records: the same parameters
+    within float tolerance (AdamW's moments and step count carried: the steps after the resume
+    depend on them), every sample trained at the same step, and the same version numbers, each one
+    set of weights (the resumed run adopts the checkpoint's version, it does not republish it)."""
+    model = init_tiny(tmp_path / "tiny", vocab_size=512, hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64)
+    total = FIRST + MORE
+    samples = varied_samples(8 * total)
+
+    def job(devices: int, run_dir: Path, experiment: str, steps: int) -> str:
+        chosen = strategy if devices > 1 or run_dir.name != "reference" else "auto"
+        return run_train(train_cmd(kafka, experiment, model, run_dir, devices, chosen, f"trainer.max_steps={steps}"))
+
+    reference = make_experiment("ref")
+    send(kafka, Topics(reference).train("policy"), samples, key="one-partition")
+    job(1, tmp_path / "reference", reference, total)
+    expected, expected_ckpt = final_state(tmp_path / "reference", reference)
+    expected_steps = trained_steps(tmp_path / "reference", reference)
+    expected_versions = committed_versions(kafka, reference)
+    assert sorted(set(expected_steps.values())) == list(range(1, total + 1))
+    from transformers import AutoModelForCausalLM
+
+    start = {f"model.{k}": v.float() for k, v in AutoModelForCausalLM.from_pretrained(model).state_dict().items()}
+    moved = max_diff({k: start[k] for k in expected}, expected)
+    assert moved > 1e-3, "training did not move the parameters"
+
+    for first, then in ((2, 1), (1, 2)):
+        experiment = make_experiment(f"w{first}{then}")
+        send(kafka, Topics(experiment).train("policy"), samples, key="one-partition")
+        run_dir = tmp_path / f"runs-{first}-{then}"
+        job(first, run_dir, experiment, FIRST)
+        _, ckpt = final_state(run_dir, experiment)
+        assert (ckpt["astraflow"]["world_size"], ckpt["global_step"]) == (first, FIRST)
+        out = job(then, run_dir, experiment, total)
+        assert f"trained {total} steps, {8 * total} samples" in out, out[-3000:]
+        assert f"resuming a checkpoint of {first} rank(s) on {then}" in out, out[-3000:]
+        state, ckpt = final_state(run_dir, experiment)
+        assert (ckpt["astraflow"]["world_size"], ckpt["global_step"]) == (then, total)
+        assert trained_steps(run_dir, experiment) == expected_steps
+        diff, moments = max_diff(expected, state), moments_diff(ckpt, expected_ckpt)
+        versions = committed_versions(kafka, experiment)
+        print(f"\n{strategy} {first} -> {then} ranks: max |resumed - uninterrupted| = {diff:.2e} (training moved "
+              f"them by {moved:.2e}); AdamW moments differ by {moments:.1e} of their largest; versions "
+              f"{[v for v, _ in versions]}")
+        # As in the test above: float noise of the all-reduce's order, not a lost or re-sharded moment.
+        assert diff < 0.01 * moved, f"{first} -> {then} ranks differ from one uninterrupted rank by {diff}"
+        assert moments < 1e-3, f"{first} -> {then} ranks: AdamW moments differ from one rank's by {moments}"
+        assert [v for v, _ in versions] == [v for v, _ in expected_versions], "versions republished or skipped"
+        assert len({c for _, c in versions}) == len(versions), f"one set of weights under two numbers: {versions}"

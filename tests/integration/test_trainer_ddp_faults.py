@@ -25,7 +25,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_trainer_ddp import send, train_cmd, train_env, varied_samples
 from test_trainer_resume import _read
 
 from astraflow.config import KafkaSettings
@@ -33,6 +32,7 @@ from astraflow.kafka.topics import Topics
 from astraflow.models.tiny import init_tiny
 from astraflow.records import DeadLetter, PolicyVersion, TrainedSamples
 from astraflow.weights.versions import STREAM_PARTITION
+from trainers.cpu_ranks import send, train_cmd, train_env, varied_samples
 
 N_SAMPLES = 64  # 16 batches of 4
 N_REPEATED = 6  # sent a second time, later in the topic
