@@ -7,7 +7,12 @@ trained-sample logs confirm it), and the final checkpoint's fp32 parameters are 
 within float tolerance (the ranks' all-reduce adds the same terms in another order). The samples
 differ in length and in trained tokens, so a per-rank token mean would not give one rank's
 gradients (tests/unit/test_rl_data_parallel.py shows by how much); the trainer's loss is the
-global mean (`astraflow.rl.data_parallel_normaliser`). The checkpoint keeps its world size.
+global mean (`astraflow.rl.data_parallel_normaliser`). The checkpoint keeps its world size and
+the whole AdamW state, compared too.
+
+Checkpoints resume across world sizes (2 -> 1 and 1 -> 2, DDP and FSDP): resumed after 2 batches,
+the run ends where one uninterrupted rank ends after 4 (`test_resume_across_world_sizes_ddp_fsdp`).
+The jobs are started as `trainers.cpu_ranks` says.
 """
 
 from __future__ import annotations

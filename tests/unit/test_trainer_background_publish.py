@@ -155,3 +155,20 @@ def test_a_failed_background_publication_stops_the_trainer_before_the_next_check
         _fit(tmp_path, publisher, RecordedIO(events), Steps())
     assert ("checkpoint", 2) in events and ("checkpoint", 3) not in events
     assert not (tmp_path / "ckpt" / f"step-{3:09d}.ckpt").exists()
+
+
+def test_a_resumed_run_is_reconciled_after_its_restore_never_before(tmp_path: Path) -> None:
+    """FSDP's restore comes after `on_fit_start`, when `trainer.ckpt_path` is still None: a run that
+    resumes must not be reconciled there (with its initial weights), and a restore after the
+    reconciliation is refused rather than silently leaving the callback's decisions stale."""
+    from astraflow.errors import ModelError
+
+    saved = {"version": 2, "pending": True, "unpublished": [["s-1", 2, 0, 7]], "batches": 2}
+    durable = DurablePublication(None, tmp_path / "ckpt", sample_log=TrainedSampleLog(tmp_path / "log"),  # type: ignore[arg-type]
+                                 resuming=True)
+    durable.on_fit_start(SimpleNamespace(ckpt_path=None), None)  # type: ignore[arg-type]  # would need a publisher
+    durable.load_state_dict(saved)
+    assert (durable.version, durable.pending, durable.unpublished) == (2, True, [["s-1", 2, 0, 7]])
+    durable._started = True  # what `reconcile` leaves
+    with pytest.raises(ModelError, match="restored after the trainer reconciled"):
+        durable.load_state_dict(saved)
