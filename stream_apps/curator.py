@@ -15,8 +15,9 @@ statistics the committed feedback offsets imply), and a short timer issues tasks
 With `--region-share b=0.4` (a region with a Kafka cluster of its own, fed by MirrorMaker 2:
 `astraflow kafka mirror up`), 40% of the tasks go to `af.<experiment>.tasks.b` instead, which
 only region b's nodes read (`raas serve --tasks-region b`): 0.4 is the share until the nodes'
-metrics arrive; from then on each region's share follows its live nodes' measured speed and its
-tasks outstanding, and a region whose nodes all went dark (`--region-dead-s`) gets no new task
+metrics arrive; from then on each region's share follows its live nodes' reported busy speed,
+beyond a reserve for the tasks on their way through the mirror (at most its reserve and its share
+of `--max-ahead` outstanding), and a region whose nodes all went dark (`--region-dead-s`) gets no new task
 and its outstanding ones are given back to the others with the same group ids
 (`stream_apps.region_fleet`, `astraflow.dataflow.region_shares`).
 Run one curator worker per experiment: the task accounting below is global. Whenever fewer
@@ -234,7 +235,7 @@ class CuratorApp(AppHandler):
 
             self.fleet = RegionFleet({"": self.tasks_topic, **{r: worker.topics.tasks_of(r) for r in shares}},
                                      self.task_shares, self.options.n_samples, self.options.region_dead_s,
-                                     time.monotonic())
+                                     time.monotonic(), window=self.options.max_ahead)
             from astraflow.ops.provenance import Provenance
 
             self._provenance = Provenance(worker.topics.experiment)

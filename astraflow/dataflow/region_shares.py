@@ -2,39 +2,60 @@
 
 Pure policy (no Kafka; `stream_apps.curator` feeds it). Each region with a tasks topic of its
 own (`--region-share`, a cluster fed by MirrorMaker 2) and region A (the experiment's `tasks`)
-has nodes that publish their metrics every few seconds (`raas` metrics: `rollouts_per_s`,
-`inflight`, labelled with the node's region), which come back to region A's cluster.
+has nodes that publish their metrics every few seconds (`raas` metrics: `busy_tasks_per_s`,
+`rollouts_per_s`, `inflight`, labelled with the node's region), which come back to region A's cluster.
 
 * **Live nodes.** A node is live while its last metric is at most `dead_after_s` old (default
   15 s: three of the node's 5 s metric intervals).
-* **Speed.** A node's speed is an exponentially weighted mean (weight `SPEED_WEIGHT` per sample)
-  of its `rollouts_per_s` over the samples where it was working (`inflight` > 0 or rollouts
-  done): a node starved of tasks keeps the speed it showed when fed (its throughput would fall
-  with its feed and the share with it: a fixed point). A node never seen working counts at the
-  mean speed of the nodes that were; when none was, every live node counts as one.
-* **Capacity** of a region: the sum of its live nodes' speeds; **share**: its capacity over the
-  sum. No live node: share 0. Before any node of a region was seen, the configured share holds
-  (`prior`, from `--region-share`), rescaled against the measured regions, so that a start
+* **Speed.** A node's speed is what it reports it does when busy: `busy_tasks_per_s`, tasks done
+  per second of the time it had rollouts in flight (`astraflow.dataflow.placement.SpeedMeter`),
+  an exponentially weighted mean (weight `SPEED_WEIGHT` per sample). A node fed less than it can
+  do has idle time, which this speed leaves out: its share does not fall with its feed (a
+  throughput would, and the share with it: a fixed point that starved a region whose tasks take
+  longer to arrive). A node that never reported one counts at the mean speed of those that did;
+  when none did, every live node counts as one task/s.
+* **Capacity** of a region: the sum of its live nodes' speeds (tasks/s); **share**: its capacity
+  over the sum. No live node: share 0. Before any node of a region was seen, the configured share
+  holds (`prior`, from `--region-share`), rescaled against the measured regions, so that a start
   where metrics have not arrived yet issues as configured.
-* **Backlog.** The next task goes to the region where it would wait least relative to its
-  share: the smallest (outstanding + 1) / share, outstanding being the tasks issued to the
-  region whose trajectories have not all come back. A slow or lagging region so holds no more
-  than its share of the outstanding tasks (which `--max-ahead` bounds), where a fixed share let
-  its queue grow until it filled the window.
+* **Transit.** A region's tasks spend time on the way that is no queue of its nodes: to its
+  cluster (MirrorMaker 2) and, once done, their trajectories back. The curator sees the way back
+  in every metric: read time minus the time the node wrote it (the median of a node's last
+  `DELAY_SAMPLES`); a task's round trip is counted as twice that (both directions go through the
+  same mirror), at most `TRANSIT_MAX_S`, averaged over the region's live nodes.
+* **Reserve.** By Little's law a region needs capacity x transit tasks outstanding only for its
+  nodes never to wait for the next one: its reserve. Together the reserves take at most
+  `RESERVE_FRACTION` of the window (`--max-ahead`; scaled down alike beyond it), so the rest is
+  shared by speed whatever a mirror's latency.
+* **Next task** goes to the region where it would wait least beyond the way there and back: the
+  smallest (outstanding + 1 - reserve) / share, outstanding being the tasks issued to the region
+  whose trajectories have not all come back. Every region so first holds its reserve, and the
+  rest of what is outstanding is split by speed: a region behind a mirror keeps its nodes fed,
+  and a slow region holds no more than its share of the rest.
+* **Limit.** A region never holds more than its reserve plus its share of the window: beyond the
+  share of the rule above, so it only binds a region whose tasks stop coming back before it is
+  known to be dark (or whose transit was misjudged), which so cannot soak up the window.
 * **Dead region.** A region that had live nodes and has none, or has had none for `dead_after_s`
   since the curator started, is dead: its outstanding tasks are given back (re-issued to the
-  live regions by the same rule, with the same group ids), as long as some region is live.
-  While no region is live (no node started yet, or the metrics cannot be read), the configured
-  shares hold and nothing is given back (`stream_apps.region_fleet`): the fleet's view can only
-  move tasks between live regions, never stop the curator on its own.
+  live regions by the same rule, with the same group ids, not held by the limits: they already
+  hold their slots), as long as some region is live. While no region is live (no node started
+  yet, or the metrics cannot be read), the configured shares hold, without limits, and nothing is
+  given back (`stream_apps.region_fleet`): the fleet's view can only move tasks between live
+  regions, never stop the curator on its own.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-SPEED_WEIGHT = 0.3  # weight of a new working sample in a node's speed
+SPEED_WEIGHT = 0.3  # weight of a new sample in a node's speed
+DELAY_SAMPLES = 5  # a node's way back is the median of its last metrics' delays (one late batch does not count)
+TRANSIT_MAX_S = 30.0  # most round trip counted for a region (a stalled mirror does not make its reserve unbounded)
+RESERVE_FRACTION = 0.5  # most of the window the regions' reserves take together
 
 
 @dataclass
@@ -42,17 +63,25 @@ class NodeSeen:
     """What the curator knows of one node, from its metrics."""
 
     region: str
-    last_seen: float  # monotonic seconds of its last metric
-    speed: float | None = None  # rollouts/s while working (None: never seen working)
+    last_seen: float  # monotonic seconds of its last metric (as written: a metric read late is no younger)
+    speed: float | None = None  # tasks/s while busy, as it reports (None: never reported)
+    delays: deque[float] = field(default_factory=lambda: deque(maxlen=DELAY_SAMPLES))  # s from write to read
 
-    def observe(self, now: float, rollouts_per_s: float | None, inflight: float | None) -> None:
-        """A metric of this node: `rollouts_per_s` / `inflight` when the record carried them."""
+    def observe(self, now: float, busy_tasks_per_s: float | None = None, delay_s: float | None = None) -> None:
+        """A metric of this node: its `busy_tasks_per_s` when the record carried it, and how long
+        the record took to reach the curator (None: not known, e.g. a record read at start)."""
         self.last_seen = max(self.last_seen, now)
-        if rollouts_per_s is None or not 0.0 <= rollouts_per_s < 1e6:  # untrusted: ignore what no node reports
+        if delay_s is not None and math.isfinite(delay_s):  # untrusted (the node's clock): bounded
+            self.delays.append(min(max(0.0, delay_s), TRANSIT_MAX_S / 2))
+        if busy_tasks_per_s is None or not 0.0 < busy_tasks_per_s < 1e6:  # untrusted: ignore what no node reports
             return
-        if rollouts_per_s > 0 or (inflight or 0) > 0:
-            self.speed = rollouts_per_s if self.speed is None else (
-                (1 - SPEED_WEIGHT) * self.speed + SPEED_WEIGHT * rollouts_per_s)
+        self.speed = busy_tasks_per_s if self.speed is None else (
+            (1 - SPEED_WEIGHT) * self.speed + SPEED_WEIGHT * busy_tasks_per_s)
+
+    @property
+    def delay(self) -> float | None:
+        """Its metrics' way to the curator (the median of the last ones), None before any."""
+        return statistics.median(self.delays) if self.delays else None
 
 
 def live_nodes(nodes: Iterable[NodeSeen], now: float, dead_after_s: float) -> list[NodeSeen]:
@@ -90,13 +119,39 @@ def shares(cap: Mapping[str, float], seen: Iterable[str], prior: Mapping[str, fl
     return {r: (v / total if total > 0 else 0.0) for r, v in raw.items()}
 
 
-def choose(share: Mapping[str, float], outstanding: Mapping[str, int]) -> str | None:
-    """The region for the next task: the smallest (outstanding + 1) / share among regions with a
-    share (ties: the first); None when no region has one."""
-    live = [r for r, s in share.items() if s > 0]
-    if not live:
+def transits(nodes: Iterable[NodeSeen], regions: Iterable[str], now: float, dead_after_s: float) -> dict[str, float]:
+    """Each region's round trip for a task, in s: twice its live nodes' mean metric delay (0
+    where none is known; see the module doc)."""
+    by: dict[str, list[float]] = {r: [] for r in regions}
+    for n in live_nodes(nodes, now, dead_after_s):
+        if n.region in by and n.delay is not None:
+            by[n.region].append(n.delay)
+    return {r: min(TRANSIT_MAX_S, 2 * sum(d) / len(d)) if d else 0.0 for r, d in by.items()}
+
+
+def reserves(cap: Mapping[str, float], transit: Mapping[str, float], window: float) -> dict[str, float]:
+    """Tasks each region holds on the way, capacity x transit, scaled so that together they take
+    at most `RESERVE_FRACTION` of `window`."""
+    raw = {r: c * transit.get(r, 0.0) for r, c in cap.items()}
+    total, room = sum(raw.values()), RESERVE_FRACTION * window
+    scale = min(1.0, room / total) if total > 0 else 0.0
+    return {r: v * scale for r, v in raw.items()}
+
+
+def limits(share: Mapping[str, float], reserve: Mapping[str, float], window: float) -> dict[str, float]:
+    """The most tasks a region may hold outstanding: its reserve and its share of `window`."""
+    return {r: reserve.get(r, 0.0) + s * window for r, s in share.items()}
+
+
+def choose(share: Mapping[str, float], outstanding: Mapping[str, int], reserve: Mapping[str, float] | None = None,
+           limit: Mapping[str, float] | None = None) -> str | None:
+    """The region for the next task: the smallest (outstanding + 1 - reserve) / share among
+    regions with a share and below their limit (ties: the first); None when none is."""
+    reserve, limit = reserve or {}, limit or {}
+    ok = [r for r, s in share.items() if s > 0 and outstanding.get(r, 0) < limit.get(r, math.inf)]
+    if not ok:
         return None
-    return min(live, key=lambda r: (outstanding.get(r, 0) + 1) / share[r])
+    return min(ok, key=lambda r: (outstanding.get(r, 0) + 1 - reserve.get(r, 0.0)) / share[r])
 
 
 def dead_regions(nodes: Iterable[NodeSeen], regions: Iterable[str], now: float, started: float,

@@ -368,6 +368,19 @@ class RecordConsumer(Generic[R]):
         return self._consumer
 
 
+def offsets_at(consumer: Consumer, partitions: list[TopicPartition], timeout_s: float = 10.0) -> list[TopicPartition]:
+    """`offsets_for_times` (each partition's offset holds a timestamp in ms), retrying while a new
+    topic still elects its leaders."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return consumer.offsets_for_times(partitions, timeout=max(1.0, timeout_s / 4))
+        except KafkaException as exc:
+            if time.monotonic() >= deadline:
+                raise KafkaLayerError(f"cannot look up offsets by time of {partitions[:1]}...: {exc}") from exc
+            time.sleep(0.2)
+
+
 def watermarks(consumer: Consumer, topic: str, partition: int = 0, timeout_s: float = 10.0) -> tuple[int, int]:
     """(low, high) offsets of a partition, retrying while a new topic still elects its leader."""
     deadline = time.monotonic() + timeout_s

@@ -477,6 +477,9 @@ class RaasNode:
             "rollouts_failed_total": float(self.rollouts_failed),
             "tasks_refused_total": float(self.tasks_refused),
         }
+        busy = self._speed().speed(now, self.tasks_done)  # its speed when fed (the curator's region shares)
+        if busy is not None:
+            values["busy_tasks_per_s"] = busy
         metrics = [Metric(name, v, "raas", self.node.node_id, labels) for name, v in values.items()]
         metrics += [Metric("policy_version", float(b.version), "raas", self.node.node_id, {**labels, "policy": policy})
                     for policy, b in self.backends.items()]

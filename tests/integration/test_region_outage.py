@@ -4,7 +4,7 @@ follow the fleet), on a real broker: one cluster with two task topics, `tasks` (
 (which only carries those topics, the metrics and the trajectories between them).
 
 The test plays each region's node (reads its region's topic, writes one trajectory per task keyed
-by group id and a `raas` metric every 0.5 s, as RaaS nodes do) and curate (a group is trained the
+by group id and its `raas` metrics every 0.5 s, as RaaS nodes do) and curate (a group is trained the
 first time one of its trajectories arrives, a later one is a duplicate, and each trained group's
 prompt statistics go to `feedback`, which frees the curator's slot). Region B's node is killed
 (no more tasks taken, no metrics) while it holds tasks, then comes back.
@@ -61,8 +61,9 @@ class Region:
         if now - self.last_beat >= 0.5:
             self.last_beat = now
             labels = {"region": self.name, "tasks_region": "" if self.name == "a" else self.name}
-            producer.send(self.t.metrics, Metric("rollouts_per_s", 5.0, "raas", f"node-{self.name}", labels),
-                          key=f"node-{self.name}")
+            for name, value in (("rollouts_per_s", 5.0), ("busy_tasks_per_s", 5.0)):
+                producer.send(self.t.metrics, Metric(name, value, "raas", f"node-{self.name}", labels),
+                              key=f"node-{self.name}")
         return took
 
 

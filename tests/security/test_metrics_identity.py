@@ -92,7 +92,7 @@ def test_a_forged_node_cannot_keep_a_dark_region_alive_for_the_curator(kafka: Ka
     t, out = Topics(experiment), Outsider(kafka.bootstrap_servers)
     a, b = t.tasks, t.tasks_of("b")
     now = time.monotonic()
-    fleet = RegionFleet({"": a, "b": b}, {a: 0.5, b: 0.5}, n_samples=1, dead_after_s=5.0, now=now - 60)
+    fleet = RegionFleet({"": a, "b": b}, {a: 0.5, b: 0.5}, n_samples=1, dead_after_s=5.0, now=now - 60, window=8)
     fleet.refresh(now - 60)  # the curator has been reading for a minute: no node of region B in that time
     reader, _ = fleet_reader(kafka, f"af-curator-{experiment}", t.metrics, t.rollouts, since_s=60)
     honest = RecordProducer(kafka)

@@ -90,7 +90,8 @@ def test_curator_sends_region_b_its_share_on_its_own_topic(tmp_path) -> None:
                                                    region_share={"b": 0.4}))
     t = Topics(EXP)
     app.task_shares, app.issued_to = {t.tasks: 0.6, t.tasks_of("b"): 0.4}, {t.tasks: 0, t.tasks_of("b"): 0}  # as bind sets them
-    app.fleet = RegionFleet({"": t.tasks, "b": t.tasks_of("b")}, app.task_shares, 2, 15.0, time.monotonic())
+    app.fleet = RegionFleet({"": t.tasks, "b": t.tasks_of("b")}, app.task_shares, 2, 15.0, time.monotonic(),
+                            window=app.options.max_ahead)
     app._provenance = Provenance(EXP)
     tick(app, 0.0)  # no node heard from yet: the configured shares  # the curator's tick may measure first (an awaitable), then issue
     topics = [topic for topic, _, _ in w.sent]
