@@ -19,7 +19,9 @@ at its top):
 * `rebalance_s.back_to_b`: from region B's first node metric after the restart (the node is up
   and reports) to the first new task the curator wrote to `tasks.b` after it; and from the
   restart of the processes (`back_to_b_from_restart`);
-* `given_back`: tasks written again elsewhere; `lost` / `trained_twice`: samples, over all tasks.
+* `given_back`: tasks written again elsewhere; `lost` / `trained_twice`: samples, over all tasks;
+* `curator_mixed_mean`: the curator's region gauges over the mixed phase (share, transit s,
+  reserve and tasks outstanding per region: `tasks` is region A).
 """
 
 from __future__ import annotations
@@ -89,6 +91,11 @@ def figures(run: Any, report: dict) -> dict:
     b_mixed = rate(b_nodes, m["mixed_start"], m["mixed_end"])
     out.update(a_alone_rollouts_per_s=a_alone, a_mixed_rollouts_per_s=round(a_mixed, 2),
                b_mixed_rollouts_per_s=round(b_mixed, 2))
+    by: dict[str, list[float]] = {}
+    for ts, name, value in getattr(run.seen, "curator", []):
+        if m["mixed_start"] <= ts <= m["mixed_end"]:
+            by.setdefault(name, []).append(value)
+    out["curator_mixed_mean"] = {name: round(sum(v) / len(v), 2) for name, v in sorted(by.items())}
     if "outage_end" in m:
         kill, back = m["outage_start"], m["outage_end"]
         a_out = rate(a_nodes, kill, back)

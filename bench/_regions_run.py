@@ -46,6 +46,9 @@ def node_cpus(spec: str, names: list[str]) -> dict[str, float]:
     return out
 
 
+CURATOR_REGION_GAUGES = ("region_share.", "region_transit_s.", "tasks_reserve.", "tasks_outstanding.")
+
+
 @dataclass
 class Seen:
     """What the run has read back from Kafka so far."""
@@ -61,6 +64,8 @@ class Seen:
     # the nodes' group's committed offsets of tasks, read about every second: (time s, partition,
     # offset, metadata: the node's commit round trip and speed, what the curator's placement uses)
     commits: list[tuple[float, int, int, str]] = field(default_factory=list)
+    # the curator's region gauges (--via mm2): time s, name (`region_share.b`, `tasks_reserve.tasks`, ...), value
+    curator: list[tuple[float, str, float]] = field(default_factory=list)
 
 
 class RegionsRun:
@@ -228,6 +233,8 @@ class RegionsRun:
                     self.seen.inflight.append((rec.instance, rec.ts / 1000, rec.value))
                 elif rec.name == "policy_version":
                     self.seen.node_version.append((rec.instance, rec.ts / 1000, int(rec.value)))
+            elif isinstance(rec, Metric) and rec.component == "curator" and rec.name.startswith(CURATOR_REGION_GAUGES):
+                self.seen.curator.append((rec.ts / 1000, rec.name, rec.value))
         for rec, _, partition, _ in self.r_weights.read_located(10.0):
             if isinstance(rec, PolicyVersion):
                 beside = partition == SNAPSHOT_PARTITION
