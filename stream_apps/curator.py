@@ -453,7 +453,7 @@ class CuratorApp(AppHandler):
         ref = strategy.ref(self.name, "curator")
         for prompt in selection.chosen:
             topic = self.fleet.next_topic() if self.fleet is not None else self.tasks_topic
-            if topic is None:  # every region dark: nowhere to send a task
+            if topic is None:  # every region dark or at its limit: nowhere to send a task now
                 break
             self._send(topic, self._task(self.by_id[prompt.prompt_id], ref))
             self.issued += 1
