@@ -1,8 +1,10 @@
-"""`astraflow registry up | down | status`: a Confluent-API schema registry (Apicurio) on this machine."""
+"""`astraflow registry up | down | status`: a Confluent-API schema registry (Apicurio) on this machine;
+`astraflow registry bundle DIR`: the build context of the compose stack's registry image."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
@@ -12,7 +14,7 @@ from astraflow_cli.common import console, handle_errors, load
 if TYPE_CHECKING:
     from astraflow.local_registry import LocalRegistry
 
-app = typer.Typer(help="Run a schema registry (Apicurio Registry, Confluent-compatible API) locally, without Docker.",
+app = typer.Typer(help="Run a schema registry (Apicurio Registry, Confluent-compatible API) locally without Docker, or stage its compose image.",
                   no_args_is_help=True)
 
 DATA_DIR = typer.Option(None, "--data-dir", help="Where its log and pid file live.")
@@ -56,3 +58,15 @@ def status(ctx: typer.Context, data_dir: str | None = DATA_DIR, port: int | None
         console.print(f"[red]down[/]: no schema registry runs at {st.url}; start one with `astraflow registry up` "
                       "(roles with kafka.schema_registry_url set wait for it at start-up)")
     raise typer.Exit(1)
+
+
+@app.command()
+@handle_errors
+def bundle(ctx: typer.Context, out: Path = typer.Argument(..., help="The folder to write (dist/ and java/).")) -> None:
+    """Stage the compose registry image's build context: Apicurio's application and a jlinked Java 21+ runtime."""
+    from astraflow.registry_image import bundle as stage
+
+    t0 = time.monotonic()
+    path = stage(out, load(ctx).local_registry, echo=console.print)
+    console.print(f"[green]staged[/] {path} ({time.monotonic() - t0:.1f}s): "
+                  f"docker build -f docker/registry/Dockerfile {path}")

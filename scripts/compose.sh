@@ -5,6 +5,7 @@
 #   bash scripts/compose.sh engine     # install the engine if missing (apt, as root), start dockerd
 #   bash scripts/compose.sh base       # the base image, made locally with debootstrap (no registry)
 #   bash scripts/compose.sh build      # the three images: roles, Kafka, Prometheus (BuildKit caches)
+#   bash scripts/compose.sh build-registry  # the schema registry's image (needs a Java 21+ JDK here)
 #   bash scripts/compose.sh up         # start the stack (profile cpu) and wait until it is healthy
 #   bash scripts/compose.sh down [-v]  # stop it (-v: delete its volumes too)
 #   bash scripts/compose.sh engine-stop  # stop dockerd, only if `engine` started it
@@ -13,8 +14,11 @@
 # Environment: AF_PROJECT (compose project name, astraflow), AF_RAAS (RaaS nodes, 2),
 # AF_BASE_IMAGE (the base of every image; default: made here, astraflow/debian:bookworm),
 # AF_DEBIAN_MIRROR (the mirror apt uses here), AF_TORCH_INDEX_URL (the CPU wheel index when it
-# answers, else PyPI), AF_UP_TIMEOUT (seconds, 900), and the compose variables that
-# docker/docker-compose.yml lists (ports, experiment, model, workload).
+# answers, else PyPI), AF_UP_TIMEOUT (seconds, 900), AF_REGISTRY=1 (the schema registry too: `build`
+# builds its image, every compose command gets `--profile registry`, and the roles'
+# AF_SCHEMA_REGISTRY_URL defaults to the service's), AF_PYTHON (the Python with astraflow that
+# stages the registry image; default: the project's virtualenv, scripts/env.sh), and the compose
+# variables that docker/docker-compose.yml lists (ports, experiment, model, workload).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -24,6 +28,11 @@ LOCAL_BASE=astraflow/debian:bookworm
 STATE=${ASTRAFLOW_HOME:-$HOME/.cache/astraflow}/compose
 DOCKERD_MARK=/run/astraflow-dockerd.pid   # written only when this script started dockerd
 export DOCKER_BUILDKIT=1 COMPOSE_DOCKER_CLI_BUILD=1
+PROFILES=(--profile cpu)
+if [ "${AF_REGISTRY:-0}" = 1 ]; then
+  PROFILES+=(--profile registry)
+  export AF_SCHEMA_REGISTRY_URL=${AF_SCHEMA_REGISTRY_URL:-http://registry:8080/apis/ccompat/v7}
+fi
 
 say() { echo "[compose] $*" >&2; }
 die() { echo "[compose] error: $*" >&2; exit 1; }
@@ -152,13 +161,30 @@ build() {
   "$client" build -q "${secret[@]}" --build-arg "BASE_IMAGE=$base_image" --build-arg "TORCH_INDEX_URL=$torch" \
     -t astraflow:cpu -f docker/Dockerfile . > /dev/null
   say "images built in $((SECONDS - t0)) s"
+  if [ "${AF_REGISTRY:-0}" = 1 ]; then build_registry; fi
+}
+
+# Apicurio needs Java 21+, which bookworm lacks: the image gets the application and a runtime
+# jlinked from this host's JDK, both staged by `astraflow registry bundle` (astraflow/registry_image.py).
+build_registry() {
+  local client version py ctx t0=$SECONDS
+  client=$(docker_client)
+  version=$(sed -n 's:.*<apicurio.version>\(.*\)</apicurio.version>.*:\1:p' docker/registry/pom.xml)
+  py=${AF_PYTHON:-$(bash scripts/env.sh)/bin/python}
+  ctx=$STATE/registry-context
+  say "staging the registry image's context in $ctx (first run: Apicurio from Maven Central, a jlinked Java runtime)"
+  "$py" -m astraflow_cli.main registry bundle "$ctx" >&2
+  say "building astraflow/registry:$version"
+  "$client" build -q --build-arg "BASE_IMAGE=${AF_BASE_IMAGE:-$LOCAL_BASE}" \
+    -t "astraflow/registry:$version" -f docker/registry/Dockerfile "$ctx" > /dev/null
+  say "registry image built in $((SECONDS - t0)) s"
 }
 
 dc() {
   local cmd
   cmd=$(compose_cmd) || die "no docker compose (apt-get install -y docker-compose)"
   # shellcheck disable=SC2086
-  $cmd -p "$PROJECT" -f "$COMPOSE_FILE" --profile cpu "$@"
+  $cmd -p "$PROJECT" -f "$COMPOSE_FILE" "${PROFILES[@]}" "$@"
 }
 
 up() {
@@ -193,6 +219,9 @@ AstraFlow stack "$PROJECT" is up (cd $ROOT).
   more nodes:   $(compose_cmd) -p $PROJECT -f docker/docker-compose.yml --profile cpu up -d --no-recreate --scale raas=4
   stop:         bash scripts/compose.sh down      (add -v to delete the volumes)
 EOF
+  if [ "${AF_REGISTRY:-0}" = 1 ]; then
+    echo "  schema registry: http://localhost:${AF_REGISTRY_HOST_PORT:-49081}/apis/ccompat/v7 (roles: $AF_SCHEMA_REGISTRY_URL)"
+  fi
 }
 
 case "${1:-all}" in
@@ -201,9 +230,10 @@ case "${1:-all}" in
   engine-stop) engine_stop ;;
   base) engine; base ;;
   build) build ;;
+  build-registry) build_registry ;;
   up) up ;;
   where) where ;;
   down) shift; dc down --remove-orphans "$@" ;;
   compose) shift; dc "$@" ;;
-  *) die "unknown command ${1}: all | engine | base | build | up | where | down [-v] | engine-stop | compose ARGS" ;;
+  *) die "unknown command ${1}: all | engine | base | build | build-registry | up | where | down [-v] | engine-stop | compose ARGS" ;;
 esac

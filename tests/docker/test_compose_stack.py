@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,9 +34,17 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
+from compose_env import (
+    ROOT,
+    ComposeProject,
+    free_ports,
+    project_is_gone,
+    remove_stale_projects,
+    require_engine,
+)
+from compose_env import client as _client
 
 from astraflow.config import KafkaSettings
 from astraflow.errors import SerdeError
@@ -45,58 +52,18 @@ from astraflow.errors import SerdeError
 # The timeout covers a first build on a fresh machine (about 20 min here) and the test (about 11).
 pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(3600)]
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "compose.sh"
 EXPERIMENT = "ci"
 PROJECT_PREFIX = "afci"  # this test's compose projects; one left by a killed run is removed first
 CURATE_FILTERS = ("filter.zero_variance", "filter.length", "filter.staleness")
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
-
-
-def _remove_stale_projects() -> None:
-    """Containers, networks and volumes of this test's earlier projects (a run killed before its
-    `down -v`): a container that restarts with the engine would hold the host's ports and memory."""
-    docker = _client()
-    label = '{{.Label "com.docker.compose.project"}}'
-    for ls, rm in ((["ps", "-a", "--format", "{{.ID}} " + label], ["rm", "-f"]),
-                   (["network", "ls", "--format", "{{.ID}} " + label], ["network", "rm"]),
-                   (["volume", "ls", "--format", "{{.Name}} " + label], ["volume", "rm", "-f"])):
-        rows = subprocess.run([docker, *ls], capture_output=True, text=True, timeout=60).stdout.splitlines()
-        stale = [row.split()[0] for row in rows if len(row.split()) == 2 and row.split()[1].startswith(PROJECT_PREFIX)]
-        if stale:
-            subprocess.run([docker, *rm, *stale], capture_output=True, timeout=300)
-
-
-def _engine_answers() -> bool:
-    for client in ("/usr/bin/docker", "docker"):
-        try:
-            if subprocess.run([client, "info"], capture_output=True, timeout=30).returncode == 0:
-                return True
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-    return False
-
-
-class Stack:
-    """One compose project: `dc(...)` runs docker-compose on it, `query(...)` asks its Prometheus."""
+class Stack(ComposeProject):
+    """The whole stack as one compose project; `query(...)` asks its Prometheus."""
 
     def __init__(self) -> None:
-        self.project = f"{PROJECT_PREFIX}{uuid.uuid4().hex[:8]}"
         # Host ports (loopback only) the system has free now, not fixed ones another stack may hold.
-        self.kafka_port, self.metrics_port, self.prometheus_port = _free_ports(3)
-        self.env = {
-            **os.environ,
-            "AF_PROJECT": self.project,
+        self.kafka_port, self.metrics_port, self.prometheus_port = free_ports(3)
+        super().__init__(PROJECT_PREFIX, {
             "AF_EXPERIMENT": EXPERIMENT,
             "AF_KAFKA_HOST_PORT": str(self.kafka_port),
             "AF_METRICS_PORT": str(self.metrics_port),
@@ -110,20 +77,9 @@ class Stack:
             "AF_SFT_STEPS": "40",
             "AF_TRAINER_BATCH": "16",
             "AF_TRAINER_THREADS": "1",
-        }
+        })
         self.kafka = KafkaSettings(bootstrap_servers=f"127.0.0.1:{self.kafka_port}")
         self.crashed: set[str] = set()  # containers the test crashed on purpose (full ids), until back
-
-    def script(self, *args: str, timeout: float = 3600) -> str:
-        res = subprocess.run(["bash", str(SCRIPT), *args], env=self.env, cwd=ROOT, capture_output=True, text=True,
-                             timeout=timeout)
-        if res.returncode != 0:
-            raise AssertionError(f"scripts/compose.sh {' '.join(args)} failed ({res.returncode}):\n"
-                                 f"{res.stdout[-3000:]}\n{res.stderr[-5000:]}")
-        return res.stdout
-
-    def dc(self, *args: str, timeout: float = 600) -> str:
-        return self.script("compose", *args, timeout=timeout)
 
     def astraflow(self, *args: str) -> str:
         """The host's CLI against the stack's Kafka (published on the loopback)."""
@@ -138,10 +94,6 @@ class Stack:
         trust (the host's CLI signs with the host's own keys, which the containers refuse)."""
         return self.dc("run", "--rm", "--no-deps", "-T", "topics", "--config", "/etc/astraflow/astraflow.yaml",
                        *args, timeout=300)
-
-    def containers(self, service: str | None = None, all_: bool = False) -> list[str]:
-        args = ["ps", "-q", *(["-a"] if all_ else []), *([service] if service else [])]
-        return self.dc(*args).split()
 
     def query(self, promql: str) -> list[dict]:
         url = f"http://127.0.0.1:{self.prometheus_port}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
@@ -187,12 +139,6 @@ class Stack:
         logs.parent.mkdir(exist_ok=True)
         logs.write_text(self.dc("logs", "--no-color", "--timestamps", timeout=300))
         return "\n".join(out) + f"\nthe stack's whole logs: {logs}"
-
-    def logs(self, tail: int = 40, service: str | None = None) -> str:
-        try:
-            return self.dc("logs", "--no-color", "--tail", str(tail), *([service] if service else []), timeout=120)[-20000:]
-        except AssertionError as exc:
-            return str(exc)
 
     def endpoint(self, service: str) -> str:
         """The astraflow_* lines of a service's own /metrics, read inside its container."""
@@ -267,17 +213,10 @@ def _read_all(kafka: KafkaSettings, topic: str, serde) -> list:
         consumer.close()
 
 
-def _client() -> str:
-    return "/usr/bin/docker" if Path("/usr/bin/docker").exists() else "docker"
-
-
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    if not _engine_answers():
-        if os.environ.get("ASTRAFLOW_REQUIRE_DOCKER") == "1":
-            pytest.fail("no Docker engine answers (scripts/test.sh starts one: bash scripts/compose.sh engine)")
-        pytest.skip("no Docker engine (bash scripts/compose.sh engine starts one)")
-    _remove_stale_projects()
+    require_engine()
+    remove_stale_projects(PROJECT_PREFIX)
     s = Stack()
     t0 = time.monotonic()
     s.script("base")
@@ -365,10 +304,7 @@ def test_stack_scales_survives_kills_and_restarts_and_loses_nothing(stack: Stack
 
 def test_down_leaves_nothing_behind(stack: Stack) -> None:
     stack.dc("down", "-v", "--remove-orphans", "--timeout", "60", timeout=900)
-    label = f"label=com.docker.compose.project={stack.project}"
-    for kind in (["ps", "-a", "-q"], ["network", "ls", "-q"], ["volume", "ls", "-q"]):
-        out = subprocess.run([_client(), *kind, "--filter", label], capture_output=True, text=True, check=True).stdout
-        assert not out.strip(), f"docker {' '.join(kind)} after down -v: {out}"
+    project_is_gone(stack.project)
 
 
 def _exited_ok(stack: Stack, service: str) -> bool:

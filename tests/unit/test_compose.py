@@ -399,3 +399,43 @@ def test_init_script_python_imports_exist() -> None:
                 module = importlib.import_module(node.module or "")
                 for alias in node.names:
                     assert hasattr(module, alias.name), f"{node.module} has no {alias.name}"
+
+
+def test_the_schema_registry_is_an_opt_in_profile_whose_image_the_host_builds() -> None:
+    """`registry` runs only with its profile, from the image scripts/compose.sh builds out of what
+    `astraflow registry bundle` stages; roles use it only when AF_SCHEMA_REGISTRY_URL says so."""
+    from astraflow.config import load_config
+    from astraflow.registry_image import DIST, JAVA
+
+    svcs = services()
+    reg = svcs["registry"]
+    assert reg["profiles"] == ["registry"], "the default stack runs without a registry"
+    version = re.search(r"<apicurio\.version>([^<]+)<", (DOCKER / "registry" / "pom.xml").read_text()).group(1)
+    assert reg["image"] == f"astraflow/registry:{version}", "the image is tagged with the pom's Apicurio version"
+    assert "build" not in reg and reg["pull_policy"] == "never", "its build context is staged on the host"
+    assert not any("registry" in (s.get("depends_on") or {}) for n, s in svcs.items() if n != "registry")
+    dockerfile = (DOCKER / "registry" / "Dockerfile").read_text()
+    assert re.search(r"^ARG BASE_IMAGE=\S+", dockerfile, re.M) and re.search(r"^FROM \$\{BASE_IMAGE\}", dockerfile, re.M)
+    assert sorted(re.findall(r"^COPY (\S+) ", dockerfile, re.M)) == sorted([DIST, JAVA]), "what bundle stages"
+    assert "-Dquarkus.http.port=8080" in dockerfile and reg["ports"][0].endswith(":8080")
+    assert "/apis/ccompat/v7/" in " ".join(reg["healthcheck"]["test"]), "healthy = the API roles use answers"
+
+    url = "http://registry:8080/apis/ccompat/v7"
+    assert f"AF_SCHEMA_REGISTRY_URL=${{AF_SCHEMA_REGISTRY_URL:-{url}}}" in (ROOT / "scripts" / "compose.sh").read_text()
+    for env, expected in (({}, None), ({"AF_SCHEMA_REGISTRY_URL": url}, url)):
+        role_env = interpolate(raw(), env)["services"]["curate"]["environment"]
+        cfg = load_config(DOCKER / "config" / "astraflow.yaml", env={k: str(v) for k, v in role_env.items()})
+        assert cfg.kafka.schema_registry_url == expected
+
+
+def test_the_registry_image_needs_a_jdk_with_jlink(tmp_path: Path) -> None:
+    from astraflow.errors import ToolMissingError
+    from astraflow.registry_image import jdk_of
+
+    jre = tmp_path / "jre"
+    (jre / "bin").mkdir(parents=True)
+    (jre / "bin" / "java").touch()
+    with pytest.raises(ToolMissingError, match="needs a JDK 21"):
+        jdk_of(str(jre / "bin" / "java"))
+    (jre / "bin" / "jlink").touch()
+    assert jdk_of(str(jre / "bin" / "java")) == jre.resolve()
