@@ -12,7 +12,9 @@ Kafka, the registry (`--profile registry`) and the one-shot topic creation:
    shipped schema version with its record's rule, then writes in Confluent framing;
 3. from the host, confluent-kafka's own `SchemaRegistryClient` finds every subject with its rule
    and every version, and its `AvroDeserializer` decodes that control record off the topic;
-4. `down -v` leaves no container, network or volume of the project.
+4. the registry restarts and still serves the schema id of that record (its database is in a
+   volume), and the deserializer decodes the record again through the restarted registry;
+5. `down -v` leaves no container, network or volume of the project.
 
 Needs a Docker engine and a Java 21+ JDK on the host (the registry image's runtime); skips
 without an engine unless ASTRAFLOW_REQUIRE_DOCKER=1 (then it fails).
@@ -157,6 +159,16 @@ def test_registry_service_takes_a_roles_schemas_with_their_rules(stack: Registry
     assert msgs[0].value()[0] == 0, "Confluent framing: magic byte 0, then the registry's schema id"
     control = AvroDeserializer(registry)(msgs[0].value(), SerializationContext(topic, MessageField.VALUE))
     assert (control["app"], control["slot"], control["strategy"]) == ("curate", "filter.length", "none")
+
+    # 4. A restarted registry serves the same ids (a fresh client: nothing cached).
+    schema_id = int.from_bytes(msgs[0].value()[1:5], "big")
+    stack.dc("restart", "registry", timeout=300)
+    stack.wait("the restarted registry's API", stack.answers, 300)
+    again = SchemaRegistryClient({"url": stack.registry_url})
+    assert '"Control"' in again.get_schema(schema_id).schema_str
+    assert set(catalog.names()) <= set(again.get_subjects())
+    control = AvroDeserializer(again)(msgs[0].value(), SerializationContext(topic, MessageField.VALUE))
+    assert control["slot"] == "filter.length"
     stats = subprocess.run([client(), "stats", "--no-stream", "--format", "{{.MemUsage}}", *stack.containers("registry")],
                            capture_output=True, text=True).stdout.strip()
     print(f"registry container memory: {stats}")

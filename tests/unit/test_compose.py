@@ -419,6 +419,8 @@ def test_the_schema_registry_is_an_opt_in_profile_whose_image_the_host_builds() 
     assert sorted(re.findall(r"^COPY (\S+) ", dockerfile, re.M)) == sorted([DIST, JAVA]), "what bundle stages"
     assert "-Dquarkus.http.port=8080" in dockerfile and reg["ports"][0].endswith(":8080")
     assert "/apis/ccompat/v7/" in " ".join(reg["healthcheck"]["test"]), "healthy = the API roles use answers"
+    data = re.search(r"APICURIO_DATASOURCE_URL=jdbc:h2:file:(\S+)/", dockerfile).group(1)
+    assert [v.split(":")[1] for v in reg["volumes"]] == [data], "schema ids must survive a restart: the database in a volume"
 
     url = "http://registry:8080/apis/ccompat/v7"
     assert f"AF_SCHEMA_REGISTRY_URL=${{AF_SCHEMA_REGISTRY_URL:-{url}}}" in (ROOT / "scripts" / "compose.sh").read_text()
