@@ -11,7 +11,9 @@ node built a year ago and a curate built today read each other, and an archive r
 check`); `check_candidate` checks a proposed schema before it ships. A refusal names the record,
 the versions, the direction, the rule and the fields at fault. The pairwise check is Apache
 Avro's own (`avro.compatibility`, the Java checker's port), so the gate agrees with what a
-registry enforcing the same rule would accept.
+registry enforcing the same rule would accept. Apache Avro (`avro`, a development dependency) is
+imported only by the check itself: roles read their rules here (`load_rules`, when they register
+with a schema registry) and are installed without it.
 """
 
 from __future__ import annotations
@@ -20,9 +22,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
-
-from avro.compatibility import ReaderWriterCompatibilityChecker, SchemaCompatibilityType
-from avro.schema import parse
 
 from astraflow.errors import ConfigError
 from astraflow.schema_catalog import SchemaCatalog, default_schemas_dir
@@ -74,6 +73,9 @@ def pair_refusal(
     reader: tuple[str, dict[str, Any]], writer: tuple[str, dict[str, Any]],
 ) -> Refusal | None:
     """Checks that `reader` (label, schema JSON) reads what `writer` wrote; None when it does."""
+    from avro.compatibility import ReaderWriterCompatibilityChecker, SchemaCompatibilityType
+    from avro.schema import parse
+
     result = ReaderWriterCompatibilityChecker().get_compatibility(parse(json.dumps(reader[1])), parse(json.dumps(writer[1])))
     if result.compatibility is SchemaCompatibilityType.compatible:
         return None

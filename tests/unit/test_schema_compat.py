@@ -94,3 +94,15 @@ def test_broken_rules_file(tmp_path) -> None:
     with pytest.raises(ConfigError, match="SIDEWAYS"):
         load_rules(tmp_path)
     assert (default_schemas_dir() / "compatibility.json").exists()
+
+
+def test_roles_read_the_rules_without_apache_avro() -> None:
+    """Roles register with a registry using `load_rules`; they are installed without `avro` (a
+    development dependency), so only the check itself may import it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['avro'] = None; from astraflow.schema_compat import load_rules; "
+            "print(load_rules()['astraflow.Task'])")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == "FULL_TRANSITIVE", res.stderr
