@@ -146,12 +146,19 @@ class Replayer:
         self._failures: list[str] = []
         self._latest_fp: dict[str, bytes] = {}
 
-    def _target_partitions(self) -> int:
-        try:
-            md = self.producer.list_topics(self.target, timeout=15)
-        except KafkaException as exc:
-            raise ReplayError(f"cannot read metadata of {self.target} (is Kafka reachable?): {exc}") from exc
-        t = md.topics.get(self.target)
+    def _target_partitions(self, wait_s: float = 10.0) -> int:
+        """The target's partition count. A topic created a moment ago may not be in a broker's
+        metadata yet, so a missing one is looked for again for `wait_s` (as roles do)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                md = self.producer.list_topics(self.target, timeout=15)
+            except KafkaException as exc:
+                raise ReplayError(f"cannot read metadata of {self.target} (is Kafka reachable?): {exc}") from exc
+            t = md.topics.get(self.target)
+            if (t is not None and t.error is None and t.partitions) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
         if t is None or t.error is not None or not t.partitions:
             raise ReplayError(
                 f"target topic {self.target} does not exist: add --create-target to make it (as many partitions as "
