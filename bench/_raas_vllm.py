@@ -8,10 +8,14 @@ In one run, on the same tiny model (untied embeddings, float32), the same prompt
 * vLLM offline: `LLM.generate` on every prompt at once (vLLM schedules them itself);
 * the node with our `torch` engine (its own process, max-inflight 16, as `astraflow raas serve`).
 
-Tokens/s counts the tokens generated between the first rollout's start (the group join is not
-throughput) and the last task's end for the nodes, and the `generate` call for offline vLLM;
-engine start-up is outside every measurement. `node_vs_offline_ratio` is the node's tokens/s over
-offline vLLM's (goal >= 0.9). Needs the virtualenv of scripts/vllm-env.sh.
+Both vLLM engines are started and warmed up once, then measured in alternated rounds (node,
+offline, node, offline, ...: `--repeats` pairs), so a shared machine's drift falls on both sides
+alike; each round lasts a few seconds. Tokens/s counts the tokens generated between the first
+rollout's start (the group join is not throughput) and the last task's end for the nodes, and the
+`generate` call for offline vLLM; engine start-up is outside every measurement.
+`node_vs_offline_ratio` is the median over the pairs of the node's tokens/s over offline vLLM's
+in the same pair (goal >= 0.9); every pair's ratio is in the results. The torch node runs one
+round after them. Needs the virtualenv of scripts/vllm-env.sh.
 """
 
 from __future__ import annotations
@@ -41,7 +45,26 @@ KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE of both vLLM engines
 MAX_MODEL_LEN = 512
 
 
-def vllm_node_run(kafka: KafkaSettings, model: Path, tasks: int, tokens: int, inflight: int, backend: str) -> dict:
+def open_backend(model: Path, tokens: int, backend: str):
+    """A started, warmed-up engine (the first requests of an engine are slow, as offline vLLM's)."""
+    from astraflow.raas.backends.base import GenerateRequest
+
+    if backend == "vllm":
+        from astraflow.raas.backends.vllm_backend import VllmBackend
+
+        b = VllmBackend("policy", str(model), max_model_len=MAX_MODEL_LEN, kv_cache_gib=KV_CACHE_GIB,
+                        dtype="float32", seed=0)
+    else:
+        from astraflow.raas.backends.torch_backend import TorchBackend
+
+        b = TorchBackend("policy", str(model), seed=0, max_batch=16, threads=1, process=True)
+    for i in range(2):
+        b.generate_sync(GenerateRequest(b.encode(make_task(i).prompt, add_bos=True), tokens, 1.0))
+    return b
+
+
+def node_round(kafka: KafkaSettings, b, tasks: int, tokens: int, inflight: int) -> dict:
+    """One round: `tasks` tasks on a fresh experiment's topics, served by a new node over `b`."""
     exp = f"bench-raas-vllm-{uuid.uuid4().hex[:8]}"
     admin = TopicAdmin(kafka)
     specs = topic_specs(exp, ["policy"], AstraflowConfig().topics)
@@ -53,89 +76,90 @@ def vllm_node_run(kafka: KafkaSettings, model: Path, tasks: int, tokens: int, in
             t.sampling = SamplingParams(temperature=1.0, max_tokens=tokens)
             producer.send(Topics(exp).tasks, t, key=t.group_id)
         producer.flush()
-        if backend == "vllm":
-            from astraflow.raas.backends.vllm_backend import VllmBackend
-
-            b = VllmBackend("policy", str(model), max_model_len=MAX_MODEL_LEN, kv_cache_gib=KV_CACHE_GIB,
-                            dtype="float32", seed=0)
-        else:
-            from astraflow.raas.backends.torch_backend import TorchBackend
-
-            b = TorchBackend("policy", str(model), seed=0, max_batch=16, threads=1, process=True)
-        from astraflow.raas.backends.base import GenerateRequest
-
-        for i in range(2):  # warm-up, as offline vLLM's (the first requests of an engine are slow)
-            b.generate_sync(GenerateRequest(b.encode(make_task(i).prompt, add_bos=True), tokens, 1.0))
         node = RaasNode(AstraflowConfig(kafka=kafka), NodeSettings(exp, max_inflight=inflight, metrics_interval_s=3600),
                         {"policy": b}, tools={})
 
-        async def main() -> tuple[float, int]:
+        async def serve() -> tuple[float, int]:
             run = asyncio.create_task(node.run())
             while node.inflight == 0 and node.tasks_done == 0:
                 await asyncio.sleep(0.001)
-            t0, before = time.perf_counter(), _generated(b)
+            t0, before = time.perf_counter(), int(b.tokens_generated)
             while node.tasks_done < tasks:
                 await asyncio.sleep(0.005)
             elapsed = time.perf_counter() - t0
-            generated = _generated(b) - before
+            generated = int(b.tokens_generated) - before
             node.stop()
             await run
             return elapsed, generated
 
-        try:
-            elapsed, generated = asyncio.run(main())
-        finally:
-            b.close()
-        return {"setup": f"node over Kafka, {backend} backend, max-inflight {inflight}", "rollouts": tasks,
+        elapsed, generated = asyncio.run(serve())
+        return {"setup": f"node over Kafka, {b.name} backend, max-inflight {inflight}", "rollouts": tasks,
                 "tokens": generated, "seconds": elapsed, "tokens_per_s": generated / elapsed}
     finally:
         admin.delete([s.name for s in specs])
 
 
-def _generated(backend) -> int:
-    """Tokens the backend has generated so far (the torch engine's counters come with each result)."""
-    return int(backend.tokens_generated)
+class Offline:
+    """vLLM's own `LLM`, started and warmed up once; `round()` generates every prompt at once."""
+
+    def __init__(self, model: Path, tasks: int, tokens: int) -> None:
+        import os
+
+        from transformers import AutoTokenizer
+        from vllm import LLM, TokensPrompt
+        from vllm import SamplingParams as VllmSampling
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB))
+        tok = AutoTokenizer.from_pretrained(model)
+        self.prompts = [TokensPrompt(prompt_token_ids=tok.encode(make_task(i).prompt, add_special_tokens=True))
+                        for i in range(tasks)]
+        self.llm = LLM(model=str(model), max_model_len=MAX_MODEL_LEN, enforce_eager=True, dtype="float32", seed=0,
+                       logprobs_mode="processed_logprobs")
+        self.params = VllmSampling(temperature=1.0, max_tokens=tokens, logprobs=0)
+        self.llm.generate(self.prompts[:2], self.params, use_tqdm=False)
+
+    def round(self) -> dict:
+        t0 = time.perf_counter()
+        outs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        return {"setup": "vLLM offline LLM.generate, all prompts at once", "rollouts": len(self.prompts),
+                "tokens": generated, "seconds": elapsed, "tokens_per_s": generated / elapsed}
 
 
-def offline_run(model: Path, tasks: int, tokens: int) -> dict:
-    import os
-
-    from transformers import AutoTokenizer
-    from vllm import LLM, TokensPrompt
-    from vllm import SamplingParams as VllmSampling
-
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB))
-    tok = AutoTokenizer.from_pretrained(model)
-    prompts = [TokensPrompt(prompt_token_ids=tok.encode(make_task(i).prompt, add_special_tokens=True))
-               for i in range(tasks)]
-    llm = LLM(model=str(model), max_model_len=MAX_MODEL_LEN, enforce_eager=True, dtype="float32", seed=0,
-              logprobs_mode="processed_logprobs")
-    params = VllmSampling(temperature=1.0, max_tokens=tokens, logprobs=0)
-    llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up, as the node's first rollouts are outside its timing
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    del llm
-    return {"setup": "vLLM offline LLM.generate, all prompts at once", "rollouts": tasks, "tokens": generated,
-            "seconds": elapsed, "tokens_per_s": generated / elapsed}
-
-
-def main(kafka: KafkaSettings, tasks: int, tokens: int, inflight: int, json_out: str | None, quick: bool) -> None:
+def main(kafka: KafkaSettings, tasks: int, tokens: int, inflight: int, json_out: str | None, quick: bool,
+         repeats: int) -> None:
+    import statistics
     import tempfile
 
     from astraflow.models.tiny import init_tiny
 
     model = init_tiny(Path(tempfile.mkdtemp()) / "tiny", seed=0, tie_embeddings=False)
-    rows = [vllm_node_run(kafka, model, tasks, tokens, inflight, "vllm"), offline_run(model, tasks, tokens),
-            vllm_node_run(kafka, model, tasks, tokens, 16, "torch")]
+    node_b, offline = open_backend(model, tokens, "vllm"), Offline(model, tasks, tokens)
+    rows, pairs = [], []
+    try:
+        for _ in range(repeats):
+            node, off = node_round(kafka, node_b, tasks, tokens, inflight), offline.round()
+            rows += [node, off]
+            pairs.append(node["tokens_per_s"] / off["tokens_per_s"])
+    finally:
+        node_b.close()
+        del offline
+    torch_b = open_backend(model, tokens, "torch")
+    try:
+        torch_row = node_round(kafka, torch_b, tasks, tokens, 16)
+    finally:
+        torch_b.close()
+    rows.append(torch_row)
     print(f"{'setup':<58} {'rollouts':>8} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}")
     for r in rows:
         print(f"{r['setup']:<58} {r['rollouts']:>8} {r['tokens']:>7} {r['seconds']:>8.2f} {r['tokens_per_s']:>9.0f}")
-    ratio = rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]
-    vs_torch = rows[0]["tokens_per_s"] / rows[2]["tokens_per_s"]
-    print(f"node over vLLM vs vLLM offline, tokens/s: {ratio:.2f}x (goal >= 0.9); vs the node over the torch engine: "
-          f"{vs_torch:.2f}x")
+    ratio = statistics.median(pairs)
+    vs_torch = statistics.median(r["tokens_per_s"] for r in rows[:-1:2]) / torch_row["tokens_per_s"]
+    print(f"node over vLLM vs vLLM offline, tokens/s: median {ratio:.2f}x over {len(pairs)} alternated pairs "
+          f"({', '.join(f'{p:.2f}' for p in pairs)}; goal >= 0.9); the vLLM node's median vs the node over the "
+          f"torch engine: {vs_torch:.2f}x")
     write_json(json_out, "raas_vllm", {"tasks": tasks, "new_tokens": tokens, "inflight": inflight, "rows": rows,
-                                       "node_vs_offline_ratio": ratio, "vllm_node_vs_torch_node_ratio": vs_torch},
+                                       "pair_ratios": pairs, "node_vs_offline_ratio": ratio,
+                                       "vllm_node_vs_torch_node_ratio": vs_torch},
                terms=TERMS, quick=quick)

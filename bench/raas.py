@@ -187,6 +187,8 @@ def main() -> None:
     ap.add_argument("--backend", choices=("torch", "vllm"), default="torch",
                     help="vllm: the node over vLLM vs vLLM offline and vs the torch engine (_raas_vllm.py)")
     ap.add_argument("--inflight", type=int, default=64, help="--backend vllm: the vLLM node's max-inflight")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="--backend vllm: alternated node/offline pairs (default 5; --quick 3)")
     args = ap.parse_args()
     tasks = 48 if args.quick else 160
     grouped = max(2, tasks // args.group)
@@ -201,7 +203,8 @@ def main() -> None:
     if args.backend == "vllm":
         import _raas_vllm
 
-        _raas_vllm.main(kafka, 64 if args.quick else 256, args.tokens, args.inflight, args.json, args.quick)
+        _raas_vllm.main(kafka, 64 if args.quick else 256, args.tokens, args.inflight, args.json, args.quick,
+                        args.repeats or (3 if args.quick else 5))
         return
     from astraflow.models.tiny import init_tiny
 
