@@ -1,7 +1,8 @@
 """The figures of bench/multi_policy.py, as pure functions of its runs: the time-to-target rule
 (smoothed curves, a target between the warm start and the lowest plateau, the first snapshot at or
 above it; the rule itself is in multi_policy.py's module doc), a schedule's ratios against the
-trainer-centred run, and means with standard errors over seeds.
+trainer-centred run, and means over seeds with 95% intervals (`bench/_stats.py`: every seed
+counted, a run that missed the target censored at its wall time).
 
 A curve is a list of (step, seconds since the run's start, held-out score) snapshots.
 """
@@ -9,6 +10,8 @@ A curve is a list of (step, seconds since the run's start, held-out score) snaps
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+from _stats import censored_ratio, geo_mean, mean_ci
 
 if TYPE_CHECKING:
     from multi_policy import Run
@@ -38,54 +41,43 @@ def targets_of(runs: list[Run], policy: str, frac: float, window: int) -> float 
     return start + frac * (ceiling - start) if ceiling > start else None
 
 
-def ratios(run: dict[str, Any], base: dict[str, Any]) -> dict[str, float | None]:
-    """A schedule's figures of one policy against the trainer-centred run's (same sigma and seed)."""
-    def speedup(key: str) -> float | None:
-        a, b = run[key], base[key]
-        return b / a if a and b else None
-
-    return {"samples_per_s": run["trained_per_s"] / base["trained_per_s"], "time_to_target": speedup("time_to_target_s"),
-            "time_to_old_target": speedup("time_to_old_target_s"), "final_minus_baseline": run["final"] - base["final"],
-            "final_last_minus_baseline": run["final_last"] - base["final_last"]}
-
-
-def _mean_se(xs: list[float]) -> tuple[float, float | None]:
-    m = sum(xs) / len(xs)
-    if len(xs) < 2:
-        return m, None
-    return m, (sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) ** 0.5
+def ratios(run: dict[str, Any], base: dict[str, Any], policy: str) -> dict[str, Any]:
+    """A schedule's figures of `policy` against the trainer-centred run's (same sigma and seed;
+    `Run.summary` rows). Time-to-target ratios count a run that missed the target at its wall
+    time, and say so in `<key>_bound` (`_stats.censored_ratio`: `>=`, `<=`, `?` or exact "")."""
+    a, b = run[policy], base[policy]
+    out: dict[str, Any] = {"samples_per_s": a["trained_per_s"] / b["trained_per_s"]}
+    for key, field in (("time_to_target", "time_to_target_s"), ("time_to_old_target", "time_to_old_target_s")):
+        out[key], out[f"{key}_bound"] = censored_ratio(b[field], base["wall_s"], a[field], run["wall_s"])
+    return {**out, "final_minus_baseline": a["final"] - b["final"],
+            "final_last_minus_baseline": a["final_last"] - b["final_last"]}
 
 
 def over_seeds(rows: list[dict[str, Any]], sigmas: list[float], modes: list[str]) -> list[dict[str, Any]]:
-    """Per sigma, schedule and policy: means over seeds with standard errors (see the module doc).
-    Finals are plateaus (means of the last snapshots, each of 2 x heldout episodes), so each has a
-    binomial s.e. of its own (`final_var_sampling`)."""
+    """Per sigma, schedule and policy: means over every seed with 95% intervals. Finals are
+    plateaus (means of the last snapshots, each of 2 x heldout episodes), so each also has a
+    binomial s.e. of its own (`final_var_sampling`). Time-to-target ratios: geometric means over
+    every seed, a seed that missed the target counted at its run's wall time (a bound, flagged)."""
     out = []
     for sigma in sigmas:
         for mode in modes:
             runs = [x for x in rows if x["sigma"] == sigma and x["mode"] == mode]
             for p in POLICIES:
-                finals = [x[p]["final"] for x in runs]
-                final, final_se = _mean_se(finals)
+                final = mean_ci([x[p]["final"] for x in runs])
                 sampling_se = sum(x[p]["final_var_sampling"] for x in runs) ** 0.5 / len(runs)
-                line: dict[str, Any] = {"sigma": sigma, "mode": mode, "policy": p, "seeds": len(runs), "final": final,
-                                        "final_se_seeds": final_se, "final_se_sampling": sampling_se}
-                text = (f"sigma {sigma} {mode:<16} {p:<9} final {final:.3f} (s.e. {final_se or 0:.3f} over seeds, "
-                        f"{sampling_se:.3f} sampling)")
+                line: dict[str, Any] = {"sigma": sigma, "mode": mode, "policy": p, "seeds": len(runs),
+                                        "final": final.as_json(), "final_se_sampling": sampling_se}
+                text = f"sigma {sigma} {mode:<16} {p:<9} final {final.text('{:.3f}')} (s.e. {sampling_se:.3f} sampling)"
                 if mode != "trainer-centred":
                     r = [x["vs_trainer_centred"][p] for x in runs]
-                    diff, diff_se = _mean_se([v["final_minus_baseline"] for v in r])
-                    speed = _mean_se([v["samples_per_s"] for v in r])
-                    line.update(final_minus_baseline=diff, final_minus_baseline_se=diff_se, samples_per_s=speed[0],
-                                samples_per_s_se=speed[1])
-                    text += (f"; minus baseline {diff:+.3f} (s.e. {diff_se or 0:.3f}); samples/s {speed[0]:.2f}x "
-                             f"(s.e. {speed[1] or 0:.2f})")
+                    diff = mean_ci([v["final_minus_baseline"] for v in r])
+                    speed = geo_mean([v["samples_per_s"] for v in r])
+                    line.update(final_minus_baseline=diff.as_json(), samples_per_s=speed.as_json())
+                    text += f"; minus baseline {diff.text('{:+.3f}')}; samples/s {speed.text()}"
                     for key, name in (("time_to_target", "time to target"), ("time_to_old_target", "old target")):
-                        reached = [v[key] for v in r if v[key]]
-                        m, se = _mean_se(reached) if reached else (None, None)
-                        line.update({key: m, f"{key}_se": se, f"{key}_seeds": len(reached)})
-                        text += f"; {name} " + (f"{m:.2f}x (s.e. {se or 0:.2f}, {len(reached)} seeds)" if reached
-                                                else "not reached")
+                        m = geo_mean([v[key] for v in r], [v[f"{key}_bound"] for v in r])
+                        line[key] = m.as_json()
+                        text += f"; {name} {m.text()}"
                 line["text"] = text
                 out.append(line)
     return out

@@ -90,11 +90,14 @@ are built; the pipeline: the first task's Kafka timestamp, after every role is r
 Usage: python bench/multi_policy.py [--quick] [--sigmas 0.5,1.5] [--steps N] [--staleness K] [--seeds 0,1]
        [--modes trainer-centred,dataflow,pipeline] [--json OUT]
 
-With several `--seeds` (each its own training and held-out problems, tool delays and sampling;
-every schedule of a seed against that seed's trainer-centred run) it also reports, per sigma and
-schedule, the mean over seeds of each ratio and of each final figure, the paired difference of
-finals from the baseline's, and their standard errors: over seeds (spread of the seeds' figures
-/ sqrt(seeds)) and, for finals, from held-out sampling alone (binomial, per seed).
+With `--seeds` (each its own training and held-out problems, tool delays and sampling; every
+schedule of a seed against that seed's trainer-centred run) it reports, per sigma and schedule,
+means over every seed with 95% t-intervals (`bench/_stats.py`; one seed: no interval): the
+geometric mean of each ratio (time to target, samples/s), the mean of each final figure and of
+its paired difference from the baseline's, and, for finals, the s.e. from held-out sampling alone
+(binomial, per seed). A run that misses the target is counted at its wall time: the seed's ratio
+is then a bound (`>=` when the baseline missed, `<=` when the schedule did, `~` when both did or
+there was no target), flagged in `time_to_target_bound`, and so is a mean that contains one.
 
 Each rollout engine runs in a process of its own, as on a RaaS node (`--in-process-engines`: in
 this one, where its decode loop takes turns with the learners for the interpreter lock). Each run
@@ -534,13 +537,14 @@ def main() -> None:
         if x["mode"] == "trainer-centred":
             continue
         base = next(b for b in rows if (b["sigma"], b["seed"], b["mode"]) == (x["sigma"], x["seed"], "trainer-centred"))
-        x["vs_trainer_centred"] = {p: ratios(x[p], base[p]) for p in POLICIES}
+        x["vs_trainer_centred"] = {p: ratios(x, base, p) for p in POLICIES}
         headline.append(f"sigma {x['sigma']} seed {x['seed']} {x['mode']}: " + "; ".join(
-            f"{p} samples/s {v['samples_per_s']:.2f}x, time to target " + _x(v["time_to_target"]) + " (old target "
-            + _x(v["time_to_old_target"]) + f"), final {v['final_minus_baseline']:+.3f}"
+            f"{p} samples/s {v['samples_per_s']:.2f}x, time to target " + _x(v["time_to_target"], v["time_to_target_bound"])
+            + " (old target " + _x(v["time_to_old_target"], v["time_to_old_target_bound"])
+            + f"), final {v['final_minus_baseline']:+.3f}"
             for p, v in x["vs_trainer_centred"].items()))
     print("vs trainer-centred: " + " | ".join(headline))
-    summary = over_seeds(rows, sigmas, modes) if len(seeds) > 1 else []
+    summary = over_seeds(rows, sigmas, modes)
     for line in summary:
         print(line["text"])
     _common.write_json(args.json, "multi_policy", {
@@ -563,8 +567,9 @@ def per_seed(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _x(ratio: float | None) -> str:
-    return f"{ratio:.2f}x" if ratio else "-"
+def _x(ratio: float, bound: str) -> str:
+    """A time-to-target ratio with its bound (`_stats.censored_ratio`): `>=2.10x`, `~1.00x` (neither reached)."""
+    return f"{'~' if bound == '?' else bound}{ratio:.2f}x"
 
 
 def _cpu_s(job: Job) -> float:

@@ -77,6 +77,7 @@ from typing import Any
 import _common
 import _rl
 import torch
+from _stats import censored_ratio, mean_ci
 
 from astraflow.raas.tools import ToolBox, calculator, slow_tool
 from astraflow.records import Task
@@ -242,13 +243,13 @@ def steady_per_s(run: _rl.Run) -> float | None:
 
 def repeat_summary(ratios: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per workload and side (the ratios' names without their ' #<repeat>'): the samples/s ratio
-    AstraFlow/TRL of every repeat, in order, with their mean and median."""
+    AstraFlow/TRL of every repeat, in order, with their mean (and its 95% interval, `ci95`) and median."""
     every: dict[str, list[float]] = {}
     for name, r in ratios.items():
         case, side = name.rsplit(" ", 1)
         every.setdefault(f"{case.split(' #')[0]} {side}", []).append(r["samples_per_s_astraflow_over_trl"])
-    return {name: {"every": xs, "mean": statistics.fmean(xs), "median": statistics.median(xs)}
-            for name, xs in every.items()}
+    return {name: {"every": xs, "mean": statistics.fmean(xs), "ci95": mean_ci(xs).as_json()["ci95"],
+                   "median": statistics.median(xs)} for name, xs in every.items()}
 
 
 def _clone(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -340,15 +341,17 @@ def main() -> None:
     for case in dict.fromkeys(x["case"] for x in rows):
         t = next(x for x in rows if x["case"] == case and x["side"] == "trl")
         for a in (x for x in rows if x["case"] == case and x["side"] != "trl"):
-            tt = t["time_to_target_s"] / a["time_to_target_s"] if t["time_to_target_s"] and a["time_to_target_s"] else None
+            # a side that missed the target counts at its wall time: the ratio is then a bound (`_stats`)
+            tt, bound = censored_ratio(t["time_to_target_s"], t["wall_s"], a["time_to_target_s"], a["wall_s"])
             steady = (a["steady_per_s"] / t["steady_per_s"]) if a["steady_per_s"] and t["steady_per_s"] else None
             ratios[f"{case} {a['side']}"] = {"wall_trl_over_astraflow": t["wall_s"] / a["wall_s"],
                                              "samples_per_s_astraflow_over_trl": a["trained_per_s"] / t["trained_per_s"],
                                              "steady_per_s_astraflow_over_trl": steady,
-                                             "time_to_target_trl_over_astraflow": tt}
+                                             "time_to_target_trl_over_astraflow": tt,
+                                             "time_to_target_bound": bound}
     print("time to target, TRL / AstraFlow: " + "; ".join(
-        f"{c}: " + (f"{r['time_to_target_trl_over_astraflow']:.2f}x" if r["time_to_target_trl_over_astraflow"]
-                    else "not reached by both") for c, r in ratios.items()))
+        f"{c}: {'~' if r['time_to_target_bound'] == '?' else r['time_to_target_bound']}"
+        f"{r['time_to_target_trl_over_astraflow']:.2f}x" for c, r in ratios.items()))
     _common.write_json(args.json, "vs_trl", {
         "trl_version": trl.__version__, "steps": args.steps, "repeats": args.repeats,
         "repeat_summary": repeat_summary(ratios), "samples_per_step": _rl.SLOTS, "lr": _rl.LR,
@@ -364,7 +367,7 @@ def main() -> None:
         if r["steady_per_s_astraflow_over_trl"] is not None))
     if args.repeats > 1:
         for name, summary in repeat_summary(ratios).items():
-            print(f"over {args.repeats} repeats, {name}: samples/s ratio mean {summary['mean']:.2f}x, median "
+            print(f"over {args.repeats} repeats, {name}: samples/s ratio mean {mean_ci(summary['every']).text()}, median "
                   f"{summary['median']:.2f}x, every repeat " + " ".join(f"{x:.2f}x" for x in summary["every"]))
 
 

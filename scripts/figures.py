@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib.util
 import json
 import math
 import re
 import shlex
-import statistics
 import subprocess
 import sys
 import time
@@ -32,6 +32,19 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_stats() -> Any:
+    """bench/_stats.py, the benchmarks' one statistics helper (loaded by path: bench/ is no package)."""
+    spec = importlib.util.spec_from_file_location("bench_stats", ROOT / "bench" / "_stats.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+stats = _load_stats()
 REQUIRED = ("benchmark", "commit", "machine", "terms", "quick")  # what `_common.write_json` writes on top
 BLOCK = re.compile(r"(<!-- figures:begin[^>]*-->\n)(.*?)(<!-- figures:end -->)", re.S)
 
@@ -62,34 +75,51 @@ def _rate(v: float) -> str:
     return f"{v:,.0f}/s"
 
 
-def _geo(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+def _bounded(ratio: float, bound: str) -> str:
+    """One censored ratio (`stats.censored_ratio`): `>=2.10x`, `<=0.90x`, `~1.00x` (neither reached)."""
+    return ("~" if bound == stats.UNKNOWN else bound) + _x(ratio)
 
 
-def _pm(mean: float, se: float | None) -> str:
-    return f"{mean:.3f}" + ("" if se is None or math.isnan(se) else f" ± {se:.3f}")
+def _time_to_target(run: dict[str, Any], base: dict[str, Any], policy: str) -> tuple[float, str]:
+    """A run's time-to-target ratio against its baseline row, a side that missed counted at its wall time."""
+    return stats.censored_ratio(base[policy]["time_to_target_s"], base["wall_s"], run[policy]["time_to_target_s"],
+                                run["wall_s"])
+
+
+def _pm(mean: float, se: float | None, n: int) -> str:
+    """mean ± s.e. over n seeds, with the 95% t-interval (`stats.t975`); one seed: no interval."""
+    if n < 2 or se is None or math.isnan(se):
+        return f"{mean:.3f} (n={n}, no interval)"
+    half = stats.t975(n - 1) * se
+    return f"{mean:.3f} ± {se:.3f} (95% CI {mean - half:.3f}–{mean + half:.3f}, n={n})"
 
 
 def multi_policy(d: dict[str, Any]) -> tuple[str, Rows]:
-    """Per sigma and schedule: time-to-target ratios against the trainer-centred run, geometric
-    mean over the seeds that reached the target (the figure says how many did), and per seed."""
+    """Per sigma and schedule: time-to-target ratios against the trainer-centred run of the same
+    seed, geometric mean over every seed with a 95% interval (a run that missed the target counted
+    at its wall time, so its ratio and any mean holding it is a bound), and per seed."""
     rows: Rows = []
     heads = []
     for sigma, mode in dict.fromkeys((x["sigma"], x["mode"]) for x in d["rows"] if x["mode"] != "trainer-centred"):
         runs = [x for x in d["rows"] if (x["sigma"], x["mode"]) == (sigma, mode)]
-        means, counts, per_seed = [], [], []
+        bases = {x["seed"]: x for x in d["rows"] if (x["sigma"], x["mode"]) == (sigma, "trainer-centred")}
+        means, per_seed, shorts = [], [], []
         for p in ("solver", "verifier"):
-            ttt = [x["vs_trainer_centred"][p]["time_to_target"] for x in runs]
-            reached = [v for v in ttt if v]
-            means.append(_x(_geo(reached)) if reached else "not reached")
-            counts.append(f"{p} {len(reached)} of {len(ttt)}")
+            ttt = [_time_to_target(x, bases[x["seed"]], p) for x in runs]
+            m = stats.geo_mean([r for r, _ in ttt], [b for _, b in ttt])
+            means.append(m.text())
+            shorts.append(_bounded(m.value, m.bound) + ("" if m.low is None else f" (95% CI {m.low:.2f}–{m.high:.2f}x)"))
             per_seed.append((f"sigma {sigma}, {mode}: {p} time to target, per seed",
-                             ", ".join(f"seed {x['seed']} {_x(v)}" for x, v in zip(runs, ttt, strict=True))))
-        sps = statistics.fmean(x["vs_trainer_centred"][p]["samples_per_s"] for x in runs for p in ("solver", "verifier"))
+                             ", ".join(f"seed {x['seed']} {_bounded(*v)}" for x, v in zip(runs, ttt, strict=True))))
+        sps = stats.geo_mean([math.sqrt(x["vs_trainer_centred"]["solver"]["samples_per_s"]
+                                        * x["vs_trainer_centred"]["verifier"]["samples_per_s"]) for x in runs])
         rows += [(f"sigma {sigma}, {mode} vs trainer-centred",
-                  f"time to target solver {means[0]}, verifier {means[1]} (geometric mean over the seeds that "
-                  f"reached the target: {', '.join(counts)}); samples/s {_x(sps)}"), *per_seed]
-        heads.append(f"{' / '.join(means)} (sigma {sigma}, {mode}, {len(runs)} seed{'s' * (len(runs) > 1)})")
+                  f"time to target solver {means[0]}, verifier {means[1]} (geometric mean over every seed; a run "
+                  f"that missed the target counted at its wall time: a bound, >= or <=, ~ when neither reached it); "
+                  f"samples/s {sps.text()}"), *per_seed]
+        n = len(runs)
+        heads.append(f"{shorts[0]} / {shorts[1]} (sigma {sigma}, {mode}, {n} seed{'s' * (n > 1)}"
+                     f"{', no interval' if n == 1 else ''})")
     return "time to target, solver / verifier: " + "; ".join(heads), rows
 
 
@@ -104,8 +134,7 @@ def async_vs_sync(d: dict[str, Any]) -> tuple[str, Rows]:
             if not (s and f):
                 continue
             ratio = f["trained_per_s"] / s["trained_per_s"]
-            tt = _x(s["time_to_target_s"] / f["time_to_target_s"]) if s["time_to_target_s"] and f["time_to_target_s"] \
-                else "not reached by both"
+            tt = _bounded(*stats.censored_ratio(s["time_to_target_s"], s["wall_s"], f["time_to_target_s"], f["wall_s"]))
             rows.append((f"{label}, {where}: dataflow vs sync",
                          f"samples/s {_x(ratio)} ({f['trained_per_s']:.1f} vs {s['trained_per_s']:.1f}); time to target {tt}; "
                          f"success {s['start_success']:.3f} -> sync {s['final_success']:.3f}, dataflow {f['final_success']:.3f}"))
@@ -120,10 +149,20 @@ def _case(label: str) -> str:
     return label.removeprefix("b (").replace(")", "", 1) if label.startswith("b (") else label
 
 
+def _vs_trl_time_to_target(d: dict[str, Any], name: str) -> str:
+    """TRL / AstraFlow time to target of ratio `name`, a side that missed counted at its wall time."""
+    r = d["ratios"][name]
+    if "time_to_target_bound" in r:
+        return _bounded(r["time_to_target_trl_over_astraflow"], r["time_to_target_bound"])
+    case, side = name.rsplit(" ", 1)  # a file from before the bound: made from its rows
+    got = {x["side"]: x for x in d["rows"] if x["case"] == case}
+    t, a = got["trl"], got[side]
+    return _bounded(*stats.censored_ratio(t["time_to_target_s"], t["wall_s"], a["time_to_target_s"], a["wall_s"]))
+
+
 def vs_trl(d: dict[str, Any]) -> tuple[str, Rows]:
     rows: Rows = [(f"{case}: {side} vs TRL", f"samples/s {_x(r['samples_per_s_astraflow_over_trl'])}; time to target "
-                   + (_x(r["time_to_target_trl_over_astraflow"]) if r["time_to_target_trl_over_astraflow"]
-                      else "not reached by both"))
+                   + _vs_trl_time_to_target(d, name))
                   for name, r in d["ratios"].items() for case, side in [name.rsplit(" ", 1)]]
     sides = {name.rsplit(" ", 1)[1] for name in d["ratios"]}
     side = "pipeline" if "pipeline" in sides else "astraflow"
@@ -138,8 +177,9 @@ def vs_trl_single(d: dict[str, Any]) -> tuple[str, Rows]:
     headline = ""
     for name, s in summary.items():
         every = s["every"]
-        figure = (f"samples/s {_x(s['mean'])} mean, {_x(s['median'])} median of {len(every)} pairs "
-                  f"({_x(min(every))}–{_x(max(every))})") if len(every) > 1 else f"samples/s {_x(every[0])} (1 pair)"
+        figure = (f"samples/s {stats.mean_ci(every).text()} mean, {_x(s['median'])} median of {len(every)} pairs "
+                  f"({_x(min(every))}–{_x(max(every))})") if len(every) > 1 else \
+            f"samples/s {_x(every[0])} (1 pair, no interval)"
         side = name.rsplit(" ", 1)[1]
         rows.append((f"{side} vs TRL, alternated pairs", figure))
         rows.append((f"{side} vs TRL, every pair", ", ".join(_x(x) for x in every)))
@@ -162,12 +202,12 @@ def staleness(d: dict[str, Any]) -> tuple[str, Rows]:
         return f"incomplete: {d['completed_runs']} of {d['planned_runs']} runs", []
     rows: Rows = [(f["setting"], f"{f['seeds']} seed{'s' * (f['seeds'] > 1)}; samples/s {f['samples_per_s']:.1f} "
                    f"({_x(f['x_sync'])} sync); staleness mean {f['staleness_mean']:.2f} / max {f['staleness_max']:.0f}; "
-                   f"held-out success after the budget {_pm(f['final_mean'], f['final_sem'])}")
+                   f"held-out success after the budget {_pm(f['final_mean'], f['final_sem'], f['seeds'])}")
                   for f in d["figures"]]
     rows += [(f"seed {seed}: held-out success after the budget", ", ".join(
         f"{setting} {v['final_success']:.3f}" for setting, v in settings.items())) for seed, settings in d["per_seed"].items()]
-    return "held-out success after the budget (mean ± s.e. over seeds): " + "; ".join(
-        f"{f['setting']} {_pm(f['final_mean'], f['final_sem'])}" + ("" if f["setting"] == "sync" else f" at {_x(f['x_sync'])}")
+    return "held-out success after the budget (mean ± s.e. over seeds, 95% interval): " + "; ".join(
+        f"{f['setting']} {_pm(f['final_mean'], f['final_sem'], f['seeds'])}" + ("" if f["setting"] == "sync" else f" at {_x(f['x_sync'])}")
         for f in d["figures"]) + " sync's samples/s", rows
 
 

@@ -115,18 +115,22 @@ def test_a_file_without_exactly_one_block_is_refused(tree: Path) -> None:
         figures.check(tree)
 
 
-def test_multi_policy_counts_every_seed_and_says_which_missed_the_target() -> None:
-    def row(seed: int, solver: float | None, verifier: float | None) -> dict[str, Any]:
-        return {"sigma": 2.0, "mode": "pipeline", "seed": seed, "vs_trainer_centred": {
-            "solver": {"time_to_target": solver, "samples_per_s": 3.0},
-            "verifier": {"time_to_target": verifier, "samples_per_s": 3.0}}}
+def test_multi_policy_counts_every_seed_and_shows_a_missed_target_as_a_bound() -> None:
+    def row(mode: str, seed: int, wall_s: float, solver: float | None, verifier: float | None) -> dict[str, Any]:
+        return {"sigma": 2.0, "mode": mode, "seed": seed, "wall_s": wall_s,
+                "solver": {"time_to_target_s": solver}, "verifier": {"time_to_target_s": verifier},
+                "vs_trainer_centred": {p: {"samples_per_s": 3.0} for p in ("solver", "verifier")}}
 
-    base = [{"sigma": 2.0, "mode": "trainer-centred", "seed": s} for s in (0, 1)]
-    headline, rows = figures.multi_policy({"rows": [*base, row(0, 2.0, 4.0), row(1, 8.0, None)]})
-    assert headline == "time to target, solver / verifier: 4.00x / 4.00x (sigma 2.0, pipeline, 2 seeds)"
-    assert ("sigma 2.0, pipeline vs trainer-centred", "time to target solver 4.00x, verifier 4.00x (geometric mean "
-            "over the seeds that reached the target: solver 2 of 2, verifier 1 of 2); samples/s 3.00x") in rows
-    assert ("sigma 2.0, pipeline: verifier time to target, per seed", "seed 0 4.00x, seed 1 -") in rows
+    base = [row("trainer-centred", s, 50.0, 40.0, 40.0) for s in (0, 1)]
+    # seed 1's verifier never reached the target in its 12.5 s: counted at 12.5 s, so its ratio is at most 3.2x
+    headline, rows = figures.multi_policy({"rows": [*base, row("pipeline", 0, 25.0, 20.0, 10.0),
+                                                    row("pipeline", 1, 12.5, 5.0, None)]})
+    assert headline.startswith("time to target, solver / verifier: 4.00x (95% CI ")
+    assert "/ <=3.58x (95% CI " in headline and headline.endswith("(sigma 2.0, pipeline, 2 seeds)")
+    assert ("sigma 2.0, pipeline: verifier time to target, per seed", "seed 0 4.00x, seed 1 <=3.20x") in rows
+    summary = dict(rows)["sigma 2.0, pipeline vs trainer-centred"]
+    assert "verifier <=3.58x (95% CI " in summary and "n=2, 1 censored)" in summary
+    assert "samples/s 3.00x (95% CI 3.00–3.00x, n=2)" in summary
 
 
 def test_a_stopped_staleness_grid_and_a_faults_report_read_as_what_they_are() -> None:
