@@ -36,8 +36,9 @@ def test_target_lies_halfway_to_the_lowest_plateau_and_both_reach_it() -> None:
     target = mp.targets_of([slow, fast], "solver", 0.5, 3)
     assert target == pytest.approx(0.5 + 0.5 * (0.8 - 0.5))
     old = {"solver": 0.55, "verifier": 0.75}
-    a = fast.summary({"solver": target, "verifier": None}, old, 3, 128)["solver"]
-    b = slow.summary({"solver": target, "verifier": None}, old, 3, 128)["solver"]
+    fast_row = fast.summary({"solver": target, "verifier": None}, old, 3, 128)
+    slow_row = slow.summary({"solver": target, "verifier": None}, old, 3, 128)
+    a, b = fast_row["solver"], slow_row["solver"]
     # smoothed, fast: 0.5, 0.625, 0.6, 0.633, 0.617, 0.7 (step 5); slow: ..., 0.633, 0.7 (step 5)
     assert (a["steps_to_target"], a["time_to_target_s"]) == (5, 5.0)
     assert (b["steps_to_target"], b["time_to_target_s"]) == (5, 20.0)
@@ -45,8 +46,9 @@ def test_target_lies_halfway_to_the_lowest_plateau_and_both_reach_it() -> None:
     assert b["final"] == pytest.approx(2.6 / 3) and b["final_last"] == pytest.approx(0.9)
     # the old rule (first raw snapshot at or above start + 0.05) takes the lucky snapshot
     assert (a["time_to_old_target_s"], b["time_to_old_target_s"]) == (1.0, 4.0)
-    v = mp.ratios(a, b)
+    v = mp.ratios(fast_row, slow_row, "solver")
     assert v["time_to_target"] == pytest.approx(4.0) and v["time_to_old_target"] == pytest.approx(4.0)
+    assert v["time_to_target_bound"] == v["time_to_old_target_bound"] == ""  # both reached: exact
     assert v["samples_per_s"] == pytest.approx(4.0) and v["final_minus_baseline"] == pytest.approx(0.8 - 2.6 / 3)
 
 
@@ -164,8 +166,7 @@ def test_trainer_loss_fields_reach_both_sides(tmp_path) -> None:
     from astraflow.config import load_config
     from trainers.config import TrainRunConfig
 
-    assert mp.parse_loss(mp.TRAINER_LOSS) == {"solver": {"max_staleness": 2}}  # the default (module doc)
-    assert mp.parse_loss("none") == {} == mp.parse_loss("")
+    assert mp.parse_loss(mp.TRAINER_LOSS) == {} == mp.parse_loss("none") == mp.parse_loss("")  # untuned default
     loss = mp.parse_loss("solver.max_staleness=2, solver.staleness_weight=inverse")
     assert loss == {"solver": {"max_staleness": 2, "staleness_weight": "inverse"}}
     assert mp.parse_loss("verifier.tis_cap=none,verifier.eps_high=0.3") == {"verifier": {"tis_cap": None, "eps_high": 0.3}}
