@@ -81,3 +81,13 @@ def over_seeds(rows: list[dict[str, Any]], sigmas: list[float], modes: list[str]
                 line["text"] = text
                 out.append(line)
     return out
+
+
+def per_seed(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per seed, each schedule's ratios against that seed's trainer-centred run, by sigma and policy."""
+    out: dict[str, dict[str, Any]] = {}
+    for x in rows:
+        if "vs_trainer_centred" in x:
+            out.setdefault(str(x["seed"]), {})[f"sigma {x['sigma']} {x['mode']}"] = x["vs_trainer_centred"]
+    return out
+

@@ -49,7 +49,7 @@ from astraflow.weights.follow import KafkaWeightFollower
 
 def _roles(exp: str, policies: tuple[str, ...], models: dict[str, str], dataset: Path, run_dir: Path, *,
            staleness: int, sigma: float, median_s: float, seed: int, bonus: float, env: dict[str, str],
-           trainer_loss: dict[str, dict[str, Any]] | None = None) -> list[Role]:
+           trainer_loss: dict[str, dict[str, Any]] | None = None, staleness_check: bool = True) -> list[Role]:
     ahead = _rl.PROMPTS_PER_STEP * (1 + staleness)
     out = [
         Role("curator", [*PY, "app", "run", "curator", "-e", exp, *(a for p in policies for a in ("--policy", p)),
@@ -62,7 +62,7 @@ def _roles(exp: str, policies: tuple[str, ...], models: dict[str, str], dataset:
     for p in policies:
         sets = [f"run_dir={run_dir / p}", f"trainer.lr={_rl.LR}", f"trainer.batch_size={_rl.SLOTS}",
                 "trainer.max_wait_s=600", "trainer.progress_bar=false", "trainer.publish_dtype=float32",
-                *loss_sets((trainer_loss or {}).get(p, {}))]
+                *loss_sets((trainer_loss or {}).get(p, {})), *(() if staleness_check else ("trainer.max_staleness=null",))]
         out.append(Role(f"trainer-{p}", [*PY, "train", "-e", exp, "-p", p, "-m", models[p],
                                          *[a for kv in sets for a in ("--set", kv)]], env))
     served = [a for p in policies for a in ("-p", f"{p}={models[p]}")]
@@ -91,17 +91,22 @@ def _cpu_s(sessions: list[int]) -> float:
 def run_pair_pipeline(policies: tuple[str, ...], models: dict[str, str], tasks: list[Task], *, steps: int,
                       eval_every: int, staleness: int, sigma: float, median_s: float, seed: int, bonus: float,
                       max_staleness: dict[str, int] | None = None, trainer_loss: dict[str, dict[str, Any]] | None = None,
-                      timeout_s: float = 1800.0) -> dict[str, Any]:
+                      staleness_filters: bool = True, timeout_s: float = 1800.0) -> dict[str, Any]:
     """One pipeline run. Returns wall_s, cpu_s (every role process during the run), trajectories,
     per policy the weight snapshots [(version, t, state)] including version 0, and `groups`
     (`group_diagnostics`). `max_staleness`: policy -> curate's staleness limit for it;
-    `trainer_loss`: policy -> fields of its trainer's `trainer.loss` (`loss_sets`)."""
+    `trainer_loss`: policy -> fields of its trainer's `trainer.loss` (`loss_sets`);
+    `staleness_filters=False`: curate's `filter.staleness` off and the trainers' staleness check
+    off (`trainer.max_staleness=null`), so no sample is dropped for its staleness, as in the
+    in-process schedules."""
+    if max_staleness and not staleness_filters:
+        raise ValueError("per-policy staleness limits need curate's staleness filter: drop one of the two")
     cfg = load_config()
     exp = f"bench-pair-{uuid.uuid4().hex[:8]}"
     run_dir = Path(tempfile.gettempdir()) / "astraflow-bench" / exp
     run_dir.mkdir(parents=True, exist_ok=True)
-    specs, control = _pipeline.create_experiment(cfg, exp, filters_off=("filter.zero_variance", "filter.length"),
-                                                 policies=policies)
+    off = ("filter.zero_variance", "filter.length", *(() if staleness_filters else ("filter.staleness",)))
+    specs, control = _pipeline.create_experiment(cfg, exp, filters_off=off, policies=policies)
     for slot, strategy, params in staleness_controls(max_staleness or {}):
         control.set("curate", slot, strategy, params, issued_by="bench")
     admin_t = TopicAdmin(cfg.kafka)
@@ -114,7 +119,8 @@ def run_pair_pipeline(policies: tuple[str, ...], models: dict[str, str], tasks: 
         started_at = time.time()
         for role in _roles(exp, policies, models, _pipeline.write_dataset(tasks, run_dir / "train.jsonl"), run_dir,
                            staleness=staleness, sigma=sigma, median_s=median_s, seed=seed, bonus=bonus,
-                           env=role_env(cfg.kafka.bootstrap_servers), trainer_loss=trainer_loss):
+                           env=role_env(cfg.kafka.bootstrap_servers), trainer_loss=trainer_loss,
+                           staleness_check=staleness_filters):
             sup.start(role)
         admin = AdminClient(cfg.kafka.client_config())
         for p in policies:  # every group has a member and each trainer has published its version 0

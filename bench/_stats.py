@@ -51,6 +51,11 @@ def censored_ratio(base_s: float | None, base_budget_s: float, ours_s: float | N
     return base / ours, bound
 
 
+def ratio_text(ratio: float, bound: str) -> str:
+    """One censored ratio (`censored_ratio`): `3.00x`, `>=2.10x`, `<=0.90x`, `~1.00x` (neither reached)."""
+    return ("~" if bound == UNKNOWN else bound) + f"{ratio:.2f}x"
+
+
 def combined_bound(bounds: list[str]) -> str:
     """The bound of a mean of ratios with these bounds: exact only if all are; one direction if
     the censored ones all go that way; otherwise none (`?`)."""
@@ -73,7 +78,7 @@ class Mean:
 
     def text(self, fmt: str = "{:.2f}x") -> str:
         """e.g. `>=2.10x (95% CI 1.52–2.90x, n=5, 1 censored)` or `1.30x (n=1, no interval)`."""
-        bound = {EXACT: "", AT_LEAST: ">=", AT_MOST: "<=", UNKNOWN: "~"}[self.bound]
+        bound = "~" if self.bound == UNKNOWN else self.bound
         ci = "" if self.low is None or self.high is None else \
             f"95% CI {fmt.format(self.low).removesuffix('x')}–{fmt.format(self.high)}, "
         tail = f"n={self.n}" + (", no interval" if not ci else "") + (f", {self.censored} censored" if self.censored else "")

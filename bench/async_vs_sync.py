@@ -41,7 +41,7 @@ from typing import Any
 import _common
 import _rl
 import torch
-from _stats import censored_ratio
+from _stats import censored_ratio, ratio_text
 
 TERMS = {  # what the figures compare (written into the results JSON)
     "ours": "dataflow: AstraFlow's schedule in one process, and pipeline-dataflow: the real roles on Kafka",
@@ -127,7 +127,7 @@ def main() -> None:
             s, d = got["sync"], got["dataflow"]
             # a side that missed the target counts at its wall time: the ratio is then a bound (`_stats`)
             ratio, bound = censored_ratio(s["time_to_target_s"], s["wall_s"], d["time_to_target_s"], d["wall_s"])
-            tt = f", time to target {'~' if bound == '?' else bound}{ratio:.2f}x"
+            tt = f", time to target {ratio_text(ratio, bound)}"
             headline.append(f"{name} ({prefix.rstrip('-') or 'in-process'}) samples/s {d['trained_per_s'] / s['trained_per_s']:.2f}x{tt}")
     print("dataflow vs sync: " + "; ".join(headline))
     _common.write_json(args.json, "async_vs_sync", {

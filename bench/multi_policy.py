@@ -3,7 +3,8 @@
 The job: the `solver-verifier` demo's (`astraflow/demo/pair.py`): its two warm-started tiny
 models, its arithmetic prompts (difficulty 1), the `solver_verifier` workflow (the solver
 answers with the calculator, the verifier judges the answer and may use the calculator too),
-the `solver_verifier` reward (each policy its own), GRPO, the trainer's PPO-clip loss, lr 3e-4,
+the `solver_verifier` reward (each policy its own), GRPO, the trainer's loss (decoupled PPO, the
+same on every side: "Trainer loss" below), lr 3e-4,
 8 samples per prompt and 64 samples per optimizer step for each policy. The calculator sits
 behind a log-normal delay (median `--median-s`, log-space std sigma; `bench/_rl.py` says why),
 and every tool call is cut at the RaaS node's tool timeout (`NodeSettings.tool_timeout_s`, 10 s)
@@ -47,45 +48,47 @@ the demo's roles as separate processes on Kafka (curator, reward, curate, one tr
 one RaaS node serving both), same models, prompts, reward, batch sizes and steps; its clock runs
 from the first task on Kafka to both policies' last weights at the benchmark's followers.
 
-**Staleness limit (pipeline)**: `--max-staleness solver=2` sets curate's `filter.staleness@solver`
-to 2 versions in the pipeline: a solver sample whose oldest trained token is more than 2
-versions behind the solver's trainer when curate sees it is not trained, and the solver's
-trainer waits for further groups. Default `none`: curate's default limit (8) for both, as in
-every table of docs/benchmarks.md but the one of "A staleness limit for the solver", which says
-why it was tried (at sigma 2.0 a fifth of the groups wait for a call cut at 10 s, finish last and
-are trained about 3 versions behind) and what it cost. Each pipeline row also has `groups`
-(`_pipeline_pair.group_diagnostics`): per policy, staleness and reward by the group's slowest
-tool call, reward per staleness, and every trained group's issue number, step, slowest call and
-staleness. The in-process schedules have no such filter.
+**Staleness filters (pipeline only)**: the pipeline drops a sample that is too stale in two
+places, curate's `filter.staleness` (default limit 8 versions behind the policy's trainer when
+curate sees it; the trainer then waits for further groups) and the trainer's own check
+(`trainer.max_staleness`, 8: dead-lettered); the in-process schedules have neither. The
+trainer-centred baseline trains on-policy (0 versions behind), so no staleness filter could act on
+its side; on the pipeline's side one can only hold a step back. `--max-staleness` runs the
+one-sided setting either way: `none` (default: both at their defaults), `off` (both off: no
+sample dropped for staleness, as in the in-process schedules), or per-policy curate limits such
+as `solver=2` (curate's `filter.staleness@solver` at 2 versions; tried at sigma 2.0, where a fifth
+of the groups wait for a call cut at 10 s, finish last and are trained about 3 versions behind).
+Each pipeline row also has `groups` (`_pipeline_pair.group_diagnostics`): per policy, staleness
+and reward by the group's slowest tool call, reward per staleness, and every trained group's
+issue number, step, slowest call and staleness.
 
-**Trainer loss** (`--trainer-loss`, default `none`: the trainers' own losses, untuned): fields
-of the policy loss per policy, set on both sides: the pipeline's trainer of that policy gets
-`trainer.loss.<field>` (its loss is the trainer's default otherwise: decoupled PPO, which with one
-optimizer step per batch is the policy gradient with each token's importance weight from the
-policy that sampled it, truncated at 2), the in-process learners' `PolicyLossConfig` (PPO-clip
-otherwise) gets the same field.
+**Trainer loss**: the same loss on both sides, the trainer's default (`trainers.config.LossSettings`:
+decoupled PPO, clip-higher eps 0.2 / 0.28, importance weight truncated at 2, dual clip 3): the
+pipeline's trainers run it, and the in-process learners are built with it (`learner_loss`). With
+one optimizer step per batch (every schedule here) its proximal policy is the current weights, so
+it is the policy gradient with each token weighted by min(pi / mu, 2), mu the policy that sampled
+it. On on-policy data (the trainer-centred loop: pi = mu up to the engine's numerics) that is
+PPO-clip's gradient too (ratio 1, inside the clip), so for the baseline the choice changes
+nothing (`tests/unit/test_bench_multi_policy.py` checks the two gradients agree there); on stale
+data (the dataflow schedules) they differ, which is why both sides run the trainer's.
+`--trainer-loss` (default `none`: untuned) changes fields of it per policy, on both sides: the
+pipeline's trainer of that policy gets `trainer.loss.<field>`, the in-process learner the same
+field.
 
 *Ablation, not the headline:* `--trainer-loss solver.max_staleness=2` gives a solver token more
 than 2 versions behind the trainer weight 0 in the loss (`astraflow.rl.corrections.staleness_weights`):
 the stale tail is not learned from, but the sample still counts in the trainer's batch of 64, so
 nothing waits for replacement groups (as curate's limit makes it). It was chosen by looking at
 this benchmark's own target (it met the aim on 3 seeds at sigma 2.0 and 1.5), so it is a tuned
-setting: report it as an ablation beside the untuned default, on seeds it was not tuned on. It acts only where tokens are stale: the trainer-centred loop trains on-policy (every token
-0 versions behind), so there the field changes nothing.
+setting: report it as an ablation beside the untuned default, on seeds it was not tuned on. It
+acts only on stale tokens: the trainer-centred loop trains on-policy, so there it changes nothing.
 
-**First version**: each run also reports, per policy, where the time to its first version went
-(seconds from the clock's start): in-process, when its first step began (the batch was there)
-and ended; in the pipeline, from the records' Kafka timestamps, the last task, trajectory,
-scored trajectory and train sample of the groups its first step trained, the step's start and
-end and the version checkpointed and published (trainer's metrics: `step_s`, `publish_s`), and
-the version at the benchmark's follower (`first_version` in the JSON).
-
-**Timeline** (`timeline` in the JSON; the first 5 steps printed; `bench/_mp_timeline.py`): per
-policy and step, when its batch was complete, its step began and ended, and its snapshot; for the
-pipeline also its start-up before t0 and the node's rollouts in flight. Both clocks include the
-same work: every model loaded, no forward or backward pass run, no warm-up, the first task handed
-to the rollout engines at t0 (the loop: its first rollout request, after its engines and learners
-are built; the pipeline: the first task's Kafka timestamp, after every role is ready).
+**First version and timeline** (`first_version`, `timeline` in the JSON; `bench/_mp_timeline.py`):
+per policy, where the time to its first version went (in the pipeline from the records' Kafka
+timestamps and the trainer's metrics), and per step when its batch was complete, its step began
+and ended, and its snapshot. Both clocks include the same work: every model loaded, no forward or
+backward pass run, the first task handed to the rollout engines at t0 (the loop: its first
+rollout request; the pipeline: the first task's Kafka timestamp, after every role is ready).
 
 Usage: python bench/multi_policy.py [--quick] [--sigmas 0.5,1.5] [--steps N] [--staleness K] [--seeds 0,1]
        [--modes trainer-centred,dataflow,pipeline] [--json OUT]
@@ -121,8 +124,17 @@ from typing import Any
 import _common
 import _rl
 import torch
-from _mp_figures import POLICIES, first_at_or_above, over_seeds, ratios, smoothed, targets_of
+from _mp_figures import (
+    POLICIES,
+    first_at_or_above,
+    over_seeds,
+    per_seed,
+    ratios,
+    smoothed,
+    targets_of,
+)
 from _mp_timeline import in_process_row, print_timeline
+from _stats import ratio_text
 
 from astraflow.dataflow.judge_rewards import SolverVerifier
 from astraflow.raas.backends.torch_backend import TorchBackend
@@ -132,20 +144,22 @@ from astraflow.raas.workflows.builtin import solver_verifier
 from astraflow.records import NodeInfo, SamplingParams, Task, Trajectory
 from astraflow.rl.loss_config import PolicyLossConfig
 
-TERMS = {  # what the figures compare (written into the results JSON, with the run's --trainer-loss added)
+TERMS = {  # what the figures compare (written into the results JSON, with the run's settings added)
     "ours": "the dataflow schedule: pipeline (the real roles on Kafka, one trainer per policy) or dataflow (in one process)",
     "against": "a trainer-centred loop: roll out both policies, wait for all, train one then the other (in one process)",
     "settings": "the solver-verifier demo job, 64 samples per step per policy, calculator behind a log-normal delay "
-                "(median 0.2 s), tool calls cut at 10 s; the pipeline's trainer loss is decoupled PPO, the loop's "
-                "learners PPO-clip; --max-staleness as recorded in this file (staleness acts only in the pipeline); "
-                "--trainer-loss none is the untuned default, solver.max_staleness=2 an ablation tuned on this "
-                "benchmark's target",
+                "(median 0.2 s), tool calls cut at 10 s; the same loss on both sides, the trainer's default "
+                "(decoupled PPO, one optimizer step per batch: on the baseline's on-policy data the same gradient as "
+                "PPO-clip); --trainer-loss none is the untuned default, solver.max_staleness=2 an ablation tuned on "
+                "this benchmark's target; staleness filters (curate's filter.staleness and the trainer's check, 8 "
+                "versions) exist only in the pipeline, the on-policy baseline could not trigger them: --max-staleness "
+                "none keeps them, off removes them",
 }
 
 
 MODES = ("trainer-centred", "dataflow", "pipeline")  # pipeline: the real roles on Kafka (`--modes`)
 TOOL_TIMEOUT_S = _rl.TOOL_TIMEOUT_S  # the pipeline's node's, for every schedule
-PIPELINE_MAX_STALENESS = "none"  # curate's per-policy staleness limits in the pipeline (module doc)
+PIPELINE_MAX_STALENESS = "none"  # the pipeline's staleness filters: none (defaults), off, or policy=versions (module doc)
 TRAINER_LOSS = "none"  # per-policy fields of the trainers' loss, both sides; untuned default (module doc, "Trainer loss")
 G, P = _rl.GROUP, _rl.PROMPTS_PER_STEP
 
@@ -356,6 +370,7 @@ def pipeline_run(sigma: float, args: argparse.Namespace, models: dict[str, str])
     out = run_pair_pipeline(POLICIES, models, tasks, steps=args.steps, eval_every=args.eval_every,
                             staleness=args.staleness, sigma=sigma, median_s=args.median_s, seed=args.seed,
                             bonus=SolverVerifier().bonus, max_staleness=parse_limits(args.max_staleness),
+                            staleness_filters=staleness_filters(args.max_staleness),
                             trainer_loss=parse_loss(args.trainer_loss))
     run = Run("pipeline", sigma, wall_s=out["wall_s"], cpu_s=out["cpu_s"], load=out["load"],
               trajectories=out["trajectories"], cpu_s_by_role=out["cpu_s_by_role"])
@@ -398,8 +413,9 @@ def one_run(mode: str, sigma: float, args: argparse.Namespace, models: dict[str,
 
 
 def parse_limits(text: str) -> dict[str, int]:
-    """`solver=2,verifier=3` -> {"solver": 2, "verifier": 3}; empty or `none`: no limits."""
-    if not text or text.strip().lower() == "none":
+    """`solver=2,verifier=3` -> {"solver": 2, "verifier": 3}; empty, `none` (curate's default
+    limit) or `off` (no staleness filter: `staleness_filters`): no per-policy limits."""
+    if not text or text.strip().lower() in ("none", "off"):
         return {}
     out = {}
     for item in text.split(","):
@@ -437,14 +453,22 @@ def parse_loss(text: str) -> dict[str, dict[str, Any]]:
     for fields_of in out.values():
         try:
             learner_loss(fields_of)
-        except (RLError, TypeError) as exc:
+        except (RLError, TypeError, ValueError) as exc:
             raise ValueError(f"--trainer-loss {text!r}: {exc}") from exc
     return out
 
 
+def staleness_filters(text: str) -> bool:
+    """False for `--max-staleness off`: the pipeline drops no sample for its staleness (module doc)."""
+    return text.strip().lower() != "off"
+
+
 def learner_loss(fields: dict[str, Any]) -> PolicyLossConfig:
-    """The in-process learner's loss: PPO-clip (module doc) with these fields of the trainer's."""
-    return PolicyLossConfig(**fields)
+    """The in-process learner's loss: the pipeline trainer's (`trainers.config.LossSettings`:
+    decoupled PPO, clip-higher; module doc, "Trainer loss") with these fields changed."""
+    from trainers.config import LossSettings
+
+    return LossSettings(**fields)
 
 
 def models() -> dict[str, str]:
@@ -476,11 +500,12 @@ def main() -> None:
     ap.add_argument("--modes", default="trainer-centred,dataflow",
                     help="schedules to run, of " + ",".join(MODES) + " (trainer-centred is the baseline, always run)")
     ap.add_argument("--max-staleness", default=PIPELINE_MAX_STALENESS,
-                    help="pipeline: curate's per-policy staleness limits, policy=versions,... or none "
-                         f"(default {PIPELINE_MAX_STALENESS}; module doc, 'Staleness limit')")
+                    help="pipeline: curate's per-policy staleness limits, policy=versions,...; none (curate's "
+                         "default limit, 8) or off (no staleness filter in curate or the trainers, as in the "
+                         f"in-process schedules) (default {PIPELINE_MAX_STALENESS}; module doc, 'Staleness filters')")
     ap.add_argument("--trainer-loss", default=TRAINER_LOSS,
                     help="per-policy loss fields on both sides, policy.field=value,... or none: the pipeline's "
-                         "trainer.loss.<field>, the in-process learners' PolicyLossConfig "
+                         "trainer.loss.<field>, the in-process learners the same field "
                          f"(default {TRAINER_LOSS}; module doc, 'Trainer loss')")
     ap.add_argument("--in-process-engines", action="store_true",
                     help="run the rollout engines in this process (before: they share its interpreter lock with the learners)")
@@ -540,8 +565,8 @@ def main() -> None:
         base = next(b for b in rows if (b["sigma"], b["seed"], b["mode"]) == (x["sigma"], x["seed"], "trainer-centred"))
         x["vs_trainer_centred"] = {p: ratios(x, base, p) for p in POLICIES}
         headline.append(f"sigma {x['sigma']} seed {x['seed']} {x['mode']}: " + "; ".join(
-            f"{p} samples/s {v['samples_per_s']:.2f}x, time to target " + _x(v["time_to_target"], v["time_to_target_bound"])
-            + " (old target " + _x(v["time_to_old_target"], v["time_to_old_target_bound"])
+            f"{p} samples/s {v['samples_per_s']:.2f}x, time to target " + ratio_text(v["time_to_target"], v["time_to_target_bound"])
+            + " (old target " + ratio_text(v["time_to_old_target"], v["time_to_old_target_bound"])
             + f"), final {v['final_minus_baseline']:+.3f}"
             for p, v in x["vs_trainer_centred"].items()))
     print("vs trainer-centred: " + " | ".join(headline))
@@ -551,27 +576,15 @@ def main() -> None:
     _common.write_json(args.json, "multi_policy", {
         "median_s": args.median_s, "steps_per_policy": args.steps, "samples_per_step": _rl.SLOTS, "lr": _rl.LR,
         "staleness": args.staleness, "pipeline_max_staleness": parse_limits(args.max_staleness),
+        "pipeline_staleness_filters": staleness_filters(args.max_staleness),
         "trainer_loss": parse_loss(args.trainer_loss), "seeds": seeds, "eval_every": args.eval_every, "heldout": args.heldout,
         "target_rule": {"frac": args.target_frac, "smooth": args.smooth, "old_target_gain": args.target_gain},
         "rows": rows, "headline": headline,
         "over_seeds": [{k: v for k, v in line.items() if k != "text"} for line in summary], "load_average": _loadavg(),
         "per_seed": per_seed(rows),
-    }, terms={**TERMS, "settings": f"{TERMS['settings']}; this run: --trainer-loss {args.trainer_loss}"},
+    }, terms={**TERMS, "settings": f"{TERMS['settings']}; this run: --trainer-loss {args.trainer_loss}, "
+                                   f"--max-staleness {args.max_staleness}"},
         quick=args.quick)
-
-
-def per_seed(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per seed, each schedule's ratios against that seed's trainer-centred run, by sigma and policy."""
-    out: dict[str, dict[str, Any]] = {}
-    for x in rows:
-        if "vs_trainer_centred" in x:
-            out.setdefault(str(x["seed"]), {})[f"sigma {x['sigma']} {x['mode']}"] = x["vs_trainer_centred"]
-    return out
-
-
-def _x(ratio: float, bound: str) -> str:
-    """A time-to-target ratio with its bound (`_stats.censored_ratio`): `>=2.10x`, `~1.00x` (neither reached)."""
-    return f"{'~' if bound == '?' else bound}{ratio:.2f}x"
 
 
 def _cpu_s(job: Job) -> float:

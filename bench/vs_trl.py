@@ -77,7 +77,7 @@ from typing import Any
 import _common
 import _rl
 import torch
-from _stats import censored_ratio, mean_ci
+from _stats import censored_ratio, mean_ci, ratio_text
 
 from astraflow.raas.tools import ToolBox, calculator, slow_tool
 from astraflow.records import Task
@@ -350,8 +350,7 @@ def main() -> None:
                                              "time_to_target_trl_over_astraflow": tt,
                                              "time_to_target_bound": bound}
     print("time to target, TRL / AstraFlow: " + "; ".join(
-        f"{c}: {'~' if r['time_to_target_bound'] == '?' else r['time_to_target_bound']}"
-        f"{r['time_to_target_trl_over_astraflow']:.2f}x" for c, r in ratios.items()))
+        f"{c}: {ratio_text(r['time_to_target_trl_over_astraflow'], r['time_to_target_bound'])}" for c, r in ratios.items()))
     _common.write_json(args.json, "vs_trl", {
         "trl_version": trl.__version__, "steps": args.steps, "repeats": args.repeats,
         "repeat_summary": repeat_summary(ratios), "samples_per_step": _rl.SLOTS, "lr": _rl.LR,

@@ -75,11 +75,6 @@ def _rate(v: float) -> str:
     return f"{v:,.0f}/s"
 
 
-def _bounded(ratio: float, bound: str) -> str:
-    """One censored ratio (`stats.censored_ratio`): `>=2.10x`, `<=0.90x`, `~1.00x` (neither reached)."""
-    return ("~" if bound == stats.UNKNOWN else bound) + _x(ratio)
-
-
 def _time_to_target(run: dict[str, Any], base: dict[str, Any], policy: str) -> tuple[float, str]:
     """A run's time-to-target ratio against its baseline row, a side that missed counted at its wall time."""
     return stats.censored_ratio(base[policy]["time_to_target_s"], base["wall_s"], run[policy]["time_to_target_s"],
@@ -108,9 +103,9 @@ def multi_policy(d: dict[str, Any]) -> tuple[str, Rows]:
             ttt = [_time_to_target(x, bases[x["seed"]], p) for x in runs]
             m = stats.geo_mean([r for r, _ in ttt], [b for _, b in ttt])
             means.append(m.text())
-            shorts.append(_bounded(m.value, m.bound) + ("" if m.low is None else f" (95% CI {m.low:.2f}–{m.high:.2f}x)"))
+            shorts.append(stats.ratio_text(m.value, m.bound) + ("" if m.low is None else f" (95% CI {m.low:.2f}–{m.high:.2f}x)"))
             per_seed.append((f"sigma {sigma}, {mode}: {p} time to target, per seed",
-                             ", ".join(f"seed {x['seed']} {_bounded(*v)}" for x, v in zip(runs, ttt, strict=True))))
+                             ", ".join(f"seed {x['seed']} {stats.ratio_text(*v)}" for x, v in zip(runs, ttt, strict=True))))
         sps = stats.geo_mean([math.sqrt(x["vs_trainer_centred"]["solver"]["samples_per_s"]
                                         * x["vs_trainer_centred"]["verifier"]["samples_per_s"]) for x in runs])
         rows += [(f"sigma {sigma}, {mode} vs trainer-centred",
@@ -134,7 +129,7 @@ def async_vs_sync(d: dict[str, Any]) -> tuple[str, Rows]:
             if not (s and f):
                 continue
             ratio = f["trained_per_s"] / s["trained_per_s"]
-            tt = _bounded(*stats.censored_ratio(s["time_to_target_s"], s["wall_s"], f["time_to_target_s"], f["wall_s"]))
+            tt = stats.ratio_text(*stats.censored_ratio(s["time_to_target_s"], s["wall_s"], f["time_to_target_s"], f["wall_s"]))
             rows.append((f"{label}, {where}: dataflow vs sync",
                          f"samples/s {_x(ratio)} ({f['trained_per_s']:.1f} vs {s['trained_per_s']:.1f}); time to target {tt}; "
                          f"success {s['start_success']:.3f} -> sync {s['final_success']:.3f}, dataflow {f['final_success']:.3f}"))
@@ -153,11 +148,11 @@ def _vs_trl_time_to_target(d: dict[str, Any], name: str) -> str:
     """TRL / AstraFlow time to target of ratio `name`, a side that missed counted at its wall time."""
     r = d["ratios"][name]
     if "time_to_target_bound" in r:
-        return _bounded(r["time_to_target_trl_over_astraflow"], r["time_to_target_bound"])
+        return stats.ratio_text(r["time_to_target_trl_over_astraflow"], r["time_to_target_bound"])
     case, side = name.rsplit(" ", 1)  # a file from before the bound: made from its rows
     got = {x["side"]: x for x in d["rows"] if x["case"] == case}
     t, a = got["trl"], got[side]
-    return _bounded(*stats.censored_ratio(t["time_to_target_s"], t["wall_s"], a["time_to_target_s"], a["wall_s"]))
+    return stats.ratio_text(*stats.censored_ratio(t["time_to_target_s"], t["wall_s"], a["time_to_target_s"], a["wall_s"]))
 
 
 def vs_trl(d: dict[str, Any]) -> tuple[str, Rows]:

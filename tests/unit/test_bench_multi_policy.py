@@ -185,5 +185,39 @@ def test_trainer_loss_fields_reach_both_sides(tmp_path) -> None:
     assert all(s in roles["trainer-solver"] for s in sets)
     assert not any("trainer.loss." in a for a in roles["trainer-verifier"])
     learner = mp.learner_loss(loss["solver"])
-    assert (learner.mode, learner.max_staleness, learner.staleness_weight) == ("ppo", 2, "inverse")
+    assert (learner.mode, learner.max_staleness, learner.staleness_weight) == ("decoupled", 2, "inverse")
+    # the in-process learners' loss is the pipeline trainer's, field for field
+    assert mp.learner_loss({}) == cfg.trainer.loss.__class__() == load_config(None, [], model=TrainRunConfig).trainer.loss
     assert mp.learner_loss({}) == mp.learner_loss(mp.parse_loss("none").get("solver", {}))
+
+
+def test_the_pipeline_runs_its_staleness_filters_either_way(tmp_path) -> None:
+    from _pipeline_pair import _roles
+
+    def trainer_args(check: bool) -> list[str]:
+        roles = _roles("e", ("solver", "verifier"), {"solver": "s", "verifier": "v"}, tmp_path / "d", tmp_path,
+                       staleness=1, sigma=2.0, median_s=0.2, seed=0, bonus=0.0, env={}, staleness_check=check)
+        return next(r.cmd for r in roles if r.name == "trainer-solver")
+
+    assert "trainer.max_staleness=null" in trainer_args(False) and "trainer.max_staleness=null" not in trainer_args(True)
+    assert mp.staleness_filters("off") is False and mp.staleness_filters("none") is True
+    assert mp.parse_limits("off") == {} and mp.parse_limits("solver=2") == {"solver": 2}
+
+
+def test_ppo_clip_and_the_trainers_decoupled_loss_agree_on_policy_and_differ_on_stale_data() -> None:
+    # Module doc, "Trainer loss": with one optimizer step per batch (no proximal policy given),
+    # on-policy tokens (logprobs = behaviour) get the same gradient from both; stale ones do not.
+    import torch
+
+    from astraflow.rl import PolicyLossConfig, policy_loss
+
+    def grad(config: PolicyLossConfig, behaviour_shift: float) -> torch.Tensor:
+        torch.manual_seed(0)
+        lp = (-torch.rand(4, 6) - 0.1).requires_grad_()
+        adv, mask = torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.ones(4, 6)
+        policy_loss(lp, lp.detach() + behaviour_shift, adv, mask, config).loss.backward()
+        return lp.grad
+
+    decoupled = mp.learner_loss({})
+    assert torch.allclose(grad(PolicyLossConfig(mode="ppo"), 0.0), grad(decoupled, 0.0))
+    assert not torch.allclose(grad(PolicyLossConfig(mode="ppo"), -0.5), grad(decoupled, -0.5))
