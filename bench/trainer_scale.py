@@ -10,10 +10,13 @@
    `flock /work/coord/heavy.lock`): a model of Qwen2-0.5B's shape (hidden 896, 24 layers, 14
    heads, 2 KV heads, intermediate 4864, vocabulary 151936; random weights, random token ids,
    nothing downloaded), at one rank: one train step (policy loss, AdamW), the published bf16
-   state of before and after, the sparse delta between them (`astraflow.weights.delta.encode`),
-   and one apply on a following node in a separate process that starts from the base state
-   (`apply`, as `KafkaWeightFollower` does): seconds of each, bytes per changed element, peak
-   resident memory of each process.
+   state of before and after, the sparse delta between them (`VersionEncoder.encode`, as the
+   trainer publishes), and a following node in a separate process fed the records a consumer
+   reads (`WeightFollower.feed`, chunk by chunk from files): the base version's snapshot (a node
+   joining), the state lent to an engine (`lend_state`, what `BackendWeightFollower` hands its
+   backend, which keeps it), then the delta's records (crc32s, sha256, the in-place apply, the
+   version checksum, the finiteness check) and the next lend: seconds of each, bytes per changed
+   element, peak resident memory of each process.
 
 Prints the figures and writes bench/results/trainer_scale.json.
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import resource
 import subprocess
@@ -31,6 +35,8 @@ import sys
 import tempfile
 import time
 import uuid
+import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,34 +107,61 @@ def ranks_run(bootstrap: str, ranks: list[int], n_samples: int, batch: int) -> l
 # -- 2. the 0.5B weight path --------------------------------------------------------------------
 
 
-def follower_apply(base_file: str, payload_file: str) -> None:
-    """The following node: base state from a file, the delta's bytes; apply once; print figures."""
-    import torch
-    from safetensors.torch import load_file
+def _records(spec: dict[str, Any]) -> Iterator[Any]:
+    """A version's manifest, then its chunks read one by one from its payload file (a consumer
+    holds a few records at a time, never the whole payload)."""
+    from astraflow.records import PolicyVersion, WeightChunk, WeightKind
 
-    from astraflow.weights.bits import StateManifest
-    from astraflow.weights.delta import apply
+    m = PolicyVersion(**{**spec["manifest"], "kind": WeightKind(spec["manifest"]["kind"])})
+    yield m
+    with open(spec["file"], "rb") as f:
+        for i in range(m.num_chunks):
+            data = f.read(spec["chunk_bytes"])
+            yield WeightChunk(m.policy, m.version, i, m.num_chunks, data, zlib.crc32(data))
 
-    base = load_file(base_file)
-    payload = Path(payload_file).read_bytes()
-    before = peak_rss_gb()
-    manifest = StateManifest.of(base)
+
+def follower_apply(spec_file: str) -> None:
+    """The following node: joins from the snapshot, lends the state to an engine, applies the delta; prints figures."""
+    from astraflow.weights.chain import ApplyStatus
+    from astraflow.weights.follow import WeightFollower
+
+    snapshot, delta = json.loads(Path(spec_file).read_text())
+    follower = WeightFollower(snapshot["manifest"]["policy"])
+
+    def feed(spec: dict[str, Any]) -> None:
+        events = [e for r in _records(spec) for e in follower.feed(r)]
+        if [e.result.status for e in events] != [ApplyStatus.APPLIED]:
+            raise SystemExit(f"version {spec['manifest']['version']} not applied: {events}")
+
     t = time.perf_counter()
-    new = apply(base, payload, base_manifest=manifest)
+    feed(snapshot)
+    join_s = time.perf_counter() - t
+    engine = follower.lend_state()  # a backend keeps what it is handed until its engine loads it
+    joined = peak_rss_gb()
+    t = time.perf_counter()
+    feed(delta)
     seconds = time.perf_counter() - t
-    assert all(torch.isfinite(v.float()).all() for v in list(new.values())[:3])
-    print(f"FOLLOWER {seconds:.3f} {peak_rss_gb():.3f} {before:.3f}", flush=True)
+    engine = follower.lend_state()
+    assert follower.chain.checksum.hex() == delta["manifest"]["state_checksum"] and len(engine) == len(follower.state)
+    print(f"FOLLOWER {seconds:.3f} {peak_rss_gb():.3f} {joined:.3f} {join_s:.3f}", flush=True)
+
+
+def _spec(m: Any, payload: bytes, file: str, chunk_bytes: int) -> dict[str, Any]:
+    """What the follower's process needs to replay a version's records: its manifest and payload file."""
+    Path(file).write_bytes(payload)
+    manifest = {k: getattr(m, k) for k in m.__slots__}
+    manifest["kind"] = m.kind.value
+    manifest["num_chunks"] = max(1, -(-len(payload) // chunk_bytes))
+    return {"manifest": manifest, "file": file, "chunk_bytes": chunk_bytes}
 
 
 def big_run(seq: int, rows: int) -> dict[str, Any]:
     import torch
-    from safetensors.torch import save_file
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from astraflow.rl import PolicyLossConfig, policy_loss, token_logprobs
-    from astraflow.weights.bits import StateManifest
-    from astraflow.weights.delta import encode
-    from astraflow.weights.publish import published_state
+    from astraflow.weights.delta import SparseDelta
+    from astraflow.weights.publish import PublishSettings, VersionEncoder, published_state
 
     torch.manual_seed(0)
     t = time.perf_counter()
@@ -137,7 +170,13 @@ def big_run(seq: int, rows: int) -> dict[str, Any]:
     params = sum(p.numel() for p in model.parameters())
     build_s = time.perf_counter() - t
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    v0 = published_state(model.state_dict(), "bfloat16")
+    settings = PublishSettings(dtype="bfloat16", snapshot_every=1000)
+    encoder = VersionEncoder("policy", settings)
+    tmp = tempfile.TemporaryDirectory()
+    pub0 = encoder.encode(published_state(model.state_dict(), "bfloat16"), prepared=True)  # the first: a snapshot
+    snap_spec = _spec(pub0.manifest, pub0.payload, f"{tmp.name}/v0.snapshot", settings.chunk_bytes)
+    snapshot_bytes = len(pub0.payload)
+    del pub0  # the encoder keeps the base state, as a trainer does; the snapshot's bytes went out
     ids = torch.randint(3, QWEN2_05B["vocab_size"], (rows, seq))
     mask = torch.zeros(rows, seq, dtype=torch.bool)
     mask[:, seq // 2:] = True
@@ -156,23 +195,22 @@ def big_run(seq: int, rows: int) -> dict[str, Any]:
     v1 = published_state(model.state_dict(), "bfloat16")
     cast_s = time.perf_counter() - t
     t = time.perf_counter()
-    delta = encode(v0, v1, base_manifest=StateManifest.of(v0))
-    payload = delta.to_bytes()
+    pub1 = encoder.encode(v1, trainer_step=1, prepared=True)  # the delta v0 -> v1 and its manifest (sha256)
+    payload = pub1.payload
     encode_s = time.perf_counter() - t
-    changed = delta.trailer.n_changed
+    changed = SparseDelta.from_bytes(payload).trailer.n_changed
     elements = sum(v.numel() for v in v1.values())
-    with tempfile.TemporaryDirectory() as tmp:
-        base_file, payload_file = f"{tmp}/v0.safetensors", f"{tmp}/delta.bin"
-        save_file({k: v.contiguous() for k, v in v0.items()}, base_file)
-        Path(payload_file).write_bytes(payload)
+    with tmp:
+        specs = [snap_spec, _spec(pub1.manifest, payload, f"{tmp.name}/v1.delta", settings.chunk_bytes)]
+        Path(f"{tmp.name}/spec.json").write_text(json.dumps(specs))
         trainer_peak_gb = peak_rss_gb()
-        del model, opt, logits, out, v1
-        proc = subprocess.run([sys.executable, __file__, "--follower", base_file, payload_file], capture_output=True,
+        del model, opt, logits, out, v1, pub1, encoder
+        proc = subprocess.run([sys.executable, __file__, "--follower", f"{tmp.name}/spec.json"], capture_output=True,
                               text=True, timeout=900)
     line = [x for x in proc.stdout.splitlines() if x.startswith("FOLLOWER ")]
     if proc.returncode != 0 or not line:
         raise SystemExit(f"the follower failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-    _, apply_s, follower_peak, follower_base = line[0].split()
+    _, apply_s, follower_peak, follower_joined, join_s = line[0].split()
     figures = {
         "shape": QWEN2_05B, "parameters": params, "rows": rows, "seq_len": seq, "build_s": round(build_s, 1),
         "train_step_s": round(step_s, 2), "publish_cast_bf16_s": round(cast_s, 2), "delta_encode_s": round(encode_s, 2),
@@ -180,18 +218,19 @@ def big_run(seq: int, rows: int) -> dict[str, Any]:
         "bytes_per_changed_element": round(len(payload) / max(changed, 1), 3),
         "follower_apply_s": float(apply_s), "trainer_peak_rss_gb": round(trainer_peak_gb, 2),
         "trainer_peak_rss_after_step_gb": round(trainer_after_step_gb, 2),
-        "follower_peak_rss_gb": float(follower_peak), "follower_rss_before_apply_gb": float(follower_base),
+        "snapshot_bytes": snapshot_bytes, "follower_join_s": float(join_s),
+        "follower_peak_rss_gb": float(follower_peak), "follower_peak_rss_joined_gb": float(follower_joined),
     }
     print(f"0.5B ({params / 1e6:.0f}M parameters, {rows} x {seq} tokens): train step {step_s:.1f} s; publish: bf16 cast "
           f"{cast_s:.1f} s, delta encode {encode_s:.1f} s, {len(payload) / 1e6:.1f} MB for {changed:,} of {elements:,} "
-          f"elements changed ({figures['bytes_per_changed_element']} B/changed element); follower apply {float(apply_s):.1f} s; "
-          f"peak RSS trainer {trainer_peak_gb:.1f} GB, follower {float(follower_peak):.1f} GB", flush=True)
+          f"elements changed ({figures['bytes_per_changed_element']} B/changed element); follower: join from a {snapshot_bytes / 1e6:.0f} MB "
+          f"snapshot {float(join_s):.1f} s, apply {float(apply_s):.1f} s; peak RSS trainer {trainer_peak_gb:.1f} GB, follower {float(follower_peak):.1f} GB", flush=True)
     return figures
 
 
 def main() -> None:
-    if len(sys.argv) == 4 and sys.argv[1] == "--follower":
-        follower_apply(sys.argv[2], sys.argv[3])
+    if len(sys.argv) == 3 and sys.argv[1] == "--follower":
+        follower_apply(sys.argv[2])
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bootstrap", default=os.environ.get("ASTRAFLOW_TEST_BOOTSTRAP", "127.0.0.1:19092"))

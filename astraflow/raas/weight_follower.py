@@ -83,8 +83,9 @@ class BackendWeightFollower:
                                 e.version, self.follower.policy, e.result.reason)
             if applied:
                 version = self.follower.follower.version
-                # Copy: the chain patches its tensors in place with later deltas.
-                state = self.follower.follower.state_copy()
+                # Lent, not copied: the backend keeps them until its engine loads them, and the
+                # chain never patches a lent tensor in place (a later delta copies what it changes).
+                state = self.follower.follower.lend_state()
                 try:
                     self.backend.update_weights(state, int(version))
                 except Exception:  # the backend keeps its weights; the next version may apply

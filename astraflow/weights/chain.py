@@ -15,8 +15,11 @@ published delta in order. Whatever arrives, the chain never holds wrong weights:
 - otherwise ``APPLIED`` and `version` moves on.
 
 Deltas are patched into the chain's own buffers in place (no second copy of the weights); see
-`astraflow.weights.transaction` for how the rollback stays exact. Not thread-safe: a reader
-must not use `state` while `apply_delta` runs.
+`astraflow.weights.transaction` for how the rollback stays exact. `lend()` hands the current
+tensors to a reader that keeps them (an inference engine loads them later, from another
+thread): no copy then; a later delta that changes a lent tensor decodes it into a fresh one
+instead of patching it, so what was lent never changes. Not thread-safe otherwise: a reader
+of `state` must not use it while `apply_delta` runs.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class WeightChain:
         self._version: int | None = None  # None until a snapshot is loaded
         self.layout = layout  # the served model's tensors; None: any layout (bounded by max_state_bytes)
         self.max_state_bytes = max_state_bytes  # most bytes of new tensors one payload may decode to
+        self._lent: set[str] = set()  # names whose current tensor `lend` handed out: never patched in place
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any], version: int, layout: ModelLayout | None = None,
@@ -101,6 +105,14 @@ class WeightChain:
         """Read-only view of the weights. The tensors are patched in place by `apply_delta`:
         copy them if you need them to stay fixed."""
         return MappingProxyType(self._state)
+
+    def lend(self) -> dict[str, Any]:
+        """The current tensors, not copied, for a reader that may keep them (an engine that loads
+        them asynchronously): the chain never writes into them again (a delta that changes one
+        gives the chain a new tensor). Costs a copy of each changed tensor per delta applied
+        after it, instead of a copy of the whole state per version."""
+        self._lent = set(self._state)
+        return dict(self._state)
 
     def _admit(self) -> Callable[[TensorRecord], None]:
         """Checks each tensor record before it is decoded: the model's layout, and the byte budget."""
@@ -130,6 +142,7 @@ class WeightChain:
         except WeightsError as exc:
             return ApplyResult(ApplyStatus.SNAPSHOT_NEEDED, self._version, f"snapshot rejected: {exc}", exc)
         self._state, self._manifest, self._version = dict(snap.state), snap.manifest, snap.version
+        self._lent = set()  # all new tensors
         return ApplyResult(ApplyStatus.APPLIED, self._version)
 
     def apply_delta(
@@ -159,13 +172,16 @@ class WeightChain:
             return self._need_snapshot(
                 f"missing versions: have {self._version}, delta goes {header.base_version} -> {version}"
             )
+        lent = {name: self._state[name] for name in self._lent if name in self._state}
         try:
             applied = apply_blocks(
                 self._state, itertools.chain([first], it), self._manifest, inplace=True, admit=self._admit(),
-                finite=self.require_finite,
+                finite=self.require_finite, keep=self._lent,
             )
         except WeightsError as exc:
             return self._need_snapshot(f"delta {header.base_version} -> {version} rejected: {exc}", exc)
+        # still lent: the tensors the delta did not replace
+        self._lent = {name for name, t in lent.items() if self._state.get(name) is t}
         self._manifest, self._version = applied.manifest, version
         return ApplyResult(ApplyStatus.APPLIED, version)
 

@@ -51,7 +51,7 @@ StateDict = Mapping[str, Any]
 class SparseDelta:
     """An encoded delta: framed blocks, header first, trailer last."""
 
-    blocks: tuple[bytes, ...]  # the wire blocks, ready to send one by one or concatenated
+    blocks: tuple[bytes | memoryview, ...]  # the wire blocks, ready to send one by one or concatenated
     header: StreamHeader  # base version/checksum and target version
     trailer: StreamTrailer  # counts and checksum of the resulting version
     manifest: StateManifest | None = field(default=None, compare=False)  # of `new`, when encoded here
@@ -66,8 +66,9 @@ class SparseDelta:
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview) -> SparseDelta:
-        """Split and check the frames of a concatenated delta (tensor bodies are decoded on apply)."""
-        blocks = tuple(bytes(b) for b in split_blocks(data))
+        """Split and check the frames of a concatenated delta (tensor bodies are decoded on apply).
+        The blocks are views into `data` when it is `bytes` (immutable: no copy), else copies."""
+        blocks = tuple(split_blocks(data) if isinstance(data, bytes) else (bytes(b) for b in split_blocks(data)))
         if len(blocks) < 2:
             raise DeltaFormatError("a delta needs at least a header and a trailer block")
         header = StreamHeader.of_first_block(blocks[0])

@@ -160,10 +160,10 @@ class WeightFollower:
         """The current weights (read-only view; patched in place by later deltas)."""
         return self.chain.state
 
-    def state_copy(self) -> dict[str, Any]:
-        """A copy of the current weights that later deltas will not touch (hand this to an
-        inference engine that applies it asynchronously)."""
-        return {k: v.clone() if hasattr(v, "clone") else v.copy() for k, v in self.chain.state.items()}
+    def lend_state(self) -> dict[str, Any]:
+        """The current weights for an inference engine that loads them asynchronously: not a
+        copy, and later deltas never change them (`WeightChain.lend`)."""
+        return self.chain.lend()
 
     def feed(self, record: Any, offset: int | None = None) -> list[FollowEvent]:
         """Take one record (PolicyVersion or WeightChunk; others are ignored); return the events
@@ -273,6 +273,7 @@ class WeightFollower:
         if not a.complete:
             return None
         payload = b"".join(a.parts)
+        a.parts.clear()  # the joined payload is the only copy from here on
         return [self._apply(a.m, a.offset, lambda: payload, beside=beside)]
 
     def _apply(self, m: PolicyVersion, offset: int | None, payload_of: Callable[[], bytes],

@@ -9,12 +9,14 @@ KeyboardInterrupt) rolls the state dict back to exactly what it was:
   buffers and, on failure, subtracted again; bit-pattern arithmetic wraps, so the undo is
   exact. The undo log only keeps the compressed blocks, never a copy of the weights.
 - copy mode: changed tensors are decoded into fresh arrays; the old objects are untouched.
+  In place, the tensors named in `keep` (others still read them: an engine that loads weights
+  later) are copied too, and only when the stream changes them.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Iterable, Iterator, MutableMapping
+from collections.abc import Callable, Collection, Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,12 +50,18 @@ class NonFiniteWeightsRefused(DeltaFormatError):
     (a version with them would make a node serve garbage log-probabilities)."""
 
 
+_FINITE_CHUNK = 1 << 22  # elements checked at once: the mask stays 4 MiB, not one byte per weight
+
+
 def all_finite(value: Any) -> bool:
     """Whether a floating tensor (torch or numpy) holds only finite values (others: True)."""
     if is_torch(value):
         import torch
 
-        return not value.is_floating_point() or value.numel() == 0 or bool(torch.isfinite(value).all())
+        if not value.is_floating_point() or value.numel() == 0:
+            return True
+        flat = value.reshape(-1)
+        return all(bool(torch.isfinite(flat[i : i + _FINITE_CHUNK]).all()) for i in range(0, flat.numel(), _FINITE_CHUNK))
     import numpy as np
 
     arr = np.asarray(value)
@@ -85,6 +93,7 @@ def apply_blocks(
     prefer_torch: bool | None = None,
     admit: Callable[[TensorRecord], None] | None = None,
     finite: bool = False,
+    keep: Collection[str] = (),
 ) -> AppliedStream:
     """Apply a stream to `state` (whose manifest is `base`), all or nothing.
 
@@ -95,12 +104,14 @@ def apply_blocks(
     is one, or `state` is empty) and numpy arrays otherwise (torch anyway for bf16 / fp8).
     `admit`, if given, sees every tensor record before it is decoded and raises a
     `WeightsError` to refuse it (a follower checks names, shapes and sizes against its model).
+    `keep`: with `inplace`, names of tensors never to patch in place (a changed one is decoded
+    into a copy that replaces it in `state`; the old object keeps its bits).
     """
     if prefer_torch is None:
         prefer_torch = not state or any(is_torch(v) for v in state.values())
     undo: list[Callable[[], None]] = []
     try:
-        return _apply(state, iter(blocks), base, inplace, prefer_torch, undo, admit, finite)
+        return _apply(state, iter(blocks), base, inplace, prefer_torch, undo, admit, finite, keep)
     except (struct.error, ValueError, IndexError, OverflowError) as exc:
         _rollback(undo)
         raise DeltaFormatError(f"the delta is malformed ({exc}); fetch a snapshot") from exc
@@ -123,6 +134,7 @@ def _apply(
     undo: list[Callable[[], None]],
     admit: Callable[[TensorRecord], None] | None,
     finite: bool = False,
+    keep: Collection[str] = (),
 ) -> AppliedStream:
     header = StreamHeader.of_first_block(next(blocks, None))
     if header.base_checksum != base.checksum():
@@ -144,7 +156,8 @@ def _apply(
         record = TensorRecord.parse(body)
         if admit is not None:
             admit(record)
-        _apply_record(state, manifest, record, body, header.chunk_elems, inplace, prefer_torch, undo)
+        _apply_record(state, manifest, record, body, header.chunk_elems, inplace and record.name not in keep,
+                      prefer_torch, undo)
         touched.append(record.name)
     else:
         raise DeltaFormatError(

@@ -236,3 +236,34 @@ def test_a_delta_is_not_a_snapshot(trainer: Iterator[dict]) -> None:
     v0 = next(trainer)
     with pytest.raises(WeightsError, match="not a snapshot"):
         load_snapshot(encode({}, v0).to_bytes())
+
+
+def test_lent_weights_never_change_and_only_changed_tensors_are_copied(trainer: Iterator[dict]) -> None:
+    """What `lend` hands an engine keeps its version's bits through later deltas, good or bad; the
+    chain copies a lent tensor only when a delta changes it, and patches the others in place."""
+    versions, deltas = publish(trainer, 3)
+    chain = WeightChain()
+    chain.load_snapshot(snapshot(versions[0], 0))
+    lent0 = chain.lend()
+    assert all(lent0[k] is chain.state[k] for k in lent0)  # not a copy
+    assert chain.apply_delta(1, deltas[0]).status is ApplyStatus.APPLIED
+    assert_same(lent0, versions[0])
+    assert_same(dict(chain.state), versions[1])
+    for k in lent0:  # a new tensor exactly where the delta changed one
+        assert (chain.state[k] is lent0[k]) == (bits(versions[0][k]) == bits(versions[1][k])), k
+    assert any(chain.state[k] is not lent0[k] for k in lent0)
+    held = dict(chain.state)
+    assert chain.apply_delta(2, deltas[1]).status is ApplyStatus.APPLIED
+    copied_again = {k for k in held if chain.state[k] is not held[k]}
+    assert copied_again <= {k for k in held if held[k] is lent0[k]}  # only tensors still lent to the engine
+    assert_same(lent0, versions[0])
+    assert_same(dict(chain.state), versions[2])
+    lent2 = chain.lend()
+    bad = _retamper(deltas[2], len(deltas[2].blocks) - 1, _flip_last_byte)  # fails after every tensor was applied
+    assert chain.apply_delta(3, bad).status is ApplyStatus.SNAPSHOT_NEEDED
+    assert all(chain.state[k] is lent2[k] for k in lent2)  # the rollback restored the lent objects
+    assert_same(lent2, versions[2])
+    assert chain.apply_delta(3, deltas[2]).status is ApplyStatus.APPLIED
+    assert_same(lent2, versions[2])
+    assert_same(lent0, versions[0])
+    assert_same(dict(chain.state), versions[3])
