@@ -150,8 +150,8 @@ class LocalRegistrySettings(FrozenSettings):
     """The Apicurio schema registry that `astraflow registry up` runs on this machine."""
 
     data_dir: Path = Field(default_factory=lambda: default_home() / "registry")
-    """Logs and the pid file live here (storage is in memory: schemas are registered again by
-    every role on start)."""
+    """Its log, pid file and database (`registry.mv.db`, Apicurio's H2 file: the schemas and
+    their ids, kept across restarts) live here."""
     dist_dir: Path = Field(default_factory=lambda: default_home() / "registry-dist")
     """Apicurio's unpacked application, resolved once per pom and shared."""
     port: int = 18081

@@ -2,11 +2,14 @@
 
 `LocalRegistry.up()` resolves Apicurio's assembled Quarkus application from Maven Central with
 `docker/registry/pom.xml` (Maven caches it in ~/.m2; unpacked once per pom into
-`local_registry.dist_dir`), starts it on 127.0.0.1 with a small heap and in-memory storage,
-waits until its Confluent-compatible API (`/apis/ccompat/v7`) answers and writes a pid file;
-`down()` stops only the process that file names, after checking it is our registry. Roles put
-`kafka.schema_registry_url` at `LocalRegistrySettings.url` and register their schemas on start,
-so in-memory storage loses nothing a restart of the roles does not bring back.
+`local_registry.dist_dir`), starts it on 127.0.0.1 with a small heap, waits until its
+Confluent-compatible API (`/apis/ccompat/v7`) answers and writes a pid file; `down()` stops only
+the process that file names, after checking it is our registry. Roles put
+`kafka.schema_registry_url` at `LocalRegistrySettings.url` and register their schemas on start.
+
+Its schemas live in Apicurio's H2 database in a file under the data directory (`storage_flags`,
+which the compose image uses too): records on the topics name their schema by the registry's id,
+and a registry that restarted empty would hand the same ids to other schemas.
 
 Apicurio 3.3 is compiled for Java 21: `java` is the first Java 21+ found (see the setting).
 """
@@ -35,6 +38,20 @@ POM = Path(__file__).resolve().parents[1] / "docker" / "registry" / "pom.xml"
 SETTINGS = POM.with_name("settings.xml")
 MIN_JAVA = 21
 Echo = Callable[..., Any]
+# JVM flags of every registry we run (here and in the compose image): the serial collector and C1
+# only, which start fastest for a service this small.
+JVM_FLAGS = ("-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1", "-Djava.awt.headless=true")
+DB_NAME = "registry"  # H2 keeps the database in <db_dir>/registry.mv.db
+
+
+def storage_flags(db_dir: str | Path) -> list[str]:
+    """Apicurio's storage as JVM system properties: its H2 database in a file under `db_dir`.
+
+    Apicurio's default is an H2 database in memory, gone at every restart. WRITE_DELAY=0 writes
+    each commit to the file at once (H2's default waits up to 500 ms), so an id the registry has
+    handed out survives even a killed registry; schemas are registered rarely, so it costs nothing.
+    """
+    return [f"-Dapicurio.datasource.url=jdbc:h2:file:{db_dir}/{DB_NAME};WRITE_DELAY=0"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +63,7 @@ class RegistryStatus:
     pid: int | None
     url: str
     log: Path
+    database: Path  # the H2 file its schemas live in (absent until the first start)
 
 
 def java_version(java: str) -> int:
@@ -88,6 +106,7 @@ class LocalRegistry:
         self.root = s.data_dir.expanduser().resolve()
         self.pid_file = self.root / "registry.pid"
         self.log = self.root / "registry.log"
+        self.database = self.root / f"{DB_NAME}.mv.db"
         digest = hashlib.sha256(POM.read_bytes()).hexdigest()[:16] if POM.exists() else "missing"
         self.dist = s.dist_dir.expanduser().resolve() / digest
         self._proc: subprocess.Popen[bytes] | None = None  # the process `up` started in this process
@@ -119,7 +138,8 @@ class LocalRegistry:
 
     def status(self) -> RegistryStatus:
         pid = self.pid()
-        return RegistryStatus(pid is not None, pid is not None and self.answering(), pid, self.url, self.log)
+        return RegistryStatus(pid is not None, pid is not None and self.answering(), pid, self.url, self.log,
+                              self.database)
 
     def resolve(self, echo: Echo = print) -> Path:
         """Unpacks Apicurio's application into the shared folder with Maven, once per pom."""
@@ -164,7 +184,7 @@ class LocalRegistry:
             self._check_port()
             self.resolve(echo)
             self._spawn(java)
-            echo(f"Starting Apicurio Registry at {self.url} (logs: {self.log})")
+            echo(f"Starting Apicurio Registry at {self.url} (schemas: {self.database}; logs: {self.log})")
         self._wait_ready()
         echo(f"Schema registry is up: kafka.schema_registry_url={self.url}")
         return self.status()
@@ -197,8 +217,11 @@ class LocalRegistry:
     def _spawn(self, java: str) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         heap = self.settings.heap_mb
-        cmd = [java, f"-Xms{min(64, heap)}m", f"-Xmx{heap}m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1",
-               "-Djava.awt.headless=true", f"-Dquarkus.http.port={self.settings.port}", "-Dquarkus.http.host=127.0.0.1",
+        cmd = [java, f"-Xms{min(64, heap)}m", f"-Xmx{heap}m", *JVM_FLAGS, *storage_flags(self.root),
+               f"-Dquarkus.http.port={self.settings.port}", "-Dquarkus.http.host=127.0.0.1",
+               # Quarkus' management interface (health, metrics; we use neither) listens on
+               # 0.0.0.0:9000 by default: loopback and a free port, so two registries can run here.
+               "-Dquarkus.management.host=127.0.0.1", "-Dquarkus.management.port=0",
                "-jar", str(self.dist / "quarkus-run.jar")]
         with open(self.log, "ab") as out:
             self._proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -4,7 +4,10 @@ Apicurio Registry 3.3 needs Java 21+, which Debian bookworm (the base of every i
 builds) does not package. So the image is assembled from what `astraflow registry up` already
 uses on the host: Apicurio's application, resolved by `LocalRegistry.resolve` (Maven Central,
 docker/registry/pom.xml), and a minimal Java runtime that `jlink` makes from the host's Java 21+
-JDK (`find_java`). `bundle(out)` writes both into `out/dist` and `out/java`; `scripts/compose.sh
+JDK (`find_java`). `bundle(out)` writes both into `out/dist` and `out/java`, and the registry's
+JVM flags (`local_registry.JVM_FLAGS` and `storage_flags`: its H2 database in a file in the image's
+volume) into `out/registry.args`, a Java argument file the image's entrypoint passes to `java`, so
+the image and `astraflow registry up` run the registry with the same settings; `scripts/compose.sh
 build-registry` builds the image from that folder. The jlinked runtime is kept next to the
 resolved application (`local_registry.dist_dir`), once per JDK and module list; the folder is
 made of hard links to both where the file system allows, so staging it costs no copy.
@@ -23,9 +26,17 @@ from pathlib import Path
 
 from astraflow.config import LocalRegistrySettings
 from astraflow.errors import LocalRegistryError, ToolMissingError
-from astraflow.local_registry import MIN_JAVA, Echo, LocalRegistry, find_java, java_version
+from astraflow.local_registry import (
+    JVM_FLAGS,
+    MIN_JAVA,
+    Echo,
+    LocalRegistry,
+    find_java,
+    java_version,
+    storage_flags,
+)
 
-# What Apicurio's Quarkus application loads: the Java SE modules (JDBC for its in-memory H2,
+# What Apicurio's Quarkus application loads: the Java SE modules (JDBC for its H2 database,
 # JNDI, management, XML, HTTP client, java.desktop for java.beans) and the jdk.* modules its
 # libraries reach by reflection or service loading (Unsafe, zip file systems, DNS, TLS providers,
 # extra charsets, JMX platform beans, socket options, JAAS/Kerberos). `jdeps` cannot compute
@@ -35,6 +46,13 @@ RUNTIME_MODULES = (
     "jdk.charsets", "jdk.management", "jdk.net", "jdk.security.auth", "jdk.security.jgss",
 )
 DIST, JAVA = "dist", "java"  # the folders of the build context; docker/registry/Dockerfile copies them
+ARGS = "registry.args"  # the JVM flags file of the build context; the Dockerfile copies it and passes it to java
+IMAGE_DATA_DIR = "/var/lib/apicurio"  # the image's volume, where its database lives (Dockerfile, docker-compose.yml)
+
+
+def image_jvm_flags() -> list[str]:
+    """The JVM flags of the image's registry, one per line in `registry.args` (heap and port: the entrypoint)."""
+    return [*JVM_FLAGS, *storage_flags(IMAGE_DATA_DIR)]
 
 
 def jdk_of(java: str) -> Path:
@@ -85,7 +103,7 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 
 def bundle(out: Path, settings: LocalRegistrySettings | None = None, echo: Echo = print) -> Path:
-    """Writes the registry image's build context into `out` (`dist/`, `java/`) and returns it."""
+    """Writes the registry image's build context into `out` (`dist/`, `java/`, `registry.args`) and returns it."""
     settings = settings or LocalRegistrySettings()
     dist = LocalRegistry(settings).resolve(echo)
     runtime = link_runtime(settings, echo)
@@ -97,4 +115,5 @@ def bundle(out: Path, settings: LocalRegistrySettings | None = None, echo: Echo 
                         ignore=shutil.ignore_patterns(".resolved", "PaxHeaders.*"))  # tar metadata
     if java_version(str(out / JAVA / "bin" / "java")) < MIN_JAVA:
         raise LocalRegistryError(f"the runtime staged at {out / JAVA} does not run as Java {MIN_JAVA}+")
+    (out / ARGS).write_text("\n".join(image_jvm_flags()) + "\n")
     return out

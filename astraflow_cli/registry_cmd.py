@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 app = typer.Typer(help="Run a schema registry (Apicurio Registry, Confluent-compatible API) locally without Docker, or stage its compose image.",
                   no_args_is_help=True)
 
-DATA_DIR = typer.Option(None, "--data-dir", help="Where its log and pid file live.")
+DATA_DIR = typer.Option(None, "--data-dir", help="Where its database (the schemas and their ids), log and pid file live.")
 PORT = typer.Option(None, "--port", help="HTTP port on 127.0.0.1 (default 18081).")
 
 
@@ -50,12 +50,13 @@ def status(ctx: typer.Context, data_dir: str | None = DATA_DIR, port: int | None
     """Whether the registry runs and answers; exit code 1 when it does not."""
     st = _local(ctx, data_dir, port).status()
     if st.running and st.answering:
-        console.print(f"[green]up[/] {st.url} pid={st.pid}")
+        console.print(f"[green]up[/] {st.url} pid={st.pid} schemas={st.database}")
         return
     if st.running:
         console.print(f"[yellow]starting or stuck[/]: pid {st.pid} runs but {st.url} does not answer; log: {st.log}")
     else:
-        console.print(f"[red]down[/]: no schema registry runs at {st.url}; start one with `astraflow registry up` "
+        kept = f"; its schemas are kept in {st.database}" if st.database.exists() else ""
+        console.print(f"[red]down[/]: no schema registry runs at {st.url}{kept}; start one with `astraflow registry up` "
                       "(roles with kafka.schema_registry_url set wait for it at start-up)")
     raise typer.Exit(1)
 

@@ -102,25 +102,31 @@ def kafka() -> Iterator[KafkaSettings]:
 @pytest.fixture(scope="session")
 def schema_registry() -> Iterator[str]:
     """The URL of a real schema registry's Confluent-compatible API: $ASTRAFLOW_TEST_REGISTRY, else
-    the local Apicurio (`astraflow registry up`), started here if it is not running and stopped at
-    the end by the last pytest session out that started it (as the `kafka` fixture does)."""
+    a local Apicurio (`astraflow registry up`) of the tests' own (data dir `registry-test`, port
+    18082), started here if it is not running and stopped at the end by the last pytest session
+    out that started it (as the `kafka` fixture does). Its database persists like any registry's,
+    so a session that starts it deletes the previous one: tests register test-only schemas under
+    the records' subjects, and another branch's leftovers could make the subjects' rules refuse them."""
     external = os.environ.get("ASTRAFLOW_TEST_REGISTRY")
     if external:
         yield external
         return
     import fcntl
 
-    from astraflow.config import LocalRegistrySettings
-    from astraflow.local_registry import LocalRegistry
+    from astraflow.config import LocalRegistrySettings, default_home
+    from astraflow.local_registry import DB_NAME, LocalRegistry
 
-    settings = LocalRegistrySettings()
+    settings = LocalRegistrySettings(data_dir=default_home() / "registry-test", port=18082)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     lock_path = settings.data_dir / "pytest-sessions.lock"
     marker = settings.data_dir / "started-by-pytest"
     held = open(lock_path, "a")  # noqa: SIM115 - held for the whole session
     fcntl.flock(held, fcntl.LOCK_SH)
     local = LocalRegistry(settings)
-    if not local.status().answering:
+    st = local.status()
+    if not st.answering:
+        for db in [] if st.running else settings.data_dir.glob(f"{DB_NAME}*.db"):  # never under a live one
+            db.unlink()
         local.up(echo=lambda *_: None)
         marker.touch()
     yield local.url

@@ -405,7 +405,7 @@ def test_the_schema_registry_is_an_opt_in_profile_whose_image_the_host_builds() 
     """`registry` runs only with its profile, from the image scripts/compose.sh builds out of what
     `astraflow registry bundle` stages; roles use it only when AF_SCHEMA_REGISTRY_URL says so."""
     from astraflow.config import load_config
-    from astraflow.registry_image import DIST, JAVA
+    from astraflow.registry_image import ARGS, DIST, IMAGE_DATA_DIR, JAVA
 
     svcs = services()
     reg = svcs["registry"]
@@ -416,11 +416,13 @@ def test_the_schema_registry_is_an_opt_in_profile_whose_image_the_host_builds() 
     assert not any("registry" in (s.get("depends_on") or {}) for n, s in svcs.items() if n != "registry")
     dockerfile = (DOCKER / "registry" / "Dockerfile").read_text()
     assert re.search(r"^ARG BASE_IMAGE=\S+", dockerfile, re.M) and re.search(r"^FROM \$\{BASE_IMAGE\}", dockerfile, re.M)
-    assert sorted(re.findall(r"^COPY (\S+) ", dockerfile, re.M)) == sorted([DIST, JAVA]), "what bundle stages"
+    assert sorted(re.findall(r"^COPY (\S+) ", dockerfile, re.M)) == sorted([DIST, JAVA, ARGS]), "what bundle stages"
+    assert f"@/opt/apicurio/{ARGS}" in dockerfile, "the image's registry runs with the JVM flags bundle stages"
     assert "-Dquarkus.http.port=8080" in dockerfile and reg["ports"][0].endswith(":8080")
     assert "/apis/ccompat/v7/" in " ".join(reg["healthcheck"]["test"]), "healthy = the API roles use answers"
-    data = re.search(r"APICURIO_DATASOURCE_URL=jdbc:h2:file:(\S+)/", dockerfile).group(1)
-    assert [v.split(":")[1] for v in reg["volumes"]] == [data], "schema ids must survive a restart: the database in a volume"
+    assert re.search(r"^VOLUME (\S+)$", dockerfile, re.M).group(1) == IMAGE_DATA_DIR
+    assert [v.split(":")[1] for v in reg["volumes"]] == [IMAGE_DATA_DIR], \
+        "schema ids must survive a restart: the database in a volume"
 
     url = "http://registry:8080/apis/ccompat/v7"
     assert f"AF_SCHEMA_REGISTRY_URL=${{AF_SCHEMA_REGISTRY_URL:-{url}}}" in (ROOT / "scripts" / "compose.sh").read_text()
