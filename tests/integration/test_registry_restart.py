@@ -1,11 +1,14 @@
 """`astraflow registry up` keeps its schemas in a file: after `down` and `up` every id a record on
-a topic names resolves to the same schema, a new schema gets an id no record has used, and a role
-starting while the registry is down waits for it with a message and then gets the same ids."""
+a topic names resolves to the same schema, a new schema gets an id no record has used, a role
+starting while the registry is down waits for it with a message and then gets the same ids, and a
+registry killed right after handing out an id still has it when it comes back."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import struct
 import threading
 import time
@@ -15,6 +18,9 @@ import pytest
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from typer.testing import CliRunner
 
+from astraflow.config import LocalRegistrySettings
+from astraflow.kafka.nodes import alive
+from astraflow.local_registry import LocalRegistry
 from astraflow.records import Task
 from astraflow.schema_registry import SchemaRegistry
 from astraflow.serde import AvroSerde
@@ -97,5 +103,17 @@ def test_registry_restart_keeps_schema_ids(tmp_path: Path, caplog: pytest.LogCap
         new = {**PROBE, "fields": [*PROBE["fields"], {"name": "m", "type": "int", "default": 0, "doc": "test-only"}]}
         new_id = SchemaRegistry(url).register("astraflow.test.RestartProbe", new)
         assert new_id not in before, f"a new schema got id {new_id}, which records written before name"
+
+        # Killed (no shutdown) right after handing out an id: the id is in the file already.
+        pid = LocalRegistry(LocalRegistrySettings(data_dir=data, port=int(PORT))).pid()
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        while alive(pid):
+            time.sleep(0.1)
+        deadline = time.monotonic() + 30
+        while (code := cli(data, "up")[0]) != 0 and time.monotonic() < deadline:
+            time.sleep(1)  # the dying JVM's threads may hold the port for a moment
+        assert code == 0
+        assert json.loads(SchemaRegistryClient({"url": url}).get_schema(new_id).schema_str) == new
     finally:
         cli(data, "down")
