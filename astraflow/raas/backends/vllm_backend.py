@@ -244,10 +244,12 @@ class VllmBackend:
         from vllm.sampling_params import RequestOutputKind
 
         # FINAL_ONLY: one output per request, not one per step (per-step outputs cost this
-        # process a Python pass per token of every running request).
+        # process a Python pass per token of every running request). vLLM's incremental
+        # detokenization (a tokenizer call per token) runs only when stop strings need it: the
+        # text returned is always `decode(ids)`, once per request.
         params = SamplingParams(temperature=request.temperature, top_p=request.top_p, max_tokens=max_tokens,
                                 stop=request.stop or None, logprobs=0, include_stop_str_in_output=True,
-                                output_kind=RequestOutputKind.FINAL_ONLY)
+                                output_kind=RequestOutputKind.FINAL_ONLY, detokenize=bool(request.stop))
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids), cache_salt=f"v{version}")
         final = None
         async for out in self.engine.generate(prompt, params, request_id=f"{self.policy}-{next(self._ids)}"):

@@ -85,11 +85,14 @@ def checkpoint_layout(model_dir: str) -> ModelLayout:
 
 def engine_kwargs(model_dir: str, gpu_memory_utilization: float, max_model_len: int | None, seed: int | None,
                   max_num_seqs: int | None = None, dtype: str = "auto") -> dict[str, Any]:
-    """Arguments of vLLM's `AsyncEngineArgs`: processed (post-temperature, post-top-p) logprobs."""
+    """Arguments of vLLM's `AsyncEngineArgs`: processed (post-temperature, post-top-p) logprobs.
+    vLLM's own throughput log is off (`disable_log_stats`, as its offline `LLM` has it): with it on,
+    the engine core builds scheduler stats each step and the node's process updates per-request
+    stats for every token, CPU the node's own metrics (tokens/s, rollouts/s) do not need."""
     kw: dict[str, Any] = {"model": model_dir, "gpu_memory_utilization": gpu_memory_utilization,
                           "max_model_len": max_model_len, "seed": seed or 0, "enforce_eager": True,
                           "logprobs_mode": "processed_logprobs", "dtype": dtype,
-                          "worker_extension_cls": WORKER_EXTENSION}
+                          "worker_extension_cls": WORKER_EXTENSION, "disable_log_stats": True}
     if max_num_seqs is not None:
         kw["max_num_seqs"] = max_num_seqs
     return kw
