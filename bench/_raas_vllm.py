@@ -12,7 +12,12 @@ Both vLLM engines are started and warmed up once, then measured in alternated ro
 offline, node, offline, ...: `--repeats` pairs), so a shared machine's drift falls on both sides
 alike; each round lasts a few seconds. Tokens/s counts the tokens generated between the first
 rollout's start (the group join is not throughput) and the last task's end for the nodes, and the
-`generate` call for offline vLLM; engine start-up is outside every measurement.
+`generate` call for offline vLLM; engine start-up is outside every measurement. Each round starts
+`IDLE_GAP_S` after the other engine's last step: vLLM's worker process busy-waits (`sched_yield`)
+for a second after its last read, which would take a core from the round that follows it. Each
+round also records the CPU seconds per generated token of this process (the node with its Kafka
+clients and vLLM's front end, or offline vLLM's front end) and of the engines' processes (engine
+core and worker: both engines', the idle one's included).
 `node_vs_offline_ratio` is the median over the pairs of the node's tokens/s over offline vLLM's
 in the same pair (goal >= 0.9); every pair's ratio is in the results. The torch node runs one
 round after them. Needs the virtualenv of scripts/vllm-env.sh.
@@ -21,6 +26,7 @@ round after them. Needs the virtualenv of scripts/vllm-env.sh.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from pathlib import Path
@@ -43,6 +49,25 @@ TERMS = {  # what the figures compare (written into the results JSON)
 
 KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE of both vLLM engines
 MAX_MODEL_LEN = 512
+IDLE_GAP_S = 1.5  # before each round: vLLM's shared-memory reader spins 1 s after its last read
+
+
+def cpu_s() -> tuple[float, float]:
+    """CPU seconds (user + system) used so far by this process and by its live child processes."""
+    import psutil
+
+    me = psutil.Process()
+    own = sum(me.cpu_times()[:2])
+    kids = 0.0
+    for child in me.children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # exited meanwhile
+            kids += sum(child.cpu_times()[:2])
+    return own, kids
+
+
+def cpu_per_token(before: tuple[float, float], after: tuple[float, float], tokens: int) -> dict[str, float]:
+    return {"this_process_ms_per_token": (after[0] - before[0]) / tokens * 1e3,
+            "engine_processes_ms_per_token": (after[1] - before[1]) / tokens * 1e3}
 
 
 def open_backend(model: Path, tokens: int, backend: str):
@@ -78,23 +103,24 @@ def node_round(kafka: KafkaSettings, b, tasks: int, tokens: int, inflight: int) 
         producer.flush()
         node = RaasNode(AstraflowConfig(kafka=kafka), NodeSettings(exp, max_inflight=inflight, metrics_interval_s=3600),
                         {"policy": b}, tools={})
+        time.sleep(IDLE_GAP_S)
 
-        async def serve() -> tuple[float, int]:
+        async def serve() -> tuple[float, int, dict[str, float]]:
             run = asyncio.create_task(node.run())
             while node.inflight == 0 and node.tasks_done == 0:
                 await asyncio.sleep(0.001)
-            t0, before = time.perf_counter(), int(b.tokens_generated)
+            t0, before, cpu0 = time.perf_counter(), int(b.tokens_generated), cpu_s()
             while node.tasks_done < tasks:
                 await asyncio.sleep(0.005)
-            elapsed = time.perf_counter() - t0
+            elapsed, cpu1 = time.perf_counter() - t0, cpu_s()
             generated = int(b.tokens_generated) - before
             node.stop()
             await run
-            return elapsed, generated
+            return elapsed, generated, cpu_per_token(cpu0, cpu1, generated)
 
-        elapsed, generated = asyncio.run(serve())
+        elapsed, generated, cpu = asyncio.run(serve())
         return {"setup": f"node over Kafka, {b.name} backend, max-inflight {inflight}", "rollouts": tasks,
-                "tokens": generated, "seconds": elapsed, "tokens_per_s": generated / elapsed}
+                "tokens": generated, "seconds": elapsed, "tokens_per_s": generated / elapsed, **cpu}
     finally:
         admin.delete([s.name for s in specs])
 
@@ -119,12 +145,14 @@ class Offline:
         self.llm.generate(self.prompts[:2], self.params, use_tqdm=False)
 
     def round(self) -> dict:
-        t0 = time.perf_counter()
+        time.sleep(IDLE_GAP_S)
+        t0, cpu0 = time.perf_counter(), cpu_s()
         outs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu1 = time.perf_counter() - t0, cpu_s()
         generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
         return {"setup": "vLLM offline LLM.generate, all prompts at once", "rollouts": len(self.prompts),
-                "tokens": generated, "seconds": elapsed, "tokens_per_s": generated / elapsed}
+                "tokens": generated, "seconds": elapsed, "tokens_per_s": generated / elapsed,
+                **cpu_per_token(cpu0, cpu1, generated)}
 
 
 def main(kafka: KafkaSettings, tasks: int, tokens: int, inflight: int, json_out: str | None, quick: bool,
@@ -151,9 +179,14 @@ def main(kafka: KafkaSettings, tasks: int, tokens: int, inflight: int, json_out:
     finally:
         torch_b.close()
     rows.append(torch_row)
-    print(f"{'setup':<58} {'rollouts':>8} {'tokens':>7} {'seconds':>8} {'tokens/s':>9}")
+    print(f"{'setup':<58} {'rollouts':>8} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'CPU ms/token: here':>18} "
+          f"{'engines':>7}")
     for r in rows:
-        print(f"{r['setup']:<58} {r['rollouts']:>8} {r['tokens']:>7} {r['seconds']:>8.2f} {r['tokens_per_s']:>9.0f}")
+        print(f"{r['setup']:<58} {r['rollouts']:>8} {r['tokens']:>7} {r['seconds']:>8.2f} {r['tokens_per_s']:>9.0f} "
+              f"{r['this_process_ms_per_token']:>18.3f} {r['engine_processes_ms_per_token']:>7.3f}")
+    cpu = {side: {k: statistics.median(r[k] for r in rows[first:-1:2])
+                  for k in ("this_process_ms_per_token", "engine_processes_ms_per_token")}
+           for side, first in (("node", 0), ("offline", 1))}
     ratio = statistics.median(pairs)
     vs_torch = statistics.median(r["tokens_per_s"] for r in rows[:-1:2]) / torch_row["tokens_per_s"]
     print(f"node over vLLM vs vLLM offline, tokens/s: median {ratio:.2f}x over {len(pairs)} alternated pairs "
@@ -161,5 +194,5 @@ def main(kafka: KafkaSettings, tasks: int, tokens: int, inflight: int, json_out:
           f"torch engine: {vs_torch:.2f}x")
     write_json(json_out, "raas_vllm", {"tasks": tasks, "new_tokens": tokens, "inflight": inflight, "rows": rows,
                                        "pair_ratios": pairs, "node_vs_offline_ratio": ratio,
-                                       "vllm_node_vs_torch_node_ratio": vs_torch},
+                                       "vllm_node_vs_torch_node_ratio": vs_torch, "median_cpu_ms_per_token": cpu},
                terms=TERMS, quick=quick)

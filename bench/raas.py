@@ -186,7 +186,8 @@ def main() -> None:
                     help="torch threads of the engine and of the plain loop (1: a shared 2-core machine)")
     ap.add_argument("--backend", choices=("torch", "vllm"), default="torch",
                     help="vllm: the node over vLLM vs vLLM offline and vs the torch engine (_raas_vllm.py)")
-    ap.add_argument("--inflight", type=int, default=64, help="--backend vllm: the vLLM node's max-inflight")
+    ap.add_argument("--inflight", type=int, default=256,
+                    help="--backend vllm: the vLLM node's max-inflight (256: every task at once, as offline vLLM gets them)")
     ap.add_argument("--repeats", type=int, default=None,
                     help="--backend vllm: alternated node/offline pairs (default 5; --quick 3)")
     args = ap.parse_args()
