@@ -62,6 +62,8 @@ def test_repeats_are_summarised_per_workload_and_side_in_order() -> None:
               for case, side, xs in (("a", "pipeline", [0.9, 1.5, 1.2, 1.0]), ("b (sigma 1.0)", "astraflow", [2.0, 3.0]))
               for k, x in enumerate(xs, 1)}
     got = repeat_summary(ratios)
-    assert got["a pipeline"] == {"every": [0.9, 1.5, 1.2, 1.0], "mean": pytest.approx(1.15), "median": pytest.approx(1.1)}
+    # mean 1.15, s.d. 0.2646 over 4 pairs: 95% t-interval (t = 3.182 at 3 d.f.) 1.15 ± 0.421
+    assert got["a pipeline"] == {"every": [0.9, 1.5, 1.2, 1.0], "mean": pytest.approx(1.15), "median": pytest.approx(1.1),
+                                 "ci95": [pytest.approx(0.7291, abs=1e-4), pytest.approx(1.5709, abs=1e-4)]}
     assert got["b (sigma 1.0) astraflow"]["every"] == [2.0, 3.0] and got["b (sigma 1.0) astraflow"]["median"] == 2.5
     assert repeat_summary({"a pipeline": {"samples_per_s_astraflow_over_trl": 1.3}})["a pipeline"]["every"] == [1.3]
