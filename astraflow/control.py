@@ -97,7 +97,8 @@ def _consumer(kafka: KafkaSettings, max_record_bytes: int) -> Any:
 class CompactedReader:
     """Latest record per key of a compacted topic, read without a consumer group.
 
-    `catch_up()` reads to the end offsets present when it is called; `refresh()` takes whatever
+    `catch_up()` reads to the end offsets present when it is called (the last stable ones: what a
+    read_committed reader gets); `refresh()` takes whatever
     arrived since, without blocking. `on_record(key, record_or_None)` sees every change in
     order; records that cannot be decoded are counted in `errors` and skipped.
     """
@@ -135,6 +136,7 @@ class CompactedReader:
         self._signed_at: dict[str, int] = {}  # key -> signing time of the record in force (replays go back)
         self._kafka = kafka
         self._dlq: Any = None
+        self._admin: Any = None  # made at the first catch_up (the end offsets)
         self._consumer = _consumer(kafka, self.serde.max_record_bytes)
         self._partitions = self._assign()
 
@@ -165,19 +167,20 @@ class CompactedReader:
         """Reads until every partition reached the end offset it had when this was called."""
         from confluent_kafka import TopicPartition
 
-        from astraflow.kafka.clients import watermarks
+        from astraflow.kafka.clients import admin, consume_ready, stable_ends
 
-        ends = {}
-        for p in self._partitions:
-            low, high = watermarks(self._consumer, self.topic, p, timeout_s)
-            if high > low:
-                ends[p] = high
+        # Every partition's ends in one request, on an admin client's connection: the consumer's
+        # own would answer each partition after its held fetch (`stable_ends`), half a second each.
+        if self._admin is None:
+            self._admin = admin(self._kafka)
+        ends = {p: high for p, (low, high) in stable_ends(self._admin, self.topic, self._partitions, timeout_s).items()
+                if high > low}
         deadline = time.monotonic() + timeout_s
         done: dict[int, int] = {}
         while any(done.get(p, -1) < end - 1 for p, end in ends.items()):
             if time.monotonic() > deadline:
                 raise KafkaLayerError(f"could not read {self.topic} to its end within {timeout_s:.0f}s; is Kafka slow?")
-            for msg in self._consumer.consume(500, 0.2):
+            for msg in consume_ready(self._consumer, 500, 0.2):
                 if msg.error() is None:
                     self._take(msg)
                     done[msg.partition()] = msg.offset()

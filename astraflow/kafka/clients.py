@@ -391,3 +391,40 @@ def watermarks(consumer: Consumer, topic: str, partition: int = 0, timeout_s: fl
             if time.monotonic() >= deadline:
                 raise KafkaLayerError(f"cannot read the offsets of {topic}[{partition}] (does it exist?): {exc}") from exc
             time.sleep(0.2)
+
+
+def admin(kafka: KafkaSettings) -> Any:
+    """A librdkafka admin client (its own connections: see `stable_ends`)."""
+    from confluent_kafka.admin import AdminClient
+
+    return AdminClient({**kafka.client_config(), **OUTAGE_CONFIG})
+
+
+def stable_ends(admin_client: Any, topic: str, partitions: list[int], timeout_s: float = 10.0) -> dict[int, tuple[int, int]]:
+    """partition -> (first offset, last stable offset) of `topic`, in one request of each kind for
+    all `partitions`, retrying while a new topic still elects its leaders. The last stable offset
+    is where a read_committed reader ends (the high watermark where no transaction is open).
+
+    Asked through an admin client, not a reader's consumer: a consumer's `get_watermark_offsets`
+    goes over the connection its fetches use, the broker answers one request per connection at a
+    time, and a fetch of a topic with nothing new is held `fetch.wait.max.ms` (librdkafka: 500 ms),
+    so each partition's ends cost up to half a second (`watermarks`: 12 partitions took 5 s on an
+    idle reader of the local broker; this, a few milliseconds)."""
+    from confluent_kafka import IsolationLevel
+    from confluent_kafka.admin import OffsetSpec
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ends: dict[int, list[int]] = {p: [0, 0] for p in partitions}
+            for i, spec in enumerate((OffsetSpec.earliest(), OffsetSpec.latest())):
+                asked = admin_client.list_offsets({TopicPartition(topic, p): spec for p in partitions},
+                                                  isolation_level=IsolationLevel.READ_COMMITTED,
+                                                  request_timeout=max(1.0, timeout_s / 4))
+                for tp, fut in asked.items():
+                    ends[tp.partition][i] = fut.result().offset
+            return {p: (low, high) for p, (low, high) in ends.items()}
+        except KafkaException as exc:
+            if time.monotonic() >= deadline:
+                raise KafkaLayerError(f"cannot read the offsets of {topic} (does it exist?): {exc}") from exc
+            time.sleep(0.2)
