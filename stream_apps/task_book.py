@@ -15,7 +15,7 @@ the trajectory (a node reads it first), so a group curate does not know yet is l
 in what the readers already fetched, then after reading every tasks topic to its current end
 (`claim`): only then is it "no task". Curate's event loop waits for that read, so it must be
 short: the end offsets of all partitions come in one request (`CompactedReader.catch_up`; asked
-partition by partition through the reader's own connection they took about 0.45 s each, 11 s
+partition by partition through the reader's own connection they took 0.4-0.5 s each, 10-12 s
 for the 24 partitions of `tasks` and `tasks.b`, during which curate handled nothing). The
 book is rebuilt from the topics at start, so a worker that takes a partition over decides as
 its previous owner did (curate's decisions stay exactly-once). Tasks older than the topics'
