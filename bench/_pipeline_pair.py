@@ -35,6 +35,7 @@ import _mp_timeline
 import _pipeline
 import _rl
 import torch
+from _stale_drops import stale_dropped
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
@@ -169,6 +170,8 @@ def run_pair_pipeline(policies: tuple[str, ...], models: dict[str, str], tasks: 
             trajectories,
             {p: _records(probe, topics.train(p), cfg.topics.partitions) for p in policies},
             {p: _trained_log(run_dir / p) for p in policies}, steps, t0, _rl.TOOL_TIMEOUT_S)
+        result["stale_drops"] = stale_dropped(_records(probe, topics.lineage, 1),
+                                              _records(probe, topics.scored, cfg.topics.partitions))
         by_step = {p: _step_metrics(probe, topics.metrics, p) for p in policies}
         result["first_version"] = {
             p: _first_version_hops(run_dir / p, stamps[topics.tasks], stamps[topics.rollouts], stamps[topics.scored],

@@ -189,6 +189,7 @@ class Run:
     trajectories: int = 0
     policies: dict[str, PolicyRun] = field(default_factory=lambda: {p: PolicyRun() for p in POLICIES})
     timeline: dict[str, Any] = field(default_factory=lambda: {"steps": {p: [] for p in POLICIES}})  # `_mp_timeline`
+    stale_drops: dict[str, Any] | None = None  # pipeline: curate's staleness-filter drops (`_stale_drops`)
 
     def summary(self, targets: dict[str, float | None], old_targets: dict[str, float], window: int,
                 heldout: int) -> dict[str, Any]:
@@ -198,7 +199,7 @@ class Run:
                                "trajectories": self.trajectories, "cpu_s": round(self.cpu_s, 1),
                                "cores_used": round(self.cpu_s / self.wall_s, 2) if self.wall_s else 0.0,
                                "load_average": list(self.load), "cpu_s_by_role": self.cpu_s_by_role,
-                               "timeline": self.timeline}
+                               "timeline": self.timeline, "stale_drops": self.stale_drops}
         for p, r in self.policies.items():
             smooth = smoothed(r.score, window)
             hit = first_at_or_above(smooth, targets[p])
@@ -383,6 +384,7 @@ def pipeline_run(sigma: float, args: argparse.Namespace, models: dict[str, str])
         run.policies[p].first_version = out["first_version"][p]
         run.policies[p].groups = out["groups"][p]
     run.timeline = out["timeline"]
+    run.stale_drops = out["stale_drops"]
     score(run, scorers, heldout)
     return run
 

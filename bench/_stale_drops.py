@@ -1,0 +1,27 @@
+"""Trajectories curate's staleness filter dropped, counted from what curate publishes.
+
+Curate writes a `GroupDropped` record to the lineage topic for every group of samples a filter
+drops, naming the slot (`filter.staleness`, or `filter.staleness@<policy>` for a policy's own
+limit) and the trajectory ids. `stale_dropped` counts those ids (distinct) per policy and over
+the trajectories scored (distinct `trajectory_id`s of the scored topic's records).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from astraflow.records import GroupDropped
+
+
+def stale_dropped(lineage: Iterable[Any], scored: Iterable[Any]) -> dict[str, Any]:
+    """`{"scored": n, "dropped": {policy: n}, "fraction": {policy: dropped / scored}}`; records of
+    other kinds in `lineage` are ignored, and so are drops by other filters."""
+    scored_ids = {t.trajectory_id for t in scored if getattr(t, "trajectory_id", None)}
+    dropped: dict[str, set[str]] = {}
+    for rec in lineage:
+        if isinstance(rec, GroupDropped) and rec.filter.split("@", 1)[0] == "filter.staleness":
+            dropped.setdefault(rec.policy, set()).update(rec.trajectory_ids)
+    n = len(scored_ids)
+    return {"scored": n, "dropped": {p: len(ids) for p, ids in sorted(dropped.items())},
+            "fraction": {p: round(len(ids) / n, 4) if n else None for p, ids in sorted(dropped.items())}}
