@@ -170,8 +170,7 @@ def run_pair_pipeline(policies: tuple[str, ...], models: dict[str, str], tasks: 
             trajectories,
             {p: _records(probe, topics.train(p), cfg.topics.partitions) for p in policies},
             {p: _trained_log(run_dir / p) for p in policies}, steps, t0, _rl.TOOL_TIMEOUT_S)
-        result["stale_drops"] = stale_dropped(_records(probe, topics.lineage, 1),
-                                              _records(probe, topics.scored, cfg.topics.partitions))
+        result["stale_drops"] = stale_dropped(_records(probe, topics.lineage, 1), trajectories)  # read after them
         by_step = {p: _step_metrics(probe, topics.metrics, p) for p in policies}
         result["first_version"] = {
             p: _first_version_hops(run_dir / p, stamps[topics.tasks], stamps[topics.rollouts], stamps[topics.scored],

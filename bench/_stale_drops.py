@@ -2,8 +2,9 @@
 
 Curate writes a `GroupDropped` record to the lineage topic for every group of samples a filter
 drops, naming the slot (`filter.staleness`, or `filter.staleness@<policy>` for a policy's own
-limit) and the trajectory ids. `stale_dropped` counts those ids (distinct) per policy and over
-the trajectories scored (distinct `trajectory_id`s of the scored topic's records).
+limit) and the trajectory ids. `stale_dropped` counts those ids (distinct) per policy among the
+trajectories given (distinct `trajectory_id`s, e.g. the rollouts topic's records read before the
+lineage topic, so that every drop of one of them is in what was read), and over their number.
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ from typing import Any
 from astraflow.records import GroupDropped
 
 
-def stale_dropped(lineage: Iterable[Any], scored: Iterable[Any]) -> dict[str, Any]:
-    """`{"scored": n, "dropped": {policy: n}, "fraction": {policy: dropped / scored}}`; records of
-    other kinds in `lineage` are ignored, and so are drops by other filters."""
-    scored_ids = {t.trajectory_id for t in scored if getattr(t, "trajectory_id", None)}
+def stale_dropped(lineage: Iterable[Any], trajectories: Iterable[Any]) -> dict[str, Any]:
+    """`{"trajectories": n, "dropped": {policy: n}, "fraction": {policy: dropped / n}}`; records of
+    other kinds in `lineage` are ignored, and so are drops by other filters and of trajectories
+    not given."""
+    ids = {t.trajectory_id for t in trajectories if getattr(t, "trajectory_id", None)}
     dropped: dict[str, set[str]] = {}
     for rec in lineage:
         if isinstance(rec, GroupDropped) and rec.filter.split("@", 1)[0] == "filter.staleness":
-            dropped.setdefault(rec.policy, set()).update(rec.trajectory_ids)
-    n = len(scored_ids)
-    return {"scored": n, "dropped": {p: len(ids) for p, ids in sorted(dropped.items())},
+            dropped.setdefault(rec.policy, set()).update(i for i in rec.trajectory_ids if i in ids)
+    n = len(ids)
+    return {"trajectories": n, "dropped": {p: len(ids) for p, ids in sorted(dropped.items())},
             "fraction": {p: round(len(ids) / n, 4) if n else None for p, ids in sorted(dropped.items())}}
